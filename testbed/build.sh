@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Builds the testbed's server binaries from source through the Go module proxy
+# into a cache folder keyed by the pinned versions (testbed/versions.env).
+# Only missing binaries are built, so a warm machine returns at once.
+#
+#   testbed/build.sh            build what is missing, print the bin folder
+#   testbed/build.sh --print    print the bin folder only (nothing is built)
+#
+# Each component gets its own tiny wrapper Go module under <cache>/src/<name>,
+# because their dependency graphs disagree (etcd server vs. k8s' etcd client,
+# MinIO's pins vs. kwok's). The Go build cache is shared between them.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+source "$here/versions.env"
+
+key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_minio-${MINIO_VERSION##*-}_helm-${HELM_VERSION}"
+cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
+bin="$cache/bin"
+if [[ "${1:-}" == "--print" ]]; then echo "$bin"; exit 0; fi
+mkdir -p "$bin" "$cache/src" "$cache/logs"
+
+export GOFLAGS="-buildvcs=false -trimpath"
+export CGO_ENABLED=0
+
+minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+staging_version="v0.${K8S_VERSION#v1.}"
+
+log() { printf '[testbed-build] %s\n' "$*" >&2; }
+
+# wrapper NAME MODULE@VERSION: make <cache>/src/NAME a module requiring it.
+wrapper() {
+  local name=$1 req=$2 dir="$cache/src/$1"
+  mkdir -p "$dir"
+  if [[ ! -f "$dir/go.mod" ]]; then
+    (cd "$dir" && go mod init "kubetrain.local/testbed/$name" >/dev/null 2>&1)
+  fi
+  echo "$dir"
+}
+
+k8s_module() {
+  local dir; dir=$(wrapper k8s "k8s.io/kubernetes@$K8S_VERSION")
+  if ! grep -q '^replace' "$dir/go.mod"; then
+    local upstream
+    upstream=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+    # Every staging module upstream replaces with ./staging/... must be
+    # replaced here by its published twin: derived, never hand-copied.
+    {
+      echo "replace ("
+      sed -n 's#^\s*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$upstream" |
+        while read -r m; do echo "	$m => $m $staging_version"; done
+      echo ")"
+    } >>"$dir/go.mod"
+  fi
+  echo "$dir"
+}
+
+# build NAME PACKAGE MODULE_DIR REQUIREMENT [LDFLAGS]
+build() {
+  local name=$1 pkg=$2 dir=$3 req=$4 ldflags=${5:-}
+  if [[ -x "$bin/$name" ]]; then return 0; fi
+  log "building $name ($req) — logs: $cache/logs/$name.log"
+  local start=$SECONDS
+  (
+    cd "$dir"
+    go get "$req" && go get -tool "$pkg" &&
+      go build -ldflags "-s -w $ldflags" -o "$bin/$name.tmp" "$pkg" &&
+      mv "$bin/$name.tmp" "$bin/$name"
+  ) >"$cache/logs/$name.log" 2>&1 || {
+    log "FAILED to build $name; last lines of its log:"
+    tail -n 30 "$cache/logs/$name.log" >&2
+    return 1
+  }
+  log "built $name in $((SECONDS - start)) s"
+}
+
+k8s_ldflags() {
+  local p=k8s.io/component-base/version
+  echo "-X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean" \
+    "-X $p.buildDate=1970-01-01T00:00:00Z" \
+    "-X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
+}
+
+want=${TESTBED_COMPONENTS:-"etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm minio"}
+for c in $want; do
+  case $c in
+    etcd)
+      build etcd go.etcd.io/etcd/server/v3 "$(wrapper etcd x)" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler|kubectl)
+      build "$c" "k8s.io/kubernetes/cmd/$c" "$(k8s_module)" "k8s.io/kubernetes@$K8S_VERSION" "$(k8s_ldflags)" ;;
+    kwok)
+      build kwok sigs.k8s.io/kwok/cmd/kwok "$(wrapper kwok x)" "sigs.k8s.io/kwok@$KWOK_VERSION" \
+        "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" ;;
+    helm)
+      build helm helm.sh/helm/v3/cmd/helm "$(wrapper helm x)" "helm.sh/helm/v3@$HELM_VERSION" \
+        "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" ;;
+    minio)
+      build minio github.com/minio/minio "$(wrapper minio x)" "github.com/minio/minio@$MINIO_VERSION" ;;
+    *) log "unknown component $c"; exit 2 ;;
+  esac
+done
+echo "$bin"

@@ -1,0 +1,128 @@
+"""The one seam between the training loop and a distributed strategy.
+
+The `Trainer` never branches on DDP / FSDP / ZeRO-3: it asks a `Strategy` to
+wrap the model, run backward, clip, step, and save or load what a resume
+needs. Each strategy lives in its own module (`ddp.py`, `fsdp.py`,
+`zero3.py`) and is picked by name through `get_strategy`.
+
+Collective methods (marked *collective*) must be called on every rank in the
+same order; the others are local.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Prepared:
+    """What `Strategy.prepare` hands back to the loop."""
+
+    model: nn.Module
+    """The wrapped model: call it for forward passes."""
+    optimizer: Any
+    """A torch optimizer, or an engine-owned one (DeepSpeed)."""
+    lr_scheduler: Any
+    """A torch LR scheduler (stepped by the loop once per optimizer step)."""
+
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+"""Builds the optimizer for the (already wrapped/sharded) model's parameters."""
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+"""Builds the LR scheduler for an optimizer."""
+
+
+class Strategy(ABC):
+    """A distributed training strategy. One instance per process and run."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def prepare(
+        self,
+        model: nn.Module,
+        *,
+        args: Any,
+        create_optimizer: OptimizerFactory,
+        create_scheduler: SchedulerFactory,
+    ) -> Prepared:
+        """*Collective.* Move/wrap/shard the model and build optimizer and scheduler.
+
+        `args` is the `TrainingArguments`. The process group is already
+        initialised (or the world size is 1).
+        """
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass for one micro-batch (the loss is already scaled for accumulation)."""
+
+    @abstractmethod
+    def no_sync(self, enabled: bool):
+        """Context manager: skip gradient synchronisation while `enabled` (accumulation micro-steps)."""
+
+    @abstractmethod
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """*Collective.* Clip gradients to `max_norm` (global norm) and return the total norm before clipping."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply the update and zero the gradients."""
+
+    @abstractmethod
+    def skip_step(self) -> None:
+        """Drop the accumulated gradients without updating (NaN/inf loss handling)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: Path) -> None:
+        """*Collective.* Write model and optimizer state for resume into `directory`.
+
+        The scheduler, RNG and trainer state are saved by the caller; this
+        writes only what is sharded or engine-owned. `directory` exists on every rank.
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path) -> None:
+        """*Collective.* Restore what `save_checkpoint` wrote."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """*Collective.* The consolidated model state dict on rank 0 (CPU tensors), None elsewhere.
+
+        Never silently incomplete: raise if a parameter cannot be gathered.
+        """
+
+    @abstractmethod
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """*Collective.* Load a consolidated state dict (given on every rank) into the wrapped model."""
+
+    @abstractmethod
+    def unwrap(self) -> nn.Module:
+        """The user's module underneath the wrappers (for config, saving, eval)."""
+
+
+_REGISTRY: dict[str, str] = {
+    "ddp": "kubetrain_trainer.strategies.ddp:DDPStrategy",
+    "fsdp": "kubetrain_trainer.strategies.fsdp:FSDPStrategy",
+    "zero3": "kubetrain_trainer.strategies.zero3:Zero3Strategy",
+}
+
+
+def strategy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_strategy(name: str, **options: Any) -> Strategy:
+    """Instantiate the strategy registered as `name` (`ddp`, `fsdp`, `zero3`)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"strategy: unknown value {name!r}; allowed: {', '.join(strategy_names())}")
+    import importlib
+
+    module_name, class_name = _REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**options)
