@@ -63,7 +63,7 @@ build() {
   local start=$SECONDS
   (
     cd "$dir"
-    go get "$req" && go get -tool "$pkg" &&
+    go get "$req" && go get -tool "$pkg@${req##*@}" &&
       go build -ldflags "-s -w $ldflags" -o "$bin/$name.tmp" "$pkg" &&
       mv "$bin/$name.tmp" "$bin/$name"
   ) >"$cache/logs/$name.log" 2>&1 || {

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's Python environment and installs kubetrain
+# with its dev extras. The environment lives in a cache folder keyed by the
+# Python version and the hash of pyproject.toml, so a fresh clone on a warm
+# machine reuses it in seconds; `.venv` in the repo is a symlink to it.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+key=$(sha256sum pyproject.toml | cut -c1-12)
+venv="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/venv/py$pyver-$key"
+if [[ ! -x "$venv/bin/python" || ! -f "$venv/.complete" ]]; then
+  echo "[setup] creating $venv (first run on this machine: installs torch, deepspeed, kopf... a few minutes)" >&2
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q -e ".[dev]"
+  touch "$venv/.complete"
+else
+  # The dependency set is unchanged; only point the editable install here.
+  "$venv/bin/pip" install -q --no-deps -e .
+fi
+if [[ -L .venv || ! -e .venv ]]; then ln -sfn "$venv" .venv; fi
+echo "[setup] ready: source .venv/bin/activate" >&2

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The project's test command (the README names it; .ci/run calls it).
+#
+#   scripts/test.sh          every tier: unit, integration (real control plane
+#                            + MinIO, started on demand), slow (2-process
+#                            training), e2e (helm + operator + real training)
+#   scripts/test.sh fast     the unit tier only: no testbed, no network, seconds
+#   scripts/test.sh -- ARGS  extra pytest arguments (e.g. -k preemption)
+#
+# The testbed started by the run is stopped at the end unless it was already
+# up before (then it is left as found).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+tier=${1:-all}; [[ $# -gt 0 ]] && shift
+[[ "${1:-}" == "--" ]] && shift
+scripts/setup.sh
+# shellcheck disable=SC1091
+source .venv/bin/activate
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+case "$tier" in
+  fast)
+    exec python -m pytest -q -m "not integration and not slow and not e2e" "$@" ;;
+  all)
+    was_up=0
+    python -m kubetrain_testbed status >/dev/null 2>&1 && was_up=1
+    cleanup() { [[ $was_up == 1 ]] || python -m kubetrain_testbed down || true; }
+    trap cleanup EXIT
+    python -m pytest -q "$@" ;;
+  *) echo "usage: scripts/test.sh [fast|all] [-- pytest args]" >&2; exit 2 ;;
+esac
