@@ -1,0 +1,267 @@
+"""How fast the operator turns many TrainingJobs into pods, against a plain client.
+
+Not a test: it prints figures and ratios. On a running testbed
+(`scripts/testbed.sh up`), in a fresh namespace on a private pool of kwok nodes:
+
+1. baseline: a plain client (the same number of threads as the operator's API
+   pool) creates the same pods directly; time to all created and all Running;
+2. the operator (a subprocess, measured with psutil) gets JOBS TrainingJobs of
+   NODES nodes applied at once; per job, apply -> all pods created and
+   apply -> all pods Running (p50/p99, from the pod watch stream); API writes
+   per job from the operator's own counter (its liveness endpoint);
+   peak RSS and CPU seconds of the operator process.
+
+    python benchmarks/operator_scale.py --jobs 200 --nodes 4
+
+Goals (issue 3): throughput >= 0.8x the plain client, p99 apply->pods-created
+< 2 s, <= nodes+3 API writes per job start, peak RSS < 250 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "testbed")]
+
+import psutil  # noqa: E402
+from kubernetes import client, config, watch  # noqa: E402
+
+from kubetrain import builders  # noqa: E402
+from kubetrain.api import Job  # noqa: E402
+from kubetrain_testbed import TestbedConfig, fake_node, kubectl, load_env  # noqa: E402
+
+GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
+
+
+class PodWatch:
+    """First time each pod was seen ADDED and first time it was seen Running."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str) -> None:
+        self.core, self.namespace = core, namespace
+        self.added: dict[str, float] = {}
+        self.running: dict[str, float] = {}
+        self.stop = threading.Event()
+        rv = core.list_namespaced_pod(namespace).metadata.resource_version
+        self.thread = threading.Thread(target=self._run, args=(rv,), daemon=True)
+        self.thread.start()
+
+    def _run(self, rv: str) -> None:
+        while not self.stop.is_set():
+            try:
+                for ev in watch.Watch().stream(self.core.list_namespaced_pod, self.namespace,
+                                               resource_version=rv, timeout_seconds=5):
+                    now = time.monotonic()
+                    pod = ev["object"]
+                    rv = pod.metadata.resource_version
+                    name = pod.metadata.name
+                    if ev["type"] in ("ADDED", "MODIFIED"):
+                        self.added.setdefault(name, now)
+                        if pod.status.phase == "Running":
+                            self.running.setdefault(name, now)
+                    if self.stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001  (resume the watch)
+                time.sleep(0.1)
+
+    def wait(self, names: set[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if names <= self.running.keys():
+                return True
+            time.sleep(0.2)
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_spec(nodes: int, pool: str) -> dict:
+    return {"image": "kubetrain/trainer:bench", "nodes": nodes,
+            "trainer": {"builtin": {"task": "regression", "args": {"max_steps": 10}}},
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+            "podTemplate": {"nodeSelector": {"pool": pool}}}
+
+
+def run_baseline(core: client.CoreV1Api, namespace: str, jobs: int, nodes: int, pool: str,
+                 threads: int, pods: PodWatch) -> dict:
+    pods_to_make = []
+    for j in range(jobs):
+        body = {"metadata": {"name": f"base-{j}", "namespace": namespace, "uid": ""}, "spec": job_spec(nodes, pool)}
+        job = Job.from_storage(body)
+        for r in range(nodes):
+            pod = builders.get_pod(job=job, attempt=1, rank=r)
+            pod["metadata"].pop("ownerReferences")
+            pods_to_make.append(pod)
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool_:
+        list(pool_.map(lambda p: core.create_namespaced_pod(namespace, p), pods_to_make))
+    created = time.monotonic() - start
+    names = {p["metadata"]["name"] for p in pods_to_make}
+    ok = pods.wait(names, timeout=600)
+    running = max(pods.running[n] for n in names) - start if ok else float("nan")
+    core.delete_collection_namespaced_pod(namespace, label_selector="kubetrain.io/job-name", grace_period_seconds=0)
+    deadline = time.monotonic() + 300
+    while core.list_namespaced_pod(namespace, label_selector="kubetrain.io/job-name").items and time.monotonic() < deadline:
+        time.sleep(1)
+    return {"pods": len(names), "created_s": created, "running_s": running}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--nodes", type=int, default=4, help="nodes (pods) per job")
+    ap.add_argument("--fake-nodes", type=int, default=8, help="private kwok nodes to schedule onto")
+    ap.add_argument("--threads", type=int, default=32, help="API threads of both the operator and the baseline")
+    ap.add_argument("--keep", action="store_true", help="leave the namespace and nodes behind")
+    args = ap.parse_args()
+
+    env = load_env(TestbedConfig.from_environ())
+    api = config.new_client_from_config(config_file=env.kubeconfig)
+    api.configuration.connection_pool_maxsize = args.threads
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    tag = secrets.token_hex(3)
+    namespace, pool = f"bench-{tag}", f"bench-{tag}"
+    kubectl(env, "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
+    core.create_namespace({"metadata": {"name": namespace}})
+    per_node = (args.jobs * args.nodes) // args.fake_nodes + 20
+    node_names = [f"{pool}-{i}" for i in range(args.fake_nodes)]
+    for name in node_names:
+        kubectl(env, "apply", "-f", "-", input=json.dumps(
+            fake_node(name=name, cpu="1000", memory="4Ti", pods=str(per_node), gpus="0", labels={"pool": pool})))
+    while not core.list_namespaced_service_account(namespace).items:
+        time.sleep(0.2)
+    time.sleep(3)  # let kwok mark the new nodes Ready
+    pods = PodWatch(core, namespace)
+    proc = None
+    try:
+        print(f"baseline: plain client creates {args.jobs * args.nodes} pods with {args.threads} threads ...", flush=True)
+        base = run_baseline(core, namespace, args.jobs, args.nodes, pool, args.threads, pods)
+        print(f"  created in {base['created_s']:.2f}s, all Running after {base['running_s']:.2f}s", flush=True)
+
+        port = free_port()
+        op_env = {**env.subprocess_env(), "KUBETRAIN_NAMESPACES": namespace, "KUBETRAIN_LOG_LEVEL": "WARNING",
+                  "KUBETRAIN_API_THREADS": str(args.threads),
+                  "PYTHONPATH": str(ROOT / "operator") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        log = open(f"/tmp/operator-bench-{tag}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "kubetrain", "operator", "run",
+                                 f"--liveness=http://127.0.0.1:{port}/healthz"], env=op_env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        ps = psutil.Process(proc.pid)
+        peak_rss, stop_sampling = [0], threading.Event()
+
+        def sample() -> None:
+            while not stop_sampling.is_set():
+                try:
+                    peak_rss[0] = max(peak_rss[0], ps.memory_info().rss)
+                except psutil.Error:
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=sample, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.3)
+        time.sleep(1)
+        cpu_before = sum(ps.cpu_times()[:2])
+        print(f"operator: applying {args.jobs} TrainingJobs x {args.nodes} nodes at once ...", flush=True)
+        applied: dict[str, float] = {}
+        start = time.monotonic()
+
+        def apply(j: int) -> None:
+            name = f"job-{j}"
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+                "metadata": {"name": name}, "spec": job_spec(args.nodes, pool)})
+            applied[name] = time.monotonic()
+
+        with concurrent.futures.ThreadPoolExecutor(args.threads) as pool_:
+            list(pool_.map(apply, range(args.jobs)))
+        applies_s = time.monotonic() - start
+        names = {f"job-{j}-a1-n{r}" for j in range(args.jobs) for r in range(args.nodes)}
+        ok = pods.wait(names, timeout=900)
+        end = time.monotonic()
+        cpu_s = sum(ps.cpu_times()[:2]) - cpu_before
+        to_created, to_running = [], []
+        for j in range(args.jobs):
+            mine = [f"job-{j}-a1-n{r}" for r in range(args.nodes)]
+            if all(n in pods.added for n in mine):
+                to_created.append(max(pods.added[n] for n in mine) - applied[f"job-{j}"])
+            if all(n in pods.running for n in mine):
+                to_running.append(max(pods.running[n] for n in mine) - applied[f"job-{j}"])
+        all_created = max(pods.added[n] for n in names if n in pods.added) - start
+        time.sleep(11)  # kopf caches probe results for 10 s
+        writes = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read())
+        writes = writes.get("api_writes", writes)
+        stop_sampling.set()
+        total_writes = sum(writes.values())
+        start_writes = sum(v for k, v in writes.items() if k in ("create pod", "create service"))
+        n_pods = args.jobs * args.nodes
+        print(f"\n=== {args.jobs} jobs x {args.nodes} nodes ({n_pods} pods), {args.fake_nodes} kwok nodes, "
+              f"all running: {ok} ===")
+        print(f"apply -> all pods created: p50 {pct(to_created, 50):.2f}s  p99 {pct(to_created, 99):.2f}s "
+              f"(goal p99 < 2 s)")
+        print(f"apply -> all pods Running: p50 {pct(to_running, 50):.2f}s  p99 {pct(to_running, 99):.2f}s")
+        print(f"all {n_pods} pods created after {all_created:.2f}s (baseline {base['created_s']:.2f}s); "
+              f"all Running after {end - start:.2f}s (baseline {base['running_s']:.2f}s)")
+        print(f"throughput ratio (pods created/s, operator / plain client): "
+              f"{base['created_s'] / all_created:.2f}x (goal >= 0.8x); to Running: "
+              f"{base['running_s'] / (end - start):.2f}x")
+        print(f"  (applying the {args.jobs} TrainingJobs alone took {applies_s:.2f}s of that: CR creation "
+              f"with CEL validation; the plain client creates no CRs)")
+        print(f"API writes per job (until Running): {total_writes / args.jobs:.2f} total; {writes}")
+        print(f"  pods+service per job: {start_writes / args.jobs:.2f}; status patches per job: "
+              f"{writes.get('patch trainingjob/status', 0) / args.jobs:.2f}; events per job: "
+              f"{writes.get('create event', 0) / args.jobs:.2f} (goal: <= nodes+3 = {args.nodes + 3} per start)")
+        print(f"operator peak RSS {peak_rss[0] / 2**20:.0f} MiB (goal < 250), CPU {cpu_s:.1f}s "
+              f"({cpu_s / args.jobs * 1000:.1f} ms per job)")
+        print(f"operator log: /tmp/operator-bench-{tag}.log")
+        return 0
+    finally:
+        pods.stop.set()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if not args.keep:
+            try:
+                core.delete_namespace(namespace)
+            except client.ApiException:
+                pass
+            for name in node_names:
+                try:
+                    core.delete_node(name)
+                except client.ApiException:
+                    pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Typed views of a TrainingJob: the spec with its defaults, and the status.
+
+The CRD (crds/trainingjob.yaml) is the source of truth for field names and
+validation; the API server applies its defaults and CEL rules before the
+operator ever sees an object. This module turns the stored dict into frozen
+dataclasses so the planner never touches raw dicts, applies the same defaults
+again (objects created before a default existed, unit tests), and turns a
+`Status` back into the dict stored under `.status`.
+
+A spec the API server let through but the operator cannot use raises
+`SpecError`, a permanent error that names the field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Mapping
+
+GROUP = "kubetrain.io"
+VERSION = "v1alpha1"
+PLURAL = "trainingjobs"
+KIND = "TrainingJob"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+STARTED_PHASES: frozenset[str] = frozenset({"Pending", "Running"})
+StrategyType = Literal["ddp", "fsdp", "zero3"]
+BACKOFF_CAP_SECONDS = 300
+
+# Names and labels shared by the builders and the planner (docs/contract.md).
+LABEL_JOB = "kubetrain.io/job-name"
+LABEL_ATTEMPT = "kubetrain.io/attempt"
+LABEL_RANK = "kubetrain.io/node-rank"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kubetrain"
+ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
+CONTAINER_NAME = "trainer"
+EXIT_INVALID_CONFIG = 82
+EXIT_PREEMPTED = 83
+
+
+def pod_name(job: str, attempt: int, rank: int) -> str:
+    """`<job>-a<attempt>-n<rank>`: deterministic, so a re-create is an AlreadyExists."""
+    return f"{job}-a{attempt}-n{rank}"
+
+
+class SpecError(ValueError):
+    """A permanent problem with the spec: retrying cannot help. Names the field."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"spec.{field_path}: {message}")
+        self.field_path = field_path
+
+
+# --------------------------------------------------------------------- time
+
+def parse_time(value: Any) -> dt.datetime | None:
+    """RFC3339 string (or datetime) to an aware UTC datetime; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+    text = str(value).replace("Z", "+00:00")
+    parsed = dt.datetime.fromisoformat(text)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def format_time(value: dt.datetime | None) -> str | None:
+    """Aware datetime to the RFC3339 form Kubernetes stores (second precision, Z)."""
+    if value is None:
+        return None
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --------------------------------------------------------------------- spec
+
+@dataclass(frozen=True)
+class Trainer:
+    """What the training container runs: the built-in trainer or a command."""
+
+    builtin_task: str | None = None
+    """`causal-lm` or `regression` for the built-in trainer; None with a command."""
+    builtin_args: Mapping[str, Any] = field(default_factory=dict)
+    """Arguments of the built-in trainer, passed as KUBETRAIN_TRAINER_ARGS JSON."""
+    command: tuple[str, ...] = ()
+    """An arbitrary command run by the launcher after `--`."""
+    working_dir: str | None = None
+    """The container's working directory, when set."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The distributed strategy and its options."""
+
+    type: StrategyType = "ddp"
+    fsdp: Mapping[str, Any] | None = None
+    """FSDP options, passed as KUBETRAIN_FSDP_CONFIG JSON (fsdp only)."""
+    deepspeed_config: Mapping[str, Any] | None = None
+    """Inline DeepSpeed config: the operator writes it into ConfigMap `<job>-deepspeed`."""
+    deepspeed_configmap: str | None = None
+    """Name of a user ConfigMap that holds the DeepSpeed JSON."""
+    deepspeed_configmap_key: str = "ds_config.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Remote checkpoint storage. Credentials only ever come from a Secret."""
+
+    uri: str
+    credentials_secret: str
+    endpoint: str | None = None
+    region: str = "us-east-1"
+    access_key_id_key: str = "accessKeyId"
+    secret_access_key_key: str = "secretAccessKey"
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    """How failures, preemptions, deadlines and suspension are handled."""
+
+    backoff_limit: int = 3
+    """Application failures allowed before the job is Failed."""
+    backoff_seconds: int = 10
+    """Base of the exponential backoff between failed attempts."""
+    max_preemptions: int | None = None
+    """Preemptions allowed before the job is Failed; unlimited when None."""
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+    suspend: bool = False
+    node_lost_grace_seconds: int = 60
+    """How long a node may be NotReady (or a pod Unknown) before it counts as lost."""
+
+    def backoff_delay(self, failures: int) -> float:
+        """Seconds to wait before the attempt that follows the `failures`-th failure."""
+        if failures <= 0:
+            return 0.0
+        return float(min(BACKOFF_CAP_SECONDS, self.backoff_seconds * 2 ** (failures - 1)))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A TrainingJob's spec, with defaults applied."""
+
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    nodes: int = 1
+    procs_per_node: int = 1
+    master_port: int = 29500
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    trainer: Trainer = field(default_factory=Trainer)
+    env: tuple[Mapping[str, Any], ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    strategy: Strategy = field(default_factory=Strategy)
+    checkpoint: Checkpoint | None = None
+    run_policy: RunPolicy = field(default_factory=RunPolicy)
+    pod_template: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides merged into every pod (labels, nodeSelector, volumes, ...)."""
+
+    @classmethod
+    def from_storage(cls, spec: Mapping[str, Any] | None, *, default_image: str | None = None) -> "Spec":
+        """Parse `.spec` of a stored TrainingJob; raises SpecError naming the field."""
+        spec = dict(spec or {})
+        image = spec.get("image") or default_image
+        if not image:
+            raise SpecError("image", "is required (and no KUBETRAIN_DEFAULT_IMAGE is set)")
+        return cls(
+            image=str(image),
+            image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
+            nodes=_int(spec, "nodes", 1, minimum=1),
+            procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
+            master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
+            resources=dict(spec.get("resources") or {}),
+            trainer=_trainer(spec.get("trainer")),
+            env=tuple(spec.get("env") or ()),
+            env_from=tuple(spec.get("envFrom") or ()),
+            strategy=_strategy(spec.get("strategy")),
+            checkpoint=_checkpoint(spec.get("checkpoint")),
+            run_policy=_run_policy(spec.get("runPolicy")),
+            pod_template=dict(spec.get("podTemplate") or {}),
+        )
+
+
+def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "",
+         minimum: int | None = None, maximum: int | None = None) -> int | None:
+    value = obj.get(key)
+    name = f"{path}{key}"
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(name, f"must be <= {maximum}, got {value}")
+    return value
+
+
+def _trainer(raw: Any) -> Trainer:
+    raw = dict(raw or {})
+    builtin = raw.get("builtin")
+    command = raw.get("command")
+    if builtin and command:
+        raise SpecError("trainer", "set exactly one of builtin or command")
+    if command is not None:
+        if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+            raise SpecError("trainer.command", "must be a non-empty list of strings")
+        return Trainer(command=tuple(command), working_dir=raw.get("workingDir"))
+    builtin = dict(builtin or {})
+    args = builtin.get("args") or {}
+    if not isinstance(args, Mapping):
+        raise SpecError("trainer.builtin.args", "must be an object")
+    return Trainer(builtin_task=str(builtin.get("task") or "causal-lm"), builtin_args=dict(args),
+                   working_dir=raw.get("workingDir"))
+
+
+def _strategy(raw: Any) -> Strategy:
+    raw = dict(raw or {})
+    kind = raw.get("type") or "ddp"
+    if kind not in ("ddp", "fsdp", "zero3"):
+        raise SpecError("strategy.type", f"must be one of ddp, fsdp, zero3, got {kind!r}")
+    deepspeed = dict(raw.get("deepspeed") or {})
+    ref = dict(deepspeed.get("configMapRef") or {})
+    if kind == "zero3" and not deepspeed.get("config") and not ref.get("name"):
+        raise SpecError("strategy.deepspeed", "zero3 needs config or configMapRef")
+    return Strategy(
+        type=kind,
+        fsdp=dict(raw["fsdp"]) if kind == "fsdp" and raw.get("fsdp") is not None else ({} if kind == "fsdp" else None),
+        deepspeed_config=dict(deepspeed["config"]) if kind == "zero3" and deepspeed.get("config") else None,
+        deepspeed_configmap=ref.get("name") if kind == "zero3" else None,
+        deepspeed_configmap_key=ref.get("key") or "ds_config.json",
+    )
+
+
+def _checkpoint(raw: Any) -> Checkpoint | None:
+    if not raw:
+        return None
+    raw = dict(raw)
+    uri = raw.get("uri")
+    if not uri or not str(uri).startswith("s3://"):
+        raise SpecError("checkpoint.uri", f"must be an s3:// URI, got {uri!r}")
+    secret = dict(raw.get("credentialsSecret") or {})
+    if not secret.get("name"):
+        raise SpecError("checkpoint.credentialsSecret.name", "is required")
+    return Checkpoint(
+        uri=str(uri).rstrip("/"),
+        credentials_secret=str(secret["name"]),
+        endpoint=raw.get("endpoint") or None,
+        region=raw.get("region") or "us-east-1",
+        access_key_id_key=secret.get("accessKeyIdKey") or "accessKeyId",
+        secret_access_key_key=secret.get("secretAccessKeyKey") or "secretAccessKey",
+    )
+
+
+def _run_policy(raw: Any) -> RunPolicy:
+    raw = dict(raw or {})
+    p = "runPolicy."
+    return RunPolicy(
+        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0),
+        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0),
+        max_preemptions=_int(raw, "maxPreemptions", None, path=p, minimum=0),
+        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1),
+        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0),
+        suspend=bool(raw.get("suspend") or False),
+        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
+    )
+
+
+# ------------------------------------------------------------------- status
+
+@dataclass(frozen=True)
+class Condition:
+    """A standard Kubernetes condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    last_transition_time: str | None = None
+
+    def for_storage(self) -> dict[str, Any]:
+        return {"type": self.type, "status": self.status, "reason": self.reason,
+                "message": self.message, "lastTransitionTime": self.last_transition_time}
+
+
+@dataclass(frozen=True)
+class LastCheckpoint:
+    """The newest checkpoint the trainer reported as committed."""
+
+    step: int
+    uri: str
+    time: str | None = None
+
+    @classmethod
+    def from_storage(cls, raw: Any) -> "LastCheckpoint | None":
+        if not isinstance(raw, Mapping):
+            return None
+        step = raw.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            return None
+        return cls(step=step, uri=str(raw.get("uri") or ""), time=raw.get("time") or None)
+
+    def for_storage(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "uri": self.uri}
+        if self.time:
+            out["time"] = self.time
+        return out
+
+
+@dataclass(frozen=True)
+class Status:
+    """A TrainingJob's status. `attempt == 0` means no attempt has started yet."""
+
+    phase: str = ""
+    message: str = ""
+    conditions: tuple[Condition, ...] = ()
+    attempt: int = 0
+    restarts: int = 0
+    preemptions: int = 0
+    failures: int = 0
+    nodes_ready: int = 0
+    nodes_total: int = 0
+    start_time: str | None = None
+    completion_time: str | None = None
+    next_attempt_time: str | None = None
+    last_checkpoint: LastCheckpoint | None = None
+    observed_generation: int | None = None
+
+    @classmethod
+    def from_storage(cls, raw: Mapping[str, Any] | None) -> "Status":
+        raw = dict(raw or {})
+
+        def num(key: str) -> int:
+            value = raw.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+        return cls(
+            phase=str(raw.get("phase") or ""),
+            message=str(raw.get("message") or ""),
+            conditions=tuple(
+                Condition(type=str(c.get("type")), status=c.get("status") or "Unknown",
+                          reason=str(c.get("reason") or ""), message=str(c.get("message") or ""),
+                          last_transition_time=c.get("lastTransitionTime"))
+                for c in raw.get("conditions") or () if isinstance(c, Mapping) and c.get("type")
+            ),
+            attempt=num("attempt"), restarts=num("restarts"), preemptions=num("preemptions"),
+            failures=num("failures"), nodes_ready=num("nodesReady"), nodes_total=num("nodesTotal"),
+            start_time=raw.get("startTime") or None,
+            completion_time=raw.get("completionTime") or None,
+            next_attempt_time=raw.get("nextAttemptTime") or None,
+            last_checkpoint=LastCheckpoint.from_storage(raw.get("lastCheckpoint")),
+            observed_generation=raw.get("observedGeneration"),
+        )
+
+    def for_storage(self) -> dict[str, Any]:
+        """The dict for a merge patch of `.status`: None values clear a field."""
+        return {
+            "phase": self.phase or None,
+            "message": self.message,
+            "conditions": [c.for_storage() for c in self.conditions],
+            "attempt": self.attempt,
+            "restarts": self.restarts,
+            "preemptions": self.preemptions,
+            "failures": self.failures,
+            "nodesReady": self.nodes_ready,
+            "nodesTotal": self.nodes_total,
+            "startTime": self.start_time,
+            "completionTime": self.completion_time,
+            "nextAttemptTime": self.next_attempt_time,
+            "lastCheckpoint": self.last_checkpoint.for_storage() if self.last_checkpoint else None,
+            "observedGeneration": self.observed_generation,
+        }
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    def with_condition(self, type_: str, status: Literal["True", "False", "Unknown"], *,
+                       reason: str, message: str, now: dt.datetime) -> "Status":
+        """Set one condition; lastTransitionTime moves only when its status changes."""
+        old = self.condition(type_)
+        when = old.last_transition_time if old is not None and old.status == status else format_time(now)
+        new = Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=when)
+        others = tuple(c for c in self.conditions if c.type != type_)
+        return replace(self, conditions=tuple(sorted(others + (new,), key=lambda c: _CONDITION_ORDER.get(c.type, 99))))
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+
+_CONDITION_ORDER = {t: i for i, t in enumerate(
+    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"))}
+
+
+@dataclass(frozen=True)
+class Job:
+    """The parts of a stored TrainingJob the planner needs."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int | None
+    spec: Spec | None
+    """None when the spec could not be parsed (see `spec_error`)."""
+    status: Status
+    deleting: bool = False
+    spec_error: str | None = None
+
+    @classmethod
+    def from_storage(cls, body: Mapping[str, Any], *, default_image: str | None = None) -> "Job":
+        meta = body.get("metadata") or {}
+        try:
+            spec, error = Spec.from_storage(body.get("spec"), default_image=default_image), None
+        except SpecError as exc:
+            spec, error = None, str(exc)
+        return cls(
+            name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
+            generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),
+            deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
+        )

@@ -1,0 +1,170 @@
+"""Pure builders of the Kubernetes objects a TrainingJob owns.
+
+Each `get_*` returns a plain dict (the JSON the API server stores), never
+touches the network, and follows docs/contract.md to the letter: names,
+labels, the environment the trainer reads, credentials by secretKeyRef only.
+`k8s.py` sends what these return; tests/unit/operator check them offline.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubetrain.api import (
+    API_VERSION, CONTAINER_NAME, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
+    MANAGED_BY, Job, Spec, pod_name,
+)
+
+DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
+DEEPSPEED_VOLUME = "kubetrain-deepspeed"
+DEEPSPEED_KEY = "ds_config.json"
+LAUNCHER = ("python", "-m", "kubetrain_trainer.launch")
+
+
+def get_owner_reference(job: Job) -> dict[str, Any]:
+    """Controller owner reference: deleting the job garbage-collects the object."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def get_hostname(job_name: str, rank: int) -> str:
+    return f"{job_name}-n{rank}"
+
+
+def get_master_addr(job: Job) -> str:
+    """Stable DNS name of node 0 through the headless Service (same for every attempt)."""
+    return f"{get_hostname(job.name, 0)}.{job.name}.{job.namespace}.svc"
+
+
+def get_checkpoint_uri(job: Job) -> str:
+    spec = _spec(job)
+    if spec.checkpoint is None:
+        return ""
+    return f"{spec.checkpoint.uri}/{job.namespace}/{job.name}"
+
+
+def get_service(*, job: Job) -> dict[str, Any]:
+    """The headless Service `<job>` that gives every pod a stable DNS name."""
+    spec = _spec(job)
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": job.name, "namespace": job.namespace,
+                     "labels": {LABEL_JOB: job.name, LABEL_MANAGED_BY: MANAGED_BY},
+                     "ownerReferences": [get_owner_reference(job)]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {LABEL_JOB: job.name},
+                 "ports": [{"name": "rendezvous", "port": spec.master_port,
+                            "targetPort": spec.master_port, "protocol": "TCP"}]},
+    }
+
+
+def get_deepspeed_configmap(*, job: Job) -> dict[str, Any]:
+    """ConfigMap `<job>-deepspeed` holding the inline DeepSpeed config."""
+    spec = _spec(job)
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": f"{job.name}-deepspeed", "namespace": job.namespace,
+                     "labels": {LABEL_JOB: job.name, LABEL_MANAGED_BY: MANAGED_BY},
+                     "ownerReferences": [get_owner_reference(job)]},
+        "data": {DEEPSPEED_KEY: json.dumps(dict(spec.strategy.deepspeed_config or {}), sort_keys=True)},
+    }
+
+
+def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
+    """The contract's environment, in the contract's order, then the user's env."""
+    spec = _spec(job)
+    env: list[dict[str, Any]] = [
+        _var("NNODES", spec.nodes),
+        _var("NODE_RANK", rank),
+        _var("NPROC_PER_NODE", spec.procs_per_node),
+        _var("MASTER_ADDR", get_master_addr(job)),
+        _var("MASTER_PORT", spec.master_port),
+        _var("KUBETRAIN_JOB_NAME", job.name),
+        _var("KUBETRAIN_NAMESPACE", job.namespace),
+        _var("KUBETRAIN_ATTEMPT", attempt),
+        {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        _var("KUBETRAIN_CHECKPOINT_URI", get_checkpoint_uri(job)),
+    ]
+    ckpt = spec.checkpoint
+    if ckpt is not None:
+        if ckpt.endpoint:
+            env.append(_var("AWS_ENDPOINT_URL", ckpt.endpoint))
+        env += [
+            {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
+                "name": ckpt.credentials_secret, "key": ckpt.access_key_id_key}}},
+            {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {
+                "name": ckpt.credentials_secret, "key": ckpt.secret_access_key_key}}},
+            _var("AWS_REGION", ckpt.region),
+        ]
+    env.append(_var("KUBETRAIN_STRATEGY", spec.strategy.type))
+    if spec.strategy.type == "fsdp":
+        env.append(_var("KUBETRAIN_FSDP_CONFIG", json.dumps(dict(spec.strategy.fsdp or {}), sort_keys=True)))
+    if spec.strategy.type == "zero3":
+        key = DEEPSPEED_KEY if spec.strategy.deepspeed_config is not None else spec.strategy.deepspeed_configmap_key
+        env.append(_var("KUBETRAIN_DEEPSPEED_CONFIG", f"{DEEPSPEED_DIR}/{key}"))
+    if spec.trainer.builtin_task is not None and not spec.trainer.command:
+        env.append(_var("KUBETRAIN_TRAINER_ARGS", json.dumps(dict(spec.trainer.builtin_args), sort_keys=True)))
+        env.append(_var("KUBETRAIN_TRAINER_TASK", spec.trainer.builtin_task))
+    return env + [dict(e) for e in spec.env]
+
+
+def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
+    """Pod `<job>-a<attempt>-n<rank>` of the gang (docs/contract.md)."""
+    spec = _spec(job)
+    tpl = spec.pod_template
+    labels = {**dict(tpl.get("labels") or {}), LABEL_JOB: job.name, LABEL_ATTEMPT: str(attempt),
+              LABEL_RANK: str(rank), LABEL_MANAGED_BY: MANAGED_BY}
+    command = list(LAUNCHER) + (["--", *spec.trainer.command] if spec.trainer.command else [])
+    mounts = [dict(m) for m in tpl.get("volumeMounts") or ()]
+    volumes = [dict(v) for v in tpl.get("volumes") or ()]
+    if spec.strategy.type == "zero3":
+        cm = f"{job.name}-deepspeed" if spec.strategy.deepspeed_config is not None else spec.strategy.deepspeed_configmap
+        volumes.append({"name": DEEPSPEED_VOLUME, "configMap": {"name": cm}})
+        mounts.append({"name": DEEPSPEED_VOLUME, "mountPath": DEEPSPEED_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "env": get_env(job=job, attempt=attempt, rank=rank),
+        "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.env_from:
+        container["envFrom"] = [dict(e) for e in spec.env_from]
+    if spec.resources:
+        container["resources"] = dict(spec.resources)
+    if mounts:
+        container["volumeMounts"] = mounts
+    if spec.trainer.working_dir:
+        container["workingDir"] = spec.trainer.working_dir
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": get_hostname(job.name, rank),
+        "subdomain": job.name,
+        "containers": [container],
+    }
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "schedulerName",
+                "serviceAccountName", "imagePullSecrets"):
+        if tpl.get(key):
+            pod_spec[key] = tpl[key]
+    if volumes:
+        pod_spec["volumes"] = volumes
+    metadata: dict[str, Any] = {
+        "name": pod_name(job.name, attempt, rank), "namespace": job.namespace, "labels": labels,
+        "ownerReferences": [get_owner_reference(job)],
+    }
+    if tpl.get("annotations"):
+        metadata["annotations"] = dict(tpl["annotations"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def _var(name: str, value: Any) -> dict[str, str]:
+    return {"name": name, "value": str(value)}
+
+
+def _spec(job: Job) -> Spec:
+    if job.spec is None:
+        raise ValueError(f"TrainingJob {job.namespace}/{job.name} has no usable spec: {job.spec_error}")
+    return job.spec

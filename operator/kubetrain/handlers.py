@@ -1,0 +1,318 @@
+"""Thin kopf glue: watch jobs, pods and nodes, and run plan -> apply per job.
+
+kopf keeps the observed world in memory: an index of our pods by job and an
+index of node health, so a reconcile never lists anything. Every event that
+concerns a job (the job itself, one of its pods, the node under one of its
+pods) puts the job on a queue; one reconcile per job runs at a time and a
+burst of events collapses into one more run. Timers the planner asks for
+(backoff, deadlines, grace periods) are `call_later` wake-ups, and a slow
+resync re-plans every job anyway, so nothing depends on a single event.
+
+kopf itself writes nothing to our objects here: only event watchers and
+indexes are used (no finalizers, no progress annotations); all writes go
+through `k8s.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import kopf
+from kubernetes.client.rest import ApiException
+
+from kubetrain import k8s
+from kubetrain.api import (
+    GROUP, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, Job, parse_time, pod_name,
+)
+from kubetrain.config import Settings
+from kubetrain.plan import CreatePod, DeletePod, NodeView, Observed, Plan, PodView, fail_plan, plan
+
+log = logging.getLogger("kubetrain.operator")
+EXPECTATION_TTL = dt.timedelta(seconds=60)
+CONFLICT_RETRIES = 5
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _rv(body: dict[str, Any] | None) -> int:
+    try:
+        return int((body or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+@dataclass
+class Expectations:
+    """Writes we made whose watch events have not arrived yet (as in kube-controller-manager):
+    a pod we just created is not 'missing', a pod we just deleted is not 'still running'."""
+
+    created: dict[str, tuple[dt.datetime, PodView]] = field(default_factory=dict)
+    deleted: dict[str, dt.datetime] = field(default_factory=dict)
+
+    def overlay(self, pods: list[PodView], now: dt.datetime) -> list[PodView]:
+        seen = {p.name for p in pods}
+        for name in [n for n, (t, _) in self.created.items() if n in seen or now - t > EXPECTATION_TTL]:
+            del self.created[name]
+        out = [replace(p, deletion_timestamp=self.deleted[p.name])
+               if p.name in self.deleted and p.deletion_timestamp is None else p for p in pods]
+        for name in [n for n, t in self.deleted.items() if n not in seen or now - t > EXPECTATION_TTL]:
+            del self.deleted[name]
+        return out + [view for _, view in self.created.values()]
+
+
+class Reconciler:
+    """One serialized, coalescing reconcile loop per job."""
+
+    def __init__(self, *, api: k8s.Api, settings: Settings) -> None:
+        self.api, self.settings = api, settings
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods_index: Any = None
+        self.nodes_index: Any = None
+        self.missing_nodes: dict[str, dt.datetime] = {}
+        self.node_ready: dict[str, bool] = {}
+        self.expectations: dict[tuple[str, str], Expectations] = {}
+        self._running: set[tuple[str, str]] = set()
+        self._dirty: set[tuple[str, str]] = set()
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sem = asyncio.Semaphore(settings.max_concurrent_reconciles)
+
+    # ------------------------------------------------------------ queueing
+
+    def store_job(self, key: tuple[str, str], body: dict[str, Any]) -> None:
+        """Keep the newest body we know: the watch may lag behind our own writes."""
+        if _rv(body) >= _rv(self.jobs.get(key)):
+            self.jobs[key] = body
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self.jobs.pop(key, None)
+        self.expectations.pop(key, None)
+        timer = self._timers.pop(key, None)
+        if timer:
+            timer.cancel()
+
+    def enqueue(self, key: tuple[str, str], delay: float = 0.0) -> None:
+        if delay > 0:
+            loop = asyncio.get_running_loop()
+            when = loop.time() + delay
+            timer = self._timers.get(key)
+            if timer is not None and not timer.cancelled() and timer.when() <= when:
+                return
+            if timer is not None:
+                timer.cancel()
+            self._timers[key] = loop.call_at(when, self._fire, key)
+            return
+        if key in self._running:
+            self._dirty.add(key)
+            return
+        self._running.add(key)
+        task = asyncio.get_running_loop().create_task(self._run(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fire(self, key: tuple[str, str]) -> None:
+        self._timers.pop(key, None)
+        self.enqueue(key)
+
+    async def _run(self, key: tuple[str, str]) -> None:
+        try:
+            while True:
+                self._dirty.discard(key)
+                async with self._sem:
+                    try:
+                        await self.reconcile(key)
+                    except Exception:  # a bug must not kill the loop of this job forever
+                        log.exception("reconcile of %s/%s crashed; retrying in 10s", *key)
+                        self.enqueue(key, 10.0)
+                if key not in self._dirty:
+                    return
+        finally:
+            self._running.discard(key)
+
+    async def resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            for key in list(self.jobs):
+                self.enqueue(key)
+
+    async def stop(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------ observing
+
+    def observe(self, job: Job, now: dt.datetime) -> Observed:
+        pods: list[PodView] = []
+        if self.pods_index is not None and (job.namespace, job.name) in self.pods_index:
+            pods = [view for uid, view in self.pods_index[(job.namespace, job.name)] if uid == job.uid]
+        exp = self.expectations.setdefault((job.namespace, job.name), Expectations())
+        pods = exp.overlay(pods, now)
+        nodes: dict[str, NodeView] = {}
+        for pod in pods:
+            if pod.node_name and pod.node_name not in nodes:
+                nodes[pod.node_name] = self.node_view(pod.node_name, now)
+        return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes)
+
+    def node_view(self, name: str, now: dt.datetime) -> NodeView:
+        if self.nodes_index is not None and name in self.nodes_index:
+            for view in self.nodes_index[name]:
+                self.missing_nodes.pop(name, None)
+                return view
+        since = self.missing_nodes.setdefault(name, now)
+        return NodeView(name=name, exists=False, ready=False, since=since)
+
+    # ------------------------------------------------------------ reconciling
+
+    async def reconcile(self, key: tuple[str, str]) -> None:
+        for _ in range(CONFLICT_RETRIES):
+            body = self.jobs.get(key)
+            if body is None:
+                return
+            now = _now()
+            job = Job.from_storage(body, default_image=self.settings.default_image)
+            observed = self.observe(job, now)
+            result = plan(job, observed, now)
+            if not result.actions and not result.events:
+                if result.requeue_after is not None:
+                    self.enqueue(key, result.requeue_after + 0.05)
+                return
+            rv = str(body["metadata"].get("resourceVersion") or "")
+            try:
+                written = await k8s.apply(self.api, job, rv, result)
+            except k8s.ConflictError:
+                fresh = await self.api.get_job(*key)
+                if fresh is None:
+                    self.forget(key)
+                    return
+                self.jobs[key] = fresh
+                continue
+            except k8s.PermanentError as exc:
+                log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
+                failed = fail_plan(job, observed, now, reason=exc.reason, message=str(exc))
+                try:
+                    written = await k8s.apply(self.api, job, rv, failed)
+                except (k8s.ConflictError, k8s.TemporaryError, ApiException):
+                    self.enqueue(key, 2.0)
+                    return
+            except k8s.TemporaryError as exc:
+                log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
+                self.enqueue(key, exc.delay)
+                return
+            except ApiException as exc:
+                log.warning("reconcile of %s/%s: HTTP %s %s; retrying", job.namespace, job.name, exc.status, exc.reason)
+                self.enqueue(key, 5.0)
+                return
+            self._remember(key, result, now)
+            if written is not None:
+                self.store_job(key, written)
+            for event in result.events:
+                log.info("%s/%s %s: %s", job.namespace, job.name, event.reason, event.message)
+            if result.requeue_after is not None:
+                self.enqueue(key, result.requeue_after + 0.05)
+            return
+        self.enqueue(key, 1.0)
+
+    def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime) -> None:
+        exp = self.expectations.setdefault(key, Expectations())
+        for action in result.actions:
+            if isinstance(action, CreatePod):
+                name = pod_name(key[1], action.attempt, action.rank)
+                exp.created[name] = (now, PodView(name=name, attempt=action.attempt, rank=action.rank))
+            elif isinstance(action, DeletePod):
+                exp.deleted[action.name] = now
+
+
+# ------------------------------------------------------------------ kopf glue
+
+def _reconciler(memo: Any) -> Reconciler:
+    return memo.reconciler
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: Any, pods_by_job: kopf.Index,
+                  nodes_by_name: kopf.Index, **_: Any) -> None:
+    config: Settings = memo.settings
+    settings.posting.enabled = False      # our own events only, with our reasons
+    settings.watching.server_timeout = 270
+    settings.networking.connect_timeout = 10
+    api = k8s.Api(k8s.load_client_config(threads=config.api_threads), threads=config.api_threads)
+    memo.api = api
+    memo.reconciler = Reconciler(api=api, settings=config)
+    memo.reconciler.pods_index, memo.reconciler.nodes_index = pods_by_job, nodes_by_name
+    memo.resync_task = asyncio.get_running_loop().create_task(memo.reconciler.resync())
+    log.info("kubetrain operator started (namespaces: %s)", ",".join(config.namespaces) or "all")
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    memo.resync_task.cancel()
+    await memo.reconciler.stop()
+    log.info("API writes: %s", dict(memo.api.writes))
+    memo.api.close()
+
+
+@kopf.on.probe(id="api_writes")
+def api_writes(memo: Any, **_: Any) -> dict[str, int]:
+    return dict(memo.api.writes)
+
+
+@kopf.index("pods", labels={LABEL_MANAGED_BY: MANAGED_BY})
+def pods_by_job(namespace: str, labels: dict[str, str], body: kopf.Body, meta: kopf.Meta,
+                **_: Any) -> dict[tuple[str, str], tuple[str, PodView]] | None:
+    job = labels.get(LABEL_JOB)
+    view = PodView.from_storage(body) if job else None
+    if view is None:
+        return None
+    owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
+    return {(namespace, job): (owner, view)}
+
+
+@kopf.index("nodes")
+def nodes_by_name(name: str, status: kopf.Status, **_: Any) -> dict[str, NodeView]:
+    ready = next((c for c in status.get("conditions") or () if c.get("type") == "Ready"), None)
+    is_ready = bool(ready and ready.get("status") == "True")
+    return {name: NodeView(name=name, ready=is_ready,
+                           since=None if is_ready else parse_time((ready or {}).get("lastTransitionTime")))}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def job_event(type: str, body: kopf.Body, namespace: str, name: str, memo: Any, **_: Any) -> None:
+    rec = _reconciler(memo)
+    key = (namespace, name)
+    if type == "DELETED":
+        rec.forget(key)
+        return
+    rec.store_job(key, dict(body))
+    rec.enqueue(key)
+
+
+@kopf.on.event("pods", labels={LABEL_MANAGED_BY: MANAGED_BY})
+async def pod_event(namespace: str, labels: dict[str, str], memo: Any, **_: Any) -> None:
+    job = labels.get(LABEL_JOB)
+    if job and (namespace, job) in _reconciler(memo).jobs:
+        _reconciler(memo).enqueue((namespace, job))
+
+
+@kopf.on.event("nodes")
+async def node_event(type: str, name: str, status: kopf.Status, memo: Any, **_: Any) -> None:
+    rec = _reconciler(memo)
+    ready = type != "DELETED" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+    if type == "DELETED":
+        rec.missing_nodes.setdefault(name, _now())
+    if rec.node_ready.get(name) == ready and type != "DELETED":
+        return  # a heartbeat, not a change
+    rec.node_ready[name] = ready
+    if rec.pods_index is None:
+        return
+    for key in list(rec.pods_index):
+        if any(view.node_name == name for _, view in rec.pods_index[key]) and key in rec.jobs:
+            rec.enqueue(key)

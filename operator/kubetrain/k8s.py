@@ -1,0 +1,279 @@
+"""The only module that writes to the Kubernetes API.
+
+It carries out a `Plan` in order: creations (AlreadyExists is success, so a
+re-run after a crash never duplicates a pod), then the status as a merge
+patch guarded by the job's resourceVersion (a conflict means we planned from
+stale state: the caller re-reads and re-plans), then deletions (NotFound is
+success), then the events. Every write is counted in `Api.writes`, which the
+liveness endpoint and the benchmark report.
+
+Errors are split the kopf way: `TemporaryError` (network, 5xx, 429: retry
+later), `ConflictError` (re-read and re-plan now), `PermanentError` (the API
+server rejected an object we built from the spec: the job cannot run).
+The Kubernetes client is synchronous; calls run in a bounded thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import collections
+import concurrent.futures
+import datetime as dt
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from kubetrain import builders
+from kubetrain.api import GROUP, PLURAL, VERSION, Job, format_time
+from kubetrain.plan import (
+    CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus, Plan,
+)
+
+log = logging.getLogger("kubetrain.k8s")
+MERGE_PATCH = "application/merge-patch+json"
+COMPONENT = "kubetrain-operator"
+
+
+class TemporaryError(RuntimeError):
+    """The API could not be reached or refused for now: retry after a delay."""
+
+    def __init__(self, message: str, delay: float = 2.0) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class ConflictError(RuntimeError):
+    """The job changed since it was observed: re-read it and plan again."""
+
+
+class PermanentError(RuntimeError):
+    """The API server rejected an object built from the spec: retrying cannot help."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def load_client_config(*, threads: int) -> client.ApiClient:
+    """In-cluster credentials when running in a pod, the kubeconfig otherwise."""
+    cfg = client.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = threads
+    return client.ApiClient(configuration=cfg)
+
+
+@dataclass
+class Api:
+    """A client plus the thread pool its blocking calls run in, and the write counter."""
+
+    api_client: client.ApiClient
+    threads: int = 32
+    writes: collections.Counter[str] = field(default_factory=collections.Counter)
+    instance: str = field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kubetrain-api")
+        self._background: set[asyncio.Task[None]] = set()
+        self._low = asyncio.Semaphore(max(2, self.threads // 4))
+
+    async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
+        """Run one blocking client call in the pool; map errors to our error types.
+
+        Responses are returned as parsed JSON dicts: the client's model classes cost
+        more CPU than everything else the operator does."""
+        if write:
+            self.writes[what] += 1
+        if what in _URGENT:
+            return await self._call(fn, args, kwargs)
+        async with self._low:  # bookkeeping yields to pods: apply -> pods created stays short
+            return await self._call(fn, args, kwargs)
+
+    async def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        what = getattr(fn, "__name__", "call")
+        loop = asyncio.get_running_loop()
+
+        def blocking() -> Any:
+            resp = fn(*args, _request_timeout=30, _preload_content=False, **kwargs)
+            try:
+                data = resp.data
+            finally:
+                resp.release_conn()
+            return json.loads(data) if data else None
+
+        try:
+            return await loop.run_in_executor(self.pool, blocking)
+        except ApiException as exc:
+            if exc.status in (409, 404, 422, 400, 403):
+                raise
+            raise TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}",
+                                 delay=5.0 if exc.status == 429 else 2.0) from None
+        except (OSError, ValueError) as exc:
+            raise TemporaryError(f"{what}: {type(exc).__name__}: {exc}") from None
+
+    def spawn(self, coro: Any) -> None:
+        """Run a write that nobody waits for (events): it must not hold up a reconcile."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.api_client.close()
+
+    # ------------------------------------------------------------- reads
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.call("get trainingjob", self.custom.get_namespaced_custom_object,
+                                   GROUP, VERSION, namespace, PLURAL, name, write=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise TemporaryError(f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
+
+
+async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[str, Any] | None:
+    """Carry out a plan; returns the job body after the status write (None if none).
+
+    Raises ConflictError when the status write met a newer resourceVersion."""
+    written: dict[str, Any] | None = None
+    actions = list(plan.actions)
+    i = 0
+    while i < len(actions):
+        # Runs of creations (service, configmap, pods) or of deletions go out in parallel.
+        kind = _CREATE if isinstance(actions[i], _CREATE) else DeletePod if isinstance(actions[i], DeletePod) else None
+        if kind is not None:
+            batch = []
+            while i < len(actions) and isinstance(actions[i], kind):
+                batch.append(actions[i])
+                i += 1
+            await asyncio.gather(*(_do(api, job, a) for a in batch))
+            continue
+        action = actions[i]
+        if isinstance(action, PatchStatus):
+            written = await patch_status(api, job, resource_version, action)
+            if written is None:
+                return None  # the job is gone
+        elif isinstance(action, DeleteJob):
+            await _delete_job(api, job)
+        i += 1
+    if plan.events:
+        api.spawn(_post_events(api, job, plan.events))
+    return written
+
+
+_CREATE = (CreateService, EnsureDeepSpeedConfigMap, CreatePod)
+_URGENT = frozenset({"create pod", "delete pod"})
+"""Writes that may use every API thread; the others share a quarter of them."""
+
+
+async def _do(api: Api, job: Job, action: Any) -> None:
+    if isinstance(action, CreatePod):
+        await _create_pod(api, job, action)
+    elif isinstance(action, CreateService):
+        await _create(api, "create service", api.core.create_namespaced_service, job.namespace,
+                      builders.get_service(job=job))
+    elif isinstance(action, EnsureDeepSpeedConfigMap):
+        await _ensure_configmap(api, job)
+    elif isinstance(action, DeletePod):
+        await _delete_pod(api, job, action)
+
+
+async def _post_events(api: Api, job: Job, events: tuple[Event, ...]) -> None:
+    for event in events:  # in order: `kubectl get events` sorts by time
+        await post_event(api, job, event)
+
+
+async def patch_status(api: Api, job: Job, resource_version: str, action: PatchStatus) -> dict[str, Any] | None:
+    body = {"metadata": {"resourceVersion": resource_version}, "status": action.status.for_storage()}
+    try:
+        return await api.call("patch trainingjob/status", api.custom.patch_namespaced_custom_object_status,
+                              GROUP, VERSION, job.namespace, PLURAL, job.name, body, _content_type=MERGE_PATCH)
+    except ApiException as exc:
+        if exc.status == 409:
+            raise ConflictError(f"trainingjob {job.namespace}/{job.name} changed since it was read") from None
+        if exc.status == 404:
+            return None
+        raise TemporaryError(f"patch status of {job.namespace}/{job.name}: HTTP {exc.status} {exc.reason}") from None
+
+
+async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, body: dict[str, Any]) -> None:
+    try:
+        await api.call(what, fn, namespace, body)
+    except ApiException as exc:
+        if exc.status == 409:
+            return  # AlreadyExists: deterministic names make creation idempotent
+        if exc.status in (400, 422):
+            raise PermanentError("InvalidPodTemplate", f"{what} {body['metadata']['name']}: "
+                                                      f"{_api_message(exc)}") from None
+        raise TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}") from None
+
+
+async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
+    pod = builders.get_pod(job=job, attempt=action.attempt, rank=action.rank)
+    await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod)
+
+
+async def _ensure_configmap(api: Api, job: Job) -> None:
+    body = builders.get_deepspeed_configmap(job=job)
+    try:
+        await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
+        await api.call("patch configmap", api.core.patch_namespaced_config_map, body["metadata"]["name"],
+                       job.namespace, {"data": body["data"]})
+
+
+async def _delete_pod(api: Api, job: Job, action: DeletePod) -> None:
+    kwargs: dict[str, Any] = {"grace_period_seconds": 0} if action.force else {}
+    try:
+        await api.call("delete pod", api.core.delete_namespaced_pod, action.name, job.namespace, **kwargs)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise TemporaryError(f"delete pod {action.name}: HTTP {exc.status}") from None
+
+
+async def _delete_job(api: Api, job: Job) -> None:
+    try:
+        await api.call("delete trainingjob", api.custom.delete_namespaced_custom_object, GROUP, VERSION,
+                       job.namespace, PLURAL, job.name, propagation_policy="Background")
+    except ApiException as exc:
+        if exc.status != 404:
+            raise TemporaryError(f"delete trainingjob {job.name}: HTTP {exc.status}") from None
+
+
+async def post_event(api: Api, job: Job, event: Event) -> None:
+    """A core/v1 Event on the TrainingJob (`kubectl describe tj` and `get events` show it).
+    Losing one is not worth failing a reconcile over."""
+    now = format_time(dt.datetime.now(dt.timezone.utc))
+    body = {
+        "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "name": job.name,
+                           "namespace": job.namespace, "uid": job.uid},
+        "reason": event.reason, "message": event.message[:1024], "type": event.type,
+        "source": {"component": COMPONENT}, "reportingComponent": f"{GROUP}/operator",
+        "reportingInstance": api.instance, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        await api.call("create event", api.core.create_namespaced_event, job.namespace, body)
+    except (ApiException, TemporaryError) as exc:
+        log.warning("could not post event %s for %s/%s: %s", event.reason, job.namespace, job.name, exc)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)[:600]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)

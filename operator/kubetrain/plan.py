@@ -1,0 +1,567 @@
+"""The reconcile logic, as a pure function: (job, observed, now) -> Plan.
+
+No I/O happens here: `k8s.py` carries out the actions, `handlers.py` feeds the
+observations. Everything the operator decides (when a gang starts, which pod
+failure is a preemption and which one spends `backoffLimit`, when a job is
+done) is decided in this file and table-tested in tests/unit/operator.
+
+State lives in the job's status only, and the status is written as an
+*intent* before destructive actions: a restart first records `Restarting`
+(with the counters already moved) and then deletes pods, so an operator
+killed between the two resumes the deletion instead of counting again.
+A new attempt is recorded after its pods were created: `status.attempt == N`
+with phase Pending/Running means every pod of attempt N was created, so a
+missing pod of a started attempt was deleted by someone else.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Mapping
+
+from kubetrain.api import (
+    ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
+    LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
+    format_time, parse_time, pod_name,
+)
+
+FATAL_WAITING_REASONS = frozenset({
+    "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+    "ErrImageNeverPull",
+})
+"""Container waiting reasons that can never resolve by themselves: fail at once."""
+
+DISRUPTION_POD_REASONS = frozenset({
+    "Evicted", "Preempting", "Shutdown", "NodeShutdown", "Terminated", "NodeLost",
+    "UnexpectedAdmissionError",
+})
+"""`pod.status.reason` values the node or the cluster set when it took the pod away."""
+
+STUCK_DELETION_SLACK_SECONDS = 30
+"""A pod still present this long after its deletionTimestamp is force-deleted."""
+
+
+# --------------------------------------------------------------- observations
+
+@dataclass(frozen=True)
+class PodView:
+    """What the planner reads from one pod of a job."""
+
+    name: str
+    attempt: int
+    rank: int
+    phase: str = "Pending"
+    deletion_timestamp: dt.datetime | None = None
+    disruption: str | None = None
+    """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, EvictionByEvictionAPI...)."""
+    reason: str = ""
+    """`pod.status.reason` (Evicted, NodeLost...)."""
+    exit_code: int | None = None
+    termination_message: str = ""
+    waiting_reason: str | None = None
+    waiting_message: str = ""
+    node_name: str | None = None
+    ready: bool = False
+    ready_changed: dt.datetime | None = None
+    checkpoint: LastCheckpoint | None = None
+
+    @property
+    def terminating(self) -> bool:
+        return self.deletion_timestamp is not None
+
+    @property
+    def active(self) -> bool:
+        """Still holding (or waiting for) resources: worth deleting."""
+        return self.phase not in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_storage(cls, body: Mapping[str, Any]) -> "PodView | None":
+        """Parse a pod dict; None when it lacks the kubetrain labels."""
+        meta = body.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        try:
+            attempt, rank = int(labels[LABEL_ATTEMPT]), int(labels[LABEL_RANK])
+        except (KeyError, TypeError, ValueError):
+            return None
+        status = body.get("status") or {}
+        disruption = ready_changed = None
+        ready = False
+        for cond in status.get("conditions") or ():
+            if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+                disruption = cond.get("reason") or "DisruptionTarget"
+            elif cond.get("type") == "Ready":
+                ready = cond.get("status") == "True"
+                ready_changed = parse_time(cond.get("lastTransitionTime"))
+        exit_code, message, waiting, waiting_message = None, "", None, ""
+        statuses = status.get("containerStatuses") or ()
+        trainer = next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
+        state = trainer.get("state") or {}
+        if state.get("terminated"):
+            exit_code = state["terminated"].get("exitCode")
+            message = state["terminated"].get("message") or ""
+        if state.get("waiting"):
+            waiting = state["waiting"].get("reason")
+            waiting_message = state["waiting"].get("message") or ""
+        checkpoint = _parse_checkpoint((meta.get("annotations") or {}).get(ANNOTATION_LAST_CHECKPOINT))
+        message_ckpt = _parse_checkpoint(message)
+        if message_ckpt and (checkpoint is None or message_ckpt.step > checkpoint.step):
+            checkpoint = message_ckpt
+        return cls(
+            name=meta.get("name") or "", attempt=attempt, rank=rank,
+            phase=status.get("phase") or "Pending",
+            deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
+            disruption=disruption, reason=status.get("reason") or "",
+            exit_code=exit_code, termination_message="" if message_ckpt else message,
+            waiting_reason=waiting, waiting_message=waiting_message,
+            node_name=(body.get("spec") or {}).get("nodeName") or None,
+            ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
+        )
+
+
+def _parse_checkpoint(text: Any) -> LastCheckpoint | None:
+    if not text or not isinstance(text, str):
+        return None
+    try:
+        return LastCheckpoint.from_storage(json.loads(text.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node's health as far as a gang cares."""
+
+    name: str
+    ready: bool = True
+    exists: bool = True
+    since: dt.datetime | None = None
+    """When it stopped being Ready (or was first seen missing)."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything observed about one job besides the job itself."""
+
+    pods: tuple[PodView, ...] = ()
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)
+    """Nodes the pods are bound to; a pod's node absent here is assumed healthy."""
+
+
+# -------------------------------------------------------------------- actions
+
+@dataclass(frozen=True)
+class CreateService:
+    """Create the headless Service `<job>` (AlreadyExists is success)."""
+
+
+@dataclass(frozen=True)
+class EnsureDeepSpeedConfigMap:
+    """Create or update ConfigMap `<job>-deepspeed` from the inline DeepSpeed config."""
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    attempt: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    force: bool = False
+    """Grace period 0: the pod's node is gone and will never confirm the deletion."""
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    status: Status
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """ttlSecondsAfterFinished has passed."""
+
+
+Action = CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Actions to apply in order, events to post once the status is written, and
+    when to look again even if nothing changes (backoff, deadlines, grace periods)."""
+
+    actions: tuple[Action, ...] = ()
+    events: tuple[Event, ...] = ()
+    requeue_after: float | None = None
+
+    @property
+    def status(self) -> Status | None:
+        return next((a.status for a in self.actions if isinstance(a, PatchStatus)), None)
+
+
+# ----------------------------------------------------------------- the planner
+
+class _Draft:
+    """Accumulates one plan. Local to `plan()`; only frozen values leave it."""
+
+    def __init__(self, job: Job, now: dt.datetime) -> None:
+        self.job, self.now = job, now
+        self.status = job.status
+        self.before: list[Action] = []
+        self.after: list[Action] = []
+        self.events: list[Event] = []
+        self.requeue: float | None = None
+
+    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.events.append(Event(type_, reason, message))
+
+    def wake_at(self, when: dt.datetime) -> None:
+        delay = max(0.0, (when - self.now).total_seconds())
+        self.requeue = delay if self.requeue is None else min(self.requeue, delay)
+
+    def cond(self, type_: str, status: Literal["True", "False"], reason: str, message: str = "") -> None:
+        self.status = self.status.with_condition(type_, status, reason=reason, message=message, now=self.now)
+
+    def update(self, **changes: Any) -> None:
+        self.status = replace(self.status, **changes)
+
+    def delete(self, pod: PodView, *, force: bool = False) -> None:
+        if any(isinstance(a, DeletePod) and a.name == pod.name for a in self.after):
+            return
+        self.after.append(DeletePod(pod.name, force=force))
+
+    def build(self) -> Plan:
+        status = self.status
+        if status != self.job.status:
+            status = replace(status, observed_generation=self.job.generation)
+        elif status.observed_generation != self.job.generation and status.phase:
+            status = replace(status, observed_generation=self.job.generation)
+        patch = (PatchStatus(status),) if status != self.job.status else ()
+        return Plan(actions=tuple(self.before) + patch + tuple(self.after),
+                    events=tuple(self.events), requeue_after=self.requeue)
+
+
+def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
+    """Decide what to do about one TrainingJob. Pure and deterministic."""
+    if job.deleting:
+        return Plan()
+    d = _Draft(job, now)
+    newest = _newest_checkpoint(job.status.last_checkpoint, observed.pods)
+    if newest != job.status.last_checkpoint:
+        d.update(last_checkpoint=newest)
+    if job.status.terminal:
+        _finished(d, observed)
+        return d.build()
+    if job.spec is None:
+        _fail(d, observed, reason="InvalidSpec", message=job.spec_error or "invalid spec")
+        return d.build()
+    policy = job.spec.run_policy
+    deadline = _deadline(job)
+    if deadline is not None and not policy.suspend and job.status.phase != "Suspended":
+        if now >= deadline:
+            msg = f"activeDeadlineSeconds={policy.active_deadline_seconds} exceeded"
+            d.event("Warning", "DeadlineExceeded", msg)
+            _fail(d, observed, reason="DeadlineExceeded", message=msg)
+            return d.build()
+        d.wake_at(deadline)
+    if policy.suspend:
+        _suspend(d, observed)
+        return d.build()
+    if job.status.phase == "Suspended":
+        d.update(phase="Restarting", next_attempt_time=format_time(now), start_time=None,
+                 message=f"resumed: starting attempt {job.status.attempt + 1}")
+        d.cond("Suspended", "False", "Resumed", "the job was resumed")
+        d.cond("Restarting", "True", "Resumed", "starting a new attempt after suspension")
+        d.event("Normal", "Resumed", f"resumed: starting attempt {job.status.attempt + 1}")
+    started = d.status.attempt >= 1 and d.status.phase in STARTED_PHASES
+    if started:
+        _supervise(d, observed)
+    else:
+        _start_next_attempt(d, observed)
+    return d.build()
+
+
+def _deadline(job: Job) -> dt.datetime | None:
+    seconds = job.spec.run_policy.active_deadline_seconds if job.spec else None
+    start = parse_time(job.status.start_time)
+    if seconds is None or start is None:
+        return None
+    return start + dt.timedelta(seconds=seconds)
+
+
+def _newest_checkpoint(current: LastCheckpoint | None, pods: tuple[PodView, ...]) -> LastCheckpoint | None:
+    best = current
+    for pod in pods:
+        if pod.checkpoint and (best is None or pod.checkpoint.step > best.step):
+            best = pod.checkpoint
+    return best
+
+
+def _node_lost(pod: PodView, d: _Draft, observed: Observed) -> str | None:
+    """Why the pod's node (or the pod itself) counts as lost; schedules a wake-up
+    for the end of the grace period when it is not lost *yet*."""
+    grace = dt.timedelta(seconds=d.job.spec.run_policy.node_lost_grace_seconds if d.job.spec else 60)
+    node = observed.nodes.get(pod.node_name) if pod.node_name else None
+    if node is not None and not (node.ready and node.exists):
+        since = node.since or d.now
+        if d.now >= since + grace:
+            state = "was deleted" if not node.exists else "is NotReady"
+            return f"node {node.name} {state} for more than {int(grace.total_seconds())}s"
+        d.wake_at(since + grace)
+    if pod.phase == "Unknown":
+        since = pod.ready_changed or d.now
+        if d.now >= since + grace:
+            return f"pod {pod.name} is in phase Unknown for more than {int(grace.total_seconds())}s"
+        d.wake_at(since + grace)
+    return None
+
+
+def _delete_pods(d: _Draft, observed: Observed, pods: list[PodView] | tuple[PodView, ...]) -> None:
+    """Delete pods (finished ones too: a gang is gone only when all its pods are);
+    force-delete terminating pods that are stuck (their node is gone)."""
+    for pod in pods:
+        if not pod.terminating:
+            d.delete(pod, force=_node_lost_quiet(pod, d, observed))
+        elif d.now >= pod.deletion_timestamp + dt.timedelta(seconds=STUCK_DELETION_SLACK_SECONDS) \
+                or _node_lost_quiet(pod, d, observed):
+            d.delete(pod, force=True)
+        else:
+            d.wake_at(pod.deletion_timestamp + dt.timedelta(seconds=STUCK_DELETION_SLACK_SECONDS))
+
+
+def _node_lost_quiet(pod: PodView, d: _Draft, observed: Observed) -> bool:
+    """The pod's node is deleted, or NotReady beyond the grace period: nobody will
+    confirm a graceful deletion, so only a forced one makes the pod go away."""
+    node = observed.nodes.get(pod.node_name) if pod.node_name else None
+    if node is None or (node.ready and node.exists):
+        return False
+    if not node.exists:
+        return True
+    grace = d.job.spec.run_policy.node_lost_grace_seconds if d.job.spec else 60
+    return d.now >= (node.since or d.now) + dt.timedelta(seconds=grace)
+
+
+def _fail(d: _Draft, observed: Observed, *, reason: str, message: str) -> None:
+    d.update(phase="Failed", message=message, completion_time=format_time(d.now),
+             next_attempt_time=None, nodes_ready=0)
+    d.cond("Failed", "True", reason, message)
+    if d.status.condition("Running"):
+        d.cond("Running", "False", reason, message)
+    if d.status.condition("Restarting"):
+        d.cond("Restarting", "False", reason, message)
+    d.event("Warning", "Failed", message)
+    for pod in observed.pods:
+        if pod.active and not pod.terminating:
+            d.delete(pod)
+    _ttl(d)
+
+
+def _ttl(d: _Draft) -> None:
+    ttl = d.job.spec.run_policy.ttl_seconds_after_finished if d.job.spec else None
+    finished = parse_time(d.status.completion_time)
+    if ttl is None or finished is None:
+        return
+    expiry = finished + dt.timedelta(seconds=ttl)
+    if d.now >= expiry:
+        d.after.append(DeleteJob())
+    else:
+        d.wake_at(expiry)
+
+
+def _finished(d: _Draft, observed: Observed) -> None:
+    for pod in observed.pods:
+        if pod.active and not pod.terminating:
+            d.delete(pod)
+    _ttl(d)
+
+
+def _suspend(d: _Draft, observed: Observed) -> None:
+    if d.status.phase != "Suspended":
+        d.update(phase="Suspended", message="suspended: pods deleted, the job is kept",
+                 nodes_ready=0, next_attempt_time=None)
+        d.cond("Suspended", "True", "Suspended", "spec.runPolicy.suspend is true")
+        if d.status.condition("Running"):
+            d.cond("Running", "False", "Suspended", "suspended")
+        d.event("Normal", "Suspended", f"suspended at attempt {d.status.attempt}: deleting its pods")
+    _delete_pods(d, observed, observed.pods)
+
+
+def _start_next_attempt(d: _Draft, observed: Observed) -> None:
+    spec = d.job.spec
+    assert spec is not None
+    attempt = d.status.attempt + 1
+    blocking = [p for p in observed.pods if p.attempt != attempt or p.terminating]
+    if blocking:
+        # Attempts never overlap: the old gang must be gone before the new one starts.
+        _delete_pods(d, observed, blocking)
+        if d.status.phase != "Restarting":
+            d.update(phase="Restarting")
+        d.update(message=f"waiting for {len(blocking)} pod(s) of the previous attempt to be gone")
+        return
+    ready_at = parse_time(d.status.next_attempt_time)
+    if ready_at is not None and d.now < ready_at:
+        d.wake_at(ready_at)
+        return
+    existing = {p.rank for p in observed.pods if p.attempt == attempt}
+    d.before.append(CreateService())
+    if spec.strategy.type == "zero3" and spec.strategy.deepspeed_config is not None:
+        d.before.append(EnsureDeepSpeedConfigMap())
+    for rank in range(spec.nodes):
+        if rank not in existing:
+            d.before.append(CreatePod(attempt=attempt, rank=rank))
+    d.update(
+        phase="Pending", attempt=attempt, restarts=d.status.restarts + (1 if attempt > 1 else 0),
+        start_time=d.status.start_time or format_time(d.now), completion_time=None,
+        next_attempt_time=None, nodes_total=spec.nodes, nodes_ready=0,
+        message=f"attempt {attempt}: {spec.nodes} pod(s) created, waiting for them to run",
+    )
+    d.cond("Created", "True", "PodsCreated", f"attempt {attempt}: {spec.nodes} pod(s) created")
+    d.cond("Running", "False", "PodsPending", f"attempt {attempt}: waiting for pods to run")
+    if attempt > 1 or d.status.condition("Restarting"):
+        d.cond("Restarting", "False", "AttemptStarted", f"attempt {attempt} started")
+    d.event("Normal", "Created", f"attempt {attempt}: created {spec.nodes} pod(s) "
+                                 f"{pod_name(d.job.name, attempt, 0)}..{pod_name(d.job.name, attempt, spec.nodes - 1)}")
+
+
+def _disruption(pod: PodView, d: _Draft, observed: Observed) -> str | None:
+    """Why this pod was taken away by the cluster (not by the user's code), if it was."""
+    if pod.phase == "Succeeded":
+        return None
+    if pod.disruption:
+        return f"pod {pod.name}: {pod.disruption}"
+    if pod.terminating:
+        return f"pod {pod.name} was deleted by someone else"
+    if pod.phase == "Failed":
+        if pod.exit_code == EXIT_PREEMPTED:
+            return f"pod {pod.name} exited with code {EXIT_PREEMPTED} (preempted)"
+        if pod.reason in DISRUPTION_POD_REASONS:
+            return f"pod {pod.name}: {pod.reason}"
+        if pod.exit_code is None:
+            return f"pod {pod.name} failed without an exit code ({pod.reason or 'no reason'})"
+    return _node_lost(pod, d, observed)
+
+
+def _supervise(d: _Draft, observed: Observed) -> None:
+    """Watch a started attempt: classify failures, detect success and readiness."""
+    spec = d.job.spec
+    assert spec is not None
+    attempt = d.status.attempt
+    total = d.status.nodes_total or spec.nodes
+    current = {p.rank: p for p in observed.pods if p.attempt == attempt and p.rank < total}
+    stale = [p for p in observed.pods if p.attempt != attempt or p.rank >= total]
+
+    fatal: tuple[str, str] | None = None
+    disruptions: list[str] = []
+    failed: list[PodView] = []
+    for rank in range(total):
+        pod = current.get(rank)
+        if pod is None:
+            disruptions.append(f"pod {pod_name(d.job.name, attempt, rank)} was deleted by someone else")
+            continue
+        if pod.phase == "Failed" and pod.exit_code == EXIT_INVALID_CONFIG:
+            fatal = fatal or ("InvalidConfiguration",
+                              f"pod {pod.name} exited with code {EXIT_INVALID_CONFIG} (invalid configuration)"
+                              + _tail(pod))
+        elif pod.waiting_reason in FATAL_WAITING_REASONS:
+            fatal = fatal or (pod.waiting_reason,
+                              f"pod {pod.name}: {pod.waiting_reason}: {pod.waiting_message}".rstrip(": "))
+        why = _disruption(pod, d, observed)
+        if why:
+            disruptions.append(why)
+        elif pod.phase == "Failed":
+            failed.append(pod)
+
+    if fatal:
+        _fail(d, observed, reason=fatal[0], message=fatal[1])
+        return
+    if disruptions:
+        _restart_after_preemption(d, observed, disruptions)
+        return
+    if failed:
+        _restart_after_failure(d, observed, failed[0])
+        return
+    _delete_pods(d, observed, stale)
+    pods = [current[r] for r in range(total)]
+    if all(p.phase == "Succeeded" for p in pods):
+        msg = f"attempt {attempt}: all {total} pod(s) succeeded"
+        d.update(phase="Succeeded", message=msg, completion_time=format_time(d.now), nodes_ready=0)
+        d.cond("Running", "False", "Succeeded", msg)
+        d.cond("Succeeded", "True", "Succeeded", msg)
+        d.event("Normal", "Succeeded", msg)
+        _ttl(d)
+        return
+    running = sum(p.phase in ("Running", "Succeeded") for p in pods)
+    ready = sum(p.phase == "Running" and p.ready for p in pods)
+    d.update(nodes_ready=ready)
+    if running == total and d.status.phase != "Running":
+        msg = f"attempt {attempt}: all {total} pod(s) running"
+        d.update(phase="Running", message=msg)
+        d.cond("Running", "True", "AllPodsRunning", msg)
+        d.event("Normal", "Running", msg)
+
+
+def _tail(pod: PodView, limit: int = 400) -> str:
+    text = pod.termination_message.strip()
+    return f"; last output: {text[-limit:]}" if text else ""
+
+
+def _restart(d: _Draft, observed: Observed, *, reason: str, message: str, delay: float) -> None:
+    attempt = d.status.attempt
+    d.update(phase="Restarting", message=message, nodes_ready=0,
+             next_attempt_time=format_time(d.now + dt.timedelta(seconds=delay)))
+    d.cond("Running", "False", reason, message)
+    d.cond("Restarting", "True", reason, message)
+    _delete_pods(d, observed, observed.pods)
+    if delay > 0:
+        d.wake_at(d.now + dt.timedelta(seconds=delay))
+
+
+def _restart_after_preemption(d: _Draft, observed: Observed, disruptions: list[str]) -> None:
+    attempt = d.status.attempt
+    count = d.status.preemptions + 1
+    first = disruptions[0] + (f" (and {len(disruptions) - 1} more)" if len(disruptions) > 1 else "")
+    d.update(preemptions=count)
+    d.event("Warning", "Preempted", f"attempt {attempt}: {first}")
+    limit = d.job.spec.run_policy.max_preemptions if d.job.spec else None
+    if limit is not None and count > limit:
+        _fail(d, observed, reason="MaxPreemptionsExceeded",
+              message=f"{count} preemptions exceed maxPreemptions {limit}; last: {first}")
+        return
+    msg = f"attempt {attempt} preempted ({first}); restarting the gang as attempt {attempt + 1}"
+    _restart(d, observed, reason="Preempted", message=msg, delay=0)
+    d.event("Normal", "Restarting", f"restarting the whole gang as attempt {attempt + 1} "
+                                    f"(preemption {count}, backoffLimit untouched)")
+
+
+def _restart_after_failure(d: _Draft, observed: Observed, pod: PodView) -> None:
+    policy = d.job.spec.run_policy
+    attempt = d.status.attempt
+    failures = d.status.failures + 1
+    d.update(failures=failures)
+    what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
+    if failures > policy.backoff_limit:
+        _fail(d, observed, reason="BackoffLimitExceeded",
+              message=f"{what}; {failures} application failure(s) exceed backoffLimit "
+                      f"{policy.backoff_limit}{_tail(pod)}")
+        return
+    delay = policy.backoff_delay(failures)
+    msg = (f"attempt {attempt} failed: {what}; restarting as attempt {attempt + 1} in {delay:g}s "
+           f"(failure {failures} of backoffLimit {policy.backoff_limit})")
+    _restart(d, observed, reason="BackoffRestart", message=msg, delay=delay)
+    d.event("Warning", "BackoffRestart", msg)
+
+
+def fail_plan(job: Job, observed: Observed, now: dt.datetime, *, reason: str, message: str) -> Plan:
+    """The plan that fails a job outright (e.g. the API server rejected its pods)."""
+    d = _Draft(job, now)
+    _fail(d, observed, reason=reason, message=message)
+    return d.build()

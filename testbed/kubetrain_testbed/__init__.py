@@ -1,0 +1,41 @@
+"""A real local Kubernetes control plane and S3 server for kubetrain's tests.
+
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok (fake
+nodes) and MinIO run as local processes on 127.0.0.1, built from source by
+testbed/build.sh. `python -m kubetrain_testbed up|down|status|env` drives it;
+the pytest fixtures in tests/conftest.py use the same functions.
+"""
+
+from .cluster import ComponentStatus, TestbedEnv, down, is_healthy, kubectl, load_env, status, up
+from .config import NodePool, TestbedConfig
+from .nodes import fake_node
+from .procs import ComponentFailed, TestbedError
+from .waiting import WaitTimeout, wait_until
+from .stages import (
+    EXIT_CODE_ANNOTATION,
+    EXIT_DELAY_ANNOTATION,
+    EXIT_MESSAGE_ANNOTATION,
+    EXIT_REASON_ANNOTATION,
+)
+
+__all__ = [
+    "EXIT_CODE_ANNOTATION",
+    "EXIT_DELAY_ANNOTATION",
+    "EXIT_MESSAGE_ANNOTATION",
+    "EXIT_REASON_ANNOTATION",
+    "ComponentFailed",
+    "ComponentStatus",
+    "NodePool",
+    "TestbedConfig",
+    "TestbedEnv",
+    "TestbedError",
+    "WaitTimeout",
+    "down",
+    "fake_node",
+    "is_healthy",
+    "kubectl",
+    "load_env",
+    "status",
+    "up",
+    "wait_until",
+]

@@ -1,0 +1,299 @@
+"""Bringing the whole testbed up, down, and reporting on it.
+
+`up` is idempotent: a healthy testbed recorded in the state file is reused as
+it is (the warm path), a half-dead one is stopped and started afresh. Every
+wait is bounded; on any failure everything started so far is stopped and the
+error names the component and shows its log tail. A file lock serialises
+concurrent `up`/`down` calls from several shells or pytest sessions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+from . import procs
+from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
+from .config import TestbedConfig
+from .nodes import pool_nodes
+from .pki import ensure_pki
+from .procs import Running, TestbedError
+from .stages import STAGES_YAML
+
+
+@dataclass(frozen=True)
+class TestbedEnv:
+    """How clients reach a running testbed; `as_environ()` is what `.testbed/env` exports."""
+
+    __test__ = False
+
+    kubeconfig: str
+    api_server: str
+    s3_endpoint: str
+    access_key: str
+    secret_key: str
+    bucket: str
+    bin_dir: str
+    ca_file: str
+    """The cluster CA (PEM), for clients that authenticate with a ServiceAccount token."""
+    region: str = "us-east-1"
+
+    def as_environ(self) -> dict[str, str]:
+        return {
+            "KUBECONFIG": self.kubeconfig,
+            "AWS_ENDPOINT_URL": self.s3_endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+            "AWS_DEFAULT_REGION": self.region,
+            "KUBETRAIN_TEST_BUCKET": self.bucket,
+            "KUBETRAIN_TESTBED_BIN": self.bin_dir,
+            "KUBETRAIN_TESTBED_API_SERVER": self.api_server,
+            "KUBETRAIN_TESTBED_CA_FILE": self.ca_file,
+        }
+
+    def subprocess_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """`base` (default: os.environ) plus the testbed's variables and its bin folder first on PATH."""
+        env = dict(os.environ if base is None else base)
+        env.update(self.as_environ())
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    name: str
+    pid: int
+    alive: bool
+    healthy: bool
+    detail: str
+
+
+@contextmanager
+def _locked(cfg: TestbedConfig) -> Iterator[None]:
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _read_state(cfg: TestbedConfig) -> dict | None:
+    try:
+        return json.loads(cfg.state_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(cfg: TestbedConfig, state: dict) -> None:
+    tmp = cfg.state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.chmod(0o600)  # it records the S3 credentials
+    tmp.replace(cfg.state_file)
+
+
+def _running(state: dict | None) -> list[Running]:
+    return [Running.from_storage(r) for r in (state or {}).get("processes", [])]
+
+
+def load_env(cfg: TestbedConfig) -> TestbedEnv:
+    state = _read_state(cfg)
+    if not state or "env" not in state:
+        raise TestbedError(f"no testbed recorded in {cfg.state_file}; run `scripts/testbed.sh up`")
+    return TestbedEnv(**state["env"])
+
+
+def kubectl(env: TestbedEnv, *args: str, input: str | None = None, timeout: float = 60.0) -> str:
+    """Run the testbed's kubectl as admin; raise TestbedError with its stderr on failure."""
+    argv = [str(Path(env.bin_dir) / "kubectl"), f"--kubeconfig={env.kubeconfig}", *args]
+    proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise TestbedError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def status(cfg: TestbedConfig) -> list[ComponentStatus]:
+    pki = ensure_pki(cfg.pki_dir) if cfg.pki_dir.exists() else None
+    out = []
+    for r in _running(_read_state(cfg)):
+        is_alive = r.is_alive()
+        healthy, detail = procs.probe(r.health, pki) if is_alive else (False, "not running")
+        out.append(ComponentStatus(name=r.name, pid=r.pid, alive=is_alive, healthy=healthy, detail=detail))
+    return out
+
+
+def is_healthy(cfg: TestbedConfig) -> bool:
+    """A completely started testbed whose every process answers its health probe."""
+    state = _read_state(cfg)
+    if not state or not state.get("complete"):
+        return False
+    st = status(cfg)
+    return bool(st) and all(s.healthy for s in st)
+
+
+def down(cfg: TestbedConfig) -> list[str]:
+    """Stop every recorded process; return the names of any that survived (normally none)."""
+    with _locked(cfg):
+        return _down_unlocked(cfg)
+
+
+def _down_unlocked(cfg: TestbedConfig) -> list[str]:
+    running = [r for r in _running(_read_state(cfg)) if r.is_alive()]
+    # Reverse start order: clients before the API server, the API server before etcd.
+    survivors = procs.stop([r.pid for r in reversed(running)])
+    if cfg.state_file.exists():
+        cfg.state_file.unlink()
+    return [r.name for r in running if r.pid in survivors]
+
+
+def ensure_binaries(cfg: TestbedConfig) -> Path:
+    """Run build.sh (builds only what is missing; its progress goes to stderr)."""
+    proc = subprocess.run(["bash", str(cfg.build_script)], stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise TestbedError(f"{cfg.build_script} failed (exit {proc.returncode}); its output is above")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
+    """Start the testbed, or reuse the healthy one already running; return how to reach it."""
+    say = log or (lambda msg: print(f"[testbed] {msg}", file=sys.stderr))
+    with _locked(cfg):
+        if is_healthy(cfg):
+            say("reusing the running testbed")
+            return load_env(cfg)
+        if _read_state(cfg):
+            say("a previous testbed is not healthy; stopping it")
+            _down_unlocked(cfg)
+        bin_dir = ensure_binaries(cfg)
+        t0 = time.monotonic()
+        try:
+            env = _start(cfg, bin_dir, say)
+        except BaseException:
+            _down_unlocked(cfg)
+            raise
+        say(f"all healthy in {time.monotonic() - t0:.1f} s; `source {cfg.env_file}`")
+        return env
+
+
+def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
+    if cfg.run_dir.exists():
+        shutil.rmtree(cfg.run_dir)
+    cfg.run_dir.mkdir(parents=True)
+    pki = ensure_pki(cfg.pki_dir)
+    names = [f.name for f in Ports.__dataclass_fields__.values()]
+    ports = Ports(**dict(zip(names, _free_ports(len(names)))))
+    api = f"https://127.0.0.1:{ports.apiserver}"
+    write_kubeconfig(cfg.kubeconfig, server=api, pki=pki, identity="admin")
+    for ident in ("kube-controller-manager", "kube-scheduler"):
+        write_kubeconfig(component_kubeconfig(cfg, ident), server=api, pki=pki, identity=ident)
+    (cfg.run_dir / "kwok-stages.yaml").write_text(STAGES_YAML)
+    user, password = "testbed-" + secrets.token_hex(4), secrets.token_urlsafe(24)
+    components = build_components(
+        cfg=cfg, bin_dir=bin_dir, pki=pki, ports=ports, minio_user=user, minio_password=password
+    )
+    env = TestbedEnv(
+        kubeconfig=str(cfg.kubeconfig), api_server=api, s3_endpoint=f"http://127.0.0.1:{ports.minio}",
+        access_key=user, secret_key=password, bucket=cfg.bucket, bin_dir=str(bin_dir), ca_file=str(pki.ca_crt),
+    )  # fmt: skip
+    state: dict = {"ports": asdict(ports), "processes": [], "env": asdict(env), "complete": False}
+    _write_state(cfg, state)
+    t = cfg.timeouts
+    started: dict[str, Running] = {}
+
+    def launch(wave: int) -> list[Running]:
+        new = [procs.start(c, cfg.log_file(c.name)) for c in components if c.wave == wave]
+        started.update({r.name: r for r in new})
+        state["processes"] = [r.for_storage() for r in started.values()]
+        _write_state(cfg, state)
+        return new
+
+    t0 = time.monotonic()
+    wave0 = launch(0)
+    procs.wait_healthy([started["etcd"]], pki=pki, timeout=t.etcd, log_dir=cfg.run_dir)
+    launch(1)
+    procs.wait_healthy([started["kube-apiserver"]], pki=pki, timeout=t.apiserver, log_dir=cfg.run_dir)
+    say(f"kube-apiserver ready after {time.monotonic() - t0:.1f} s")
+    wave2 = launch(2)
+    procs.wait_healthy(wave2, pki=pki, timeout=t.controllers, log_dir=cfg.run_dir)
+    procs.wait_healthy([r for r in wave0 if r.name == "minio"], pki=pki, timeout=t.minio, log_dir=cfg.run_dir)
+    _create_bucket(env)
+    _create_nodes(cfg, env)
+    _wait_default_service_account(env, timeout=t.controllers, log_dir=cfg.run_dir)
+    _write_env_file(cfg, env)
+    state["complete"] = True
+    _write_state(cfg, state)
+    return env
+
+
+def _create_bucket(env: TestbedEnv) -> None:
+    import boto3  # the S3 client is only needed here; keep `down`/`status` import-light
+
+    s3 = boto3.client(
+        "s3", endpoint_url=env.s3_endpoint, aws_access_key_id=env.access_key,
+        aws_secret_access_key=env.secret_key, region_name=env.region,
+    )  # fmt: skip
+    s3.create_bucket(Bucket=env.bucket)
+
+
+def _create_nodes(cfg: TestbedConfig, env: TestbedEnv) -> None:
+    nodes = [n for pool in cfg.node_pools for n in pool_nodes(pool)]
+    if not nodes:
+        return
+    kubectl(env, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    names = [f"node/{n['metadata']['name']}" for n in nodes]
+    timeout = int(cfg.timeouts.nodes_ready)
+    try:
+        kubectl(env, "wait", "--for=condition=Ready", f"--timeout={timeout}s", *names, timeout=timeout + 10)
+    except TestbedError as exc:
+        raise procs.ComponentFailed("kwok", f"did not make the fake nodes Ready ({exc})", cfg.log_file("kwok"))
+
+
+def _wait_default_service_account(env: TestbedEnv, *, timeout: float, log_dir: Path) -> None:
+    """The serviceaccount controller works once `default` exists in namespace default."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kubectl(env, "get", "serviceaccount", "default", "-n", "default", "-o", "name")
+            return
+        except TestbedError:
+            if time.monotonic() > deadline:
+                raise procs.ComponentFailed(
+                    "kube-controller-manager", "created no default ServiceAccount",
+                    log_dir / "kube-controller-manager.log",
+                ) from None  # fmt: skip
+            time.sleep(0.5)
+
+
+def _write_env_file(cfg: TestbedConfig, env: TestbedEnv) -> None:
+    lines = ["# Written by `scripts/testbed.sh up`; holds credentials: keep it out of logs."]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.as_environ().items()]
+    lines.append('export PATH="$KUBETRAIN_TESTBED_BIN:$PATH"')
+    cfg.env_file.write_text("\n".join(lines) + "\n")
+    cfg.env_file.chmod(0o600)

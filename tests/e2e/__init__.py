@@ -1,0 +1,1 @@
+"""End-to-end tier: helm install, the operator, real training through the test node agent."""

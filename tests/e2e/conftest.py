@@ -1,0 +1,125 @@
+"""Fixtures of the e2e tier: the test node agent on top of the shared testbed.
+
+The agent (`python -m kubetrain_testbed.agent`) is a real subprocess that
+registers a Node and runs pods' commands as local processes. Its node is
+tainted ``kubetrain.io/agent=true:NoSchedule`` so that pods of other tiers,
+which expect kwok to fake them, never land on it by accident; e2e pods carry
+the matching toleration and nodeSelector (`AGENT_PLACEMENT`).
+
+Fixtures:
+  agent_factory  start(node_name=...) -> AgentProc; every started agent is stopped afterwards
+  agent          one session-wide agent node, "kubetrain-e2e-agent"
+  core           kubernetes.client.CoreV1Api as the testbed admin
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .helpers import AGENT_LABEL, AGENT_TAINT, marked_pids, wait_for
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class AgentProc:
+    node_name: str
+    state_dir: Path
+    log_path: Path
+    popen: subprocess.Popen
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no agent log)"
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful node shutdown) and wait for the agent to exit."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+                raise AssertionError(f"agent {self.node_name} ignored SIGTERM for {timeout}s:\n{self.log_tail()}")
+        return self.popen.returncode
+
+    def crash(self) -> None:
+        """SIGKILL: the agent gets no chance to clean up (its children survive it)."""
+        self.popen.kill()
+        self.popen.wait()
+
+
+@pytest.fixture(scope="session")
+def core(kube_api):
+    from kubernetes import client
+
+    return client.CoreV1Api(kube_api)
+
+
+@pytest.fixture(scope="session")
+def agent_factory(testbed, testbed_env, core, tmp_path_factory):
+    started: list[AgentProc] = []
+
+    def start(node_name: str, *, state_dir: Path | None = None, extra: tuple[str, ...] = ()) -> AgentProc:
+        state_dir = state_dir or tmp_path_factory.mktemp(node_name)
+        log_path = state_dir / "agent.log"
+        log_file = open(log_path, "ab")
+        cmd = [
+            sys.executable, "-m", "kubetrain_testbed.agent",
+            "--kubeconfig", str(testbed.kubeconfig),
+            "--node-name", node_name,
+            "--state-dir", str(state_dir),
+            "--taint", f"{AGENT_TAINT}:NoSchedule",
+            "--delete-node-on-exit",
+            "--shutdown-grace", "10",
+            *extra,
+        ]
+        env = dict(testbed_env)
+        env["PYTHONPATH"] = os.pathsep.join([str(_REPO / "testbed"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=_REPO)
+        proc = AgentProc(node_name=node_name, state_dir=state_dir, log_path=log_path, popen=popen)
+        started.append(proc)
+
+        def ready():
+            if popen.poll() is not None:
+                raise AssertionError(f"agent exited with {popen.returncode}:\n{proc.log_tail()}")
+            node = core.read_node(node_name)
+            conds = {c.type: c.status for c in node.status.conditions or []}
+            return conds.get("Ready") == "True" and node.metadata.labels.get(AGENT_LABEL) == "true"
+
+        wait_for(ready, timeout=60, what=f"node {node_name} Ready", ignore=(Exception,), on_timeout=proc.log_tail)
+        return proc
+
+    yield start
+    problems = []
+    for proc in started:
+        proc.stop() if proc.popen.poll() is None else None
+        left = marked_pids(proc.node_name)
+        if left:
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            problems.append(f"agent {proc.node_name} left processes behind: {left}")
+    assert not problems, problems
+
+
+@pytest.fixture(scope="session")
+def agent(agent_factory) -> AgentProc:
+    proc = agent_factory("kubetrain-e2e-agent")
+    yield proc
+    # Graceful exit must leave nothing behind (checked by agent_factory too).
+    assert proc.stop() == 0, proc.log_tail()
+    deadline = time.monotonic() + 5
+    while marked_pids(proc.node_name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not marked_pids(proc.node_name), f"orphans after agent exit:\n{proc.log_tail()}"

@@ -1,0 +1,140 @@
+"""Preemption, eviction, node loss and the trainer's "preempted" exit code on the real testbed:
+each restarts the whole gang as a new attempt, counts a preemption, never spends backoffLimit,
+and attempts never overlap.
+
+Tests that take nodes away use their own fake nodes (a unique label), never the shared ones.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+from kubernetes import client
+
+from kubetrain_optest import spec
+from kubetrain_testbed import fake_node, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def own_nodes(kube_api, kubectl):
+    """Create fake nodes in a private pool; returns (create(n, cpu) -> names, pool label)."""
+    pool = f"pool-{secrets.token_hex(3)}"
+    names: list[str] = []
+    core = client.CoreV1Api(kube_api)
+
+    def create(count: int, cpu: str = "2") -> list[str]:
+        new = [f"{pool}-{len(names) + i}" for i in range(count)]
+        for name in new:
+            kubectl("apply", "-f", "-", input=json.dumps(
+                fake_node(name=name, cpu=cpu, memory="8Gi", gpus="0", labels={"pool": pool})))
+        names.extend(new)
+        wait_until(lambda: [core.read_node(n) for n in new],
+                   lambda ns: all(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or ())
+                                  for n in ns), timeout=60, what=f"nodes {new} Ready")
+        return new
+
+    yield create, pool
+    for name in names:
+        try:
+            core.delete_node(name)
+        except client.ApiException:
+            pass
+
+
+def assert_preempted_once(jobs, name: str, timeline, *, attempt: int = 2) -> dict:
+    status = jobs.wait(name, lambda s: s.get("attempt") == attempt and s.get("phase") in ("Pending", "Running"),
+                       timeout=90, what=f"{name} attempt {attempt}")
+    assert status["preemptions"] == 1 and status["failures"] == 0 and status["restarts"] == 1
+    wait_until(lambda: jobs.event_reasons(name), lambda r: "Preempted" in r and "Restarting" in r,
+               timeout=10, what="Preempted and Restarting events")
+    timeline.check_no_overlap()
+    return status
+
+
+def test_scheduler_preemption_restarts_the_whole_gang(operator, jobs, own_nodes, kube_api, pod_timeline) -> None:
+    create_nodes, pool = own_nodes
+    create_nodes(1, cpu="2")
+    sched = client.SchedulingV1Api(kube_api)
+    low, high = f"low-{pool}", f"high-{pool}"
+    sched.create_priority_class({"metadata": {"name": low}, "value": 10})
+    sched.create_priority_class({"metadata": {"name": high}, "value": 1000})
+    try:
+        jobs.create("pre", spec(nodes=2, resources={"requests": {"cpu": "1"}},
+                                podTemplate={"priorityClassName": low, "nodeSelector": {"pool": pool}}))
+        jobs.wait_phase("pre", "Running")
+        # A higher-priority pod that only fits if one of ours goes: the real scheduler preempts one.
+        jobs.core.create_namespaced_pod(jobs.namespace, {
+            "metadata": {"name": "vip"},
+            "spec": {"priorityClassName": high, "nodeSelector": {"pool": pool},
+                     "containers": [{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1"}}}]}})
+        status = assert_preempted_once(jobs, "pre", pod_timeline)
+        assert "PreemptionByScheduler" in status["message"] or "deleted" in status["message"]
+        jobs.core.delete_namespaced_pod("vip", jobs.namespace)
+        jobs.wait_phase("pre", "Running", attempt=2, timeout=60)
+        assert pod_timeline.attempts_created() == [1, 2]
+    finally:
+        for pc in (low, high):
+            sched.delete_priority_class(pc)
+
+
+def test_eviction_api_restarts_the_whole_gang(operator, jobs, pod_timeline) -> None:
+    jobs.create("evict", spec(nodes=3))
+    jobs.wait_phase("evict", "Running")
+    jobs.core.create_namespaced_pod_eviction("evict-a1-n1", jobs.namespace, {
+        "metadata": {"name": "evict-a1-n1", "namespace": jobs.namespace}})
+    status = assert_preempted_once(jobs, "evict", pod_timeline)
+    assert "EvictionByEvictionAPI" in status["message"] or "deleted" in status["message"]
+    jobs.wait_phase("evict", "Running", attempt=2, timeout=60)
+    assert len(jobs.pods("evict", attempt=2)) == 3 and not jobs.pods("evict", attempt=1)
+
+
+def test_preempted_exit_code_does_not_spend_backoff_limit(operator, jobs, pod_timeline) -> None:
+    jobs.create("sigterm", spec(nodes=2, runPolicy={"backoffLimit": 0}))
+    jobs.wait_phase("sigterm", "Running")
+    jobs.finish_pod("sigterm-a1-n0", 83, message=json.dumps({"step": 7, "uri": "s3://b/c-7"}))
+    jobs.finish_pod("sigterm-a1-n1", 1)   # the peer dies of the lost rendezvous: not the user's fault
+    status = assert_preempted_once(jobs, "sigterm", pod_timeline)
+    assert status["lastCheckpoint"]["step"] == 7
+
+
+def test_deleted_node_restarts_the_gang_elsewhere(operator, jobs, own_nodes, pod_timeline) -> None:
+    create_nodes, pool = own_nodes
+    first, second = create_nodes(2, cpu="2")
+    jobs.create("lost", spec(nodes=1, resources={"requests": {"cpu": "1500m"}},
+                             runPolicy={"nodeLostGraceSeconds": 1},
+                             podTemplate={"nodeSelector": {"pool": pool}}))
+    jobs.wait_phase("lost", "Running")
+    node = jobs.pods("lost")[0].spec.node_name
+    jobs.core.delete_node(node)
+    assert_preempted_once(jobs, "lost", pod_timeline)
+    jobs.wait_phase("lost", "Running", attempt=2, timeout=60)
+    assert jobs.pods("lost", attempt=2)[0].spec.node_name == ({first, second} - {node}).pop()
+
+
+@pytest.mark.slow
+def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kubectl, pod_timeline) -> None:
+    create_nodes, pool = own_nodes
+    create_nodes(2, cpu="2")
+    jobs.create("dark", spec(nodes=1, resources={"requests": {"cpu": "1500m"}},
+                             runPolicy={"nodeLostGraceSeconds": 2},
+                             podTemplate={"nodeSelector": {"pool": pool}}))
+    jobs.wait_phase("dark", "Running")
+    node = jobs.pods("dark")[0].spec.node_name
+    # kwok stops renewing the node's lease: the node lifecycle controller marks it NotReady (~20 s).
+    kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
+    status = assert_preempted_once(jobs, "dark", pod_timeline)
+    assert "NotReady" in status["message"] or node in status["message"]
+    jobs.wait_phase("dark", "Running", attempt=2, timeout=60)
+
+
+def test_max_preemptions_fails_the_job(operator, jobs) -> None:
+    jobs.create("fragile", spec(nodes=1, runPolicy={"maxPreemptions": 0}))
+    jobs.wait_phase("fragile", "Running")
+    jobs.finish_pod("fragile-a1-n0", 83)
+    status = jobs.wait_phase("fragile", "Failed", timeout=30)
+    assert status["preemptions"] == 1
+    assert {c["type"]: c for c in status["conditions"]}["Failed"]["reason"] == "MaxPreemptionsExceeded"

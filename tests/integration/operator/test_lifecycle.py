@@ -1,0 +1,150 @@
+"""A TrainingJob's life on the real testbed: success, failures, suspend, deadline, TTL, deletion,
+and an operator killed in the middle of creating a gang."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from kubernetes import client
+
+from kubetrain_optest import kwok_exit, spec
+from kubetrain_testbed import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_gang_runs_to_success(operator, jobs, kubectl, pod_timeline) -> None:
+    jobs.create("ok", spec(nodes=3))
+    pods = jobs.wait_pods("ok", 3, attempt=1, running=True)
+    assert sorted(p.metadata.name for p in pods) == ["ok-a1-n0", "ok-a1-n1", "ok-a1-n2"]
+    assert all(p.spec.node_name for p in pods), "scheduled onto kwok nodes"
+    pod0 = next(p for p in pods if p.metadata.name == "ok-a1-n0")
+    env = {e.name: e.value for e in pod0.spec.containers[0].env}
+    assert env["MASTER_ADDR"] == f"ok-n0.ok.{jobs.namespace}.svc" and env["NNODES"] == "3"
+    assert pod0.metadata.owner_references[0].kind == "TrainingJob"
+    svc = jobs.core.read_namespaced_service("ok", jobs.namespace)
+    assert svc.spec.cluster_ip == "None"
+
+    status = jobs.wait_phase("ok", "Running", nodesReady=3)
+    assert status["attempt"] == 1 and status["nodesTotal"] == 3 and status["restarts"] == 0
+
+    ckpt = json.dumps({"step": 40, "uri": "s3://b/p/checkpoint-40", "time": "2026-01-01T00:00:00Z"})
+    jobs.finish_pod("ok-a1-n1", 0)
+    jobs.finish_pod("ok-a1-n2", 0)
+    jobs.finish_pod("ok-a1-n0", 0, message=ckpt)
+    status = jobs.wait_phase("ok", "Succeeded")
+    assert status["lastCheckpoint"]["step"] == 40
+    assert status["completionTime"] and status["failures"] == 0 and status["preemptions"] == 0
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Succeeded"] == "True"
+    reasons = wait_until(lambda: jobs.event_reasons("ok"), lambda r: {"Created", "Running", "Succeeded"} <= set(r),
+                         timeout=10, what="events Created, Running, Succeeded")
+    assert sorted(reasons) == ["Created", "Running", "Succeeded"], "one event per transition"
+    table = kubectl("get", "tj", "ok", "-n", jobs.namespace)
+    header, row = table.splitlines()[:2]
+    assert header.split()[:7] == ["NAME", "PHASE", "READY", "NODES", "ATTEMPT", "RESTARTS", "PREEMPTIONS"]
+    assert row.split()[:2] == ["ok", "Succeeded"] and "40" in row.split()
+    assert pod_timeline.attempts_created() == [1]
+
+
+def test_application_failure_backs_off_then_fails(operator, jobs, pod_timeline) -> None:
+    jobs.create("crash", spec(nodes=2, runPolicy={"backoffLimit": 2, "backoffSeconds": 1},
+                              podTemplate={"annotations": kwok_exit(3, "1s", "Traceback: ValueError boom")}))
+    status = jobs.wait_phase("crash", "Failed", timeout=90)
+    assert status["failures"] == 3 and status["preemptions"] == 0 and status["restarts"] == 2
+    assert status["attempt"] == 3
+    assert "exited with code 3" in status["message"] and "boom" in status["message"]
+    failed = {c["type"]: c for c in status["conditions"]}["Failed"]
+    assert failed["reason"] == "BackoffLimitExceeded"
+    reasons = wait_until(lambda: jobs.event_reasons("crash"), lambda r: "Failed" in r, timeout=10, what="Failed event")
+    assert reasons.count("BackoffRestart") == 2 and reasons.count("Failed") == 1 and reasons.count("Created") == 3
+    assert pod_timeline.attempts_created() == [1, 2, 3]
+    pod_timeline.check_no_overlap()
+
+
+def test_invalid_configuration_exit_code_fails_at_once(operator, jobs) -> None:
+    jobs.create("badargs", spec(nodes=2, podTemplate={"annotations": kwok_exit(82, "1s")}))
+    status = jobs.wait_phase("badargs", "Failed", timeout=60)
+    assert status["attempt"] == 1 and status["failures"] == 0 and status["restarts"] == 0
+    assert "code 82" in status["message"]
+    assert {c["type"]: c for c in status["conditions"]}["Failed"]["reason"] == "InvalidConfiguration"
+
+
+def test_suspend_and_resume(operator, jobs, pod_timeline) -> None:
+    jobs.create("sus", spec(nodes=2))
+    jobs.wait_phase("sus", "Running")
+    jobs.patch_spec("sus", {"runPolicy": {"suspend": True}})
+    jobs.wait_phase("sus", "Suspended")
+    wait_until(lambda: jobs.pods("sus"), lambda p: not p, timeout=30, what="pods of a suspended job gone")
+    assert jobs.get("sus")["metadata"]["name"] == "sus", "the job is kept"
+    jobs.patch_spec("sus", {"runPolicy": {"suspend": False}})
+    status = jobs.wait_phase("sus", "Running", attempt=2)
+    assert status["restarts"] == 1 and status["failures"] == 0 and status["preemptions"] == 0
+    wait_until(lambda: jobs.event_reasons("sus"), lambda r: {"Suspended", "Resumed"} <= set(r), timeout=10,
+               what="Suspended and Resumed events")
+    pod_timeline.check_no_overlap()
+
+
+def test_active_deadline_fails_the_job(operator, jobs) -> None:
+    jobs.create("late", spec(nodes=1, runPolicy={"activeDeadlineSeconds": 3}))
+    status = jobs.wait_phase("late", "Failed", timeout=30)
+    assert {c["type"]: c for c in status["conditions"]}["Failed"]["reason"] == "DeadlineExceeded"
+    wait_until(lambda: jobs.event_reasons("late"), lambda r: "DeadlineExceeded" in r, timeout=10,
+               what="DeadlineExceeded event")
+    wait_until(lambda: jobs.pods("late"), lambda p: not p, timeout=30, what="running pods deleted")
+
+
+def test_ttl_after_finished_deletes_the_job_and_what_it_owns(operator, jobs) -> None:
+    jobs.create("short", spec(nodes=2, runPolicy={"ttlSecondsAfterFinished": 2},
+                              podTemplate={"annotations": kwok_exit(0, "1s")}))
+    jobs.wait_phase("short", "Succeeded", timeout=30)
+
+    def gone() -> bool:
+        try:
+            jobs.get("short")
+            return False
+        except client.ApiException as exc:
+            return exc.status == 404
+
+    wait_until(gone, timeout=30, what="job deleted by its TTL")
+    wait_until(lambda: jobs.pods("short"), lambda p: not p, timeout=60, what="pods garbage-collected")
+
+
+def test_deleting_a_job_removes_everything_it_owns(operator, jobs) -> None:
+    jobs.create("bye", spec(nodes=2))
+    jobs.wait_phase("bye", "Running")
+    jobs.delete("bye")
+    wait_until(lambda: jobs.pods("bye"), lambda p: not p, timeout=60, what="pods garbage-collected")
+
+    def service_gone() -> bool:
+        try:
+            jobs.core.read_namespaced_service("bye", jobs.namespace)
+            return False
+        except client.ApiException as exc:
+            return exc.status == 404
+
+    wait_until(service_gone, timeout=60, what="service garbage-collected")
+
+
+@pytest.mark.slow
+def test_operator_killed_mid_gang_creation_makes_no_duplicates(operator, jobs, pod_timeline) -> None:
+    nodes = 24
+    # Let the operator finish starting (it lists CRDs, pods and nodes first).
+    jobs.create("warmup", spec(nodes=1))
+    jobs.wait_phase("warmup", "Running", timeout=60)
+    jobs.create("big", spec(nodes=nodes))
+    wait_until(lambda: jobs.pods("big"), lambda p: 0 < len(p), timeout=30, interval=0.02,
+               what="first pod of the gang")
+    operator.kill()
+    created_before = len(jobs.pods("big"))
+    time.sleep(1)
+    operator.start()
+    status = jobs.wait_phase("big", "Running", timeout=90)
+    pods = jobs.pods("big")
+    assert len(pods) == nodes and {p.metadata.labels["kubetrain.io/attempt"] for p in pods} == {"1"}
+    assert sorted(int(p.metadata.labels["kubetrain.io/node-rank"]) for p in pods) == list(range(nodes))
+    assert status["attempt"] == 1 and status["restarts"] == 0 and status["preemptions"] == 0
+    added = [name for kind, name, _ in pod_timeline.entries if kind == "ADDED" and name.startswith("big-")]
+    assert len(added) == len(set(added)) == nodes, "each pod created exactly once, none deleted"
+    print(f"pods created before SIGKILL: {created_before}/{nodes}")

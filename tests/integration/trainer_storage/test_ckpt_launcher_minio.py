@@ -1,0 +1,91 @@
+"""The launcher end to end on one node with 2 workers, the built-in task and a real MinIO.
+
+Train -> SIGTERM mid-run -> exit 83 with an emergency checkpoint committed to
+S3 -> relaunch as attempt 2 on a fresh local disk (a new pod) -> it restores
+that checkpoint, resumes from it and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 400
+ARGS = {"max_steps": MAX_STEPS, "save_steps": 50, "save_total_limit": 2, "use_cpu": True,
+        "per_device_train_batch_size": 8, "logging_steps": 50}
+
+
+def _launch(ckpt_env: dict, tmp: Path, attempt: int, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
+    env.update(ckpt_env)
+    env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + attempt),
+               OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt), KUBETRAIN_STRATEGY="ddp",
+               KUBETRAIN_BUILTIN_TASK="regression", KUBETRAIN_TRAINER_ARGS=json.dumps(ARGS),
+               KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp / f"pod-a{attempt}" / "ckpt"),
+               KUBETRAIN_TERMINATION_LOG=str(tmp / f"termination-log-a{attempt}"),
+               KUBETRAIN_TERMINATION_GRACE_SECONDS="60")
+    return subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _committed(store: CheckpointStore) -> dict[int, object]:
+    return {c.step: c.manifest for c in store.list_checkpoints() if c.complete}
+
+
+def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(ckpt_env, tmp_path: Path):
+    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
+    log1 = tmp_path / "attempt1.log"
+    p = _launch(ckpt_env, tmp_path, 1, log1)
+    try:
+        deadline = time.monotonic() + 240
+        while not _committed(store):  # the first periodic checkpoint is in S3: we are mid-run
+            assert p.poll() is None, f"attempt 1 ended early ({p.returncode}):\n{log1.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, log1.read_text()[-4000:]
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        code = p.wait(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log1.read_text()
+    assert code == 83, text[-4000:]
+    committed = _committed(store)
+    last = max(committed)
+    assert last < MAX_STEPS, "SIGTERM came too late to test a resume"
+    assert committed[last].attempt == 1 and committed[last].world_size == 2
+    report = json.loads((tmp_path / "termination-log-a1").read_text())
+    assert report["step"] == last and report["uri"].endswith(f"/checkpoint-{last}")
+    assert "SIGTERM: stopped after step" in text  # the trainer took the emergency checkpoint
+
+    log2 = tmp_path / "attempt2.log"
+    p = _launch(ckpt_env, tmp_path, 2, log2)
+    try:
+        code = p.wait(timeout=400)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log2.read_text()
+    assert code == 0, text[-4000:]
+    assert f"restored checkpoint-{last} (attempt 1)" in text
+    assert f"resuming from {tmp_path / 'pod-a2' / 'ckpt' / f'checkpoint-{last}'}" in text
+    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"task"')]
+    assert results and all(r["global_step"] == MAX_STEPS for r in results)
+    committed = _committed(store)
+    assert max(committed) == MAX_STEPS and committed[MAX_STEPS].attempt == 2
+    assert len(committed) <= 3  # save_total_limit=2 (+ the best, when it differs) on the remote too
+    report = json.loads((tmp_path / "termination-log-a2").read_text())
+    assert report["step"] == MAX_STEPS
+    final = store.read_named_manifest("final")  # the from_pretrained layout, uploaded after success
+    assert final is not None and final.attempt == 2
+    assert {"model.safetensors", "config.json"} <= {f.path for f in final.files}

@@ -1,0 +1,179 @@
+"""Checkpoint storage against a real MinIO: commit, restore, torn uploads, retention, fencing, outages."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.launch import restore_newest
+from kubetrain_trainer.manifest import Manifest, RetentionPolicy, newest_complete
+from kubetrain_trainer.storage import (
+    Backoff,
+    CheckpointStore,
+    StorageConfig,
+    StoragePermanentError,
+    StorageTemporaryError,
+)
+from kubetrain_trainer.sync import CheckpointUploader, SyncSettings
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+
+
+def _store(env, **overrides) -> CheckpointStore:
+    # A 5 MiB multipart threshold (S3's minimum part size) so a 12 MiB file goes multipart.
+    cfg = StorageConfig.from_env(env, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, **overrides)
+    return CheckpointStore(cfg)
+
+
+def _uploader(store, tmp_path: Path, *, attempt=1, **kw) -> CheckpointUploader:
+    settings = SyncSettings(attempt=attempt, world_size=2, strategy="ddp",
+                            backoff=Backoff(initial_s=0.2, maximum_s=1.0), status_interval_s=0.5, **kw)
+    return CheckpointUploader(store, settings, staging_dir=tmp_path / f"staging-a{attempt}").start()
+
+
+def _checkpoint(root: Path, step: int, *, big: int = 0, eval_loss: float | None = None) -> Path:
+    folder = root / f"checkpoint-{step}"
+    (folder / "shards").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(1000 + step))
+    (folder / "shards" / "optimizer.rank0.pt").write_bytes(os.urandom(300))
+    (folder / "empty.bin").write_bytes(b"")
+    if big:
+        (folder / "big.bin").write_bytes(os.urandom(big))
+    history = [{"step": step, "loss": 1.0}]
+    if eval_loss is not None:
+        history.append({"step": step, "eval_loss": eval_loss})
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+    return folder
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert files_a == files_b
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_commit_and_restore_round_trip_is_byte_exact_with_multipart(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    src = _checkpoint(tmp_path / "out", 40, big=12 * MiB)
+    up = _uploader(store, tmp_path)
+    assert up.submit(src, 40)
+    assert up.close(120), up.status_line()
+    (c,) = store.list_checkpoints()
+    assert c.complete and c.manifest.step == 40 and c.manifest.attempt == 1
+    assert c.manifest.metrics == {"loss": 1.0}
+    key = store.location.key("checkpoint-40", "big.bin")
+    etag = minio.client().head_object(Bucket=store.location.bucket, Key=key)["ETag"]
+    assert "-" in etag, "a 12 MiB file with a 5 MiB threshold must be a multipart upload"
+    restored = restore_newest(store, tmp_path / "restore", deadline=time.monotonic() + 60)
+    assert restored.path == tmp_path / "restore" / "checkpoint-40"
+    assert restored.committed.step == 40 and restored.committed.uri.endswith("/ns/job/checkpoint-40")
+    assert restored.history == {(40, 1)}
+    _same_tree(src, restored.path)
+
+
+def test_torn_and_mismatching_checkpoints_are_never_restored_and_torn_ones_are_cleaned(ckpt_env, minio, tmp_path):
+    store = _store(ckpt_env)
+    up = _uploader(store, tmp_path)
+    for step in (10, 30):
+        up.submit(_checkpoint(tmp_path / "out", step), step)
+        assert up.wait(60)
+    s3, bucket = minio.client(), store.location.bucket
+    # torn: files without a manifest (an upload killed mid-way), below and above the newest commit
+    for step in (20, 50):
+        s3.put_object(Bucket=bucket, Key=store.location.key(f"checkpoint-{step}", "model.safetensors"), Body=b"x")
+    # a committed folder whose file was later replaced by different bytes (same size): sha256 catches it
+    key30 = store.location.key("checkpoint-30", "model.safetensors")
+    size30 = s3.head_object(Bucket=bucket, Key=key30)["ContentLength"]
+    s3.put_object(Bucket=bucket, Key=key30, Body=b"\0" * size30)
+    listed = {c.step: c for c in store.list_checkpoints()}
+    assert sorted(listed) == [10, 20, 30, 50]
+    assert not listed[20].complete and not listed[50].complete
+    assert newest_complete(listed.values()).step == 30  # sizes match: only the download can tell
+    restored = restore_newest(store, tmp_path / "restore", deadline=time.monotonic() + 60)
+    assert restored.committed.step == 10, "the corrupted checkpoint-30 must be skipped"
+    assert not (tmp_path / "restore" / "checkpoint-30").exists()
+    # a size mismatch alone makes a folder incomplete
+    key10 = store.location.key("checkpoint-10", "empty.bin")
+    s3.put_object(Bucket=bucket, Key=key10, Body=b"now not empty")
+    assert not {c.step: c for c in store.list_checkpoints()}[10].complete
+    # the next commit cleans the torn folder below it; the one above may still be uploading
+    up.submit(_checkpoint(tmp_path / "out", 40), 40)
+    assert up.close(60)
+    # (checkpoint-10 no longer matches its manifest: it counts as torn too)
+    assert sorted(c.step for c in store.list_checkpoints()) == [30, 40, 50]
+
+
+def test_remote_retention_keeps_the_best_and_the_newest(ckpt_env, tmp_path):
+    store = _store(ckpt_env)
+    up = _uploader(store, tmp_path, retention=RetentionPolicy(save_total_limit=2, metric_for_best_model="loss"))
+    for step, loss in ((1, 0.9), (2, 0.2), (3, 0.5), (4, 0.6), (5, 0.7)):
+        up.submit(_checkpoint(tmp_path / "out", step, eval_loss=loss), step)
+        assert up.wait(60), up.status_line()
+    assert up.close(60)
+    assert sorted(c.step for c in store.list_checkpoints()) == [2, 5]
+    assert all(c.complete for c in store.list_checkpoints())
+
+
+def test_write_fencing_a_lower_attempt_never_overwrites_a_higher_one(ckpt_env, tmp_path):
+    store = _store(ckpt_env)
+    zombie = _uploader(store, tmp_path, attempt=1)  # attempt 1 still alive...
+    newer = _uploader(store, tmp_path, attempt=2)  # ...while attempt 2 commits
+    newer.submit(_checkpoint(tmp_path / "a2", 100), 100)
+    assert newer.close(60)
+    before = {c.step: c.manifest for c in store.list_checkpoints()}
+    zombie.submit(_checkpoint(tmp_path / "a1", 100), 100)
+    zombie.submit(_checkpoint(tmp_path / "a1", 200), 200)
+    zombie.close(60)
+    after = store.list_checkpoints()
+    assert {c.step: c.manifest for c in after if c.manifest} == before
+    assert zombie.fenced
+    assert before[100].attempt == 2
+
+
+def test_s3_outage_training_continues_uploads_retry_and_catch_up(ckpt_env, minio, tmp_path, caplog):
+    store = _store(ckpt_env, connect_timeout_s=1.0, read_timeout_s=5.0)
+    up = _uploader(store, tmp_path)
+    minio.stop()
+    try:
+        start = time.monotonic()
+        assert up.submit(_checkpoint(tmp_path / "out", 7), 7)
+        assert time.monotonic() - start < 2, "submit must never wait for S3"
+        deadline = time.monotonic() + 60
+        while not up.lagging:
+            assert time.monotonic() < deadline, up.status_line()
+            time.sleep(0.2)
+        line = up.status_line()
+        assert "lagging" in line and "pending steps [7]" in line
+        # "training" goes on: a newer checkpoint is accepted while S3 is down
+        assert up.submit(_checkpoint(tmp_path / "out", 8), 8)
+    finally:
+        minio.start()
+    assert up.close(120), up.status_line()
+    assert [c.step for c in store.list_checkpoints() if c.complete] == [7, 8]
+    assert "in sync" in up.status_line()
+
+
+def test_bad_credentials_are_a_permanent_error_without_the_secret(ckpt_env, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value-123")
+    store = _store(dict(ckpt_env, AWS_SECRET_ACCESS_KEY="wrong-secret-value-123"))
+    with pytest.raises(StoragePermanentError) as info:
+        store.list_checkpoints()
+    assert "wrong-secret-value-123" not in str(info.value)
+
+
+def test_unreachable_endpoint_is_a_temporary_error(ckpt_env):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    store = _store(dict(ckpt_env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}"), connect_timeout_s=0.5)
+    with pytest.raises(StorageTemporaryError):
+        store.list_checkpoints()

@@ -1,0 +1,65 @@
+"""One rank of a 2-process CPU (gloo) training run, driven by the slow DDP tests.
+
+Usage: python ddp_worker.py '<json spec>' with RANK/WORLD_SIZE/MASTER_* set.
+Spec keys: out (output_dir), max_steps, stop_at (step to stop cleanly at),
+sigterm_at ({"rank": r, "step": s}: that rank signals itself mid-step s),
+resume (None, True or a path), result (folder for this rank's params + history).
+Exit code 83 when preempted, as the built-in entrypoint does.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+from safetensors.torch import save_file  # noqa: E402
+
+from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments, TrainingPreempted  # noqa: E402
+from kubetrain_trainer.models import SyntheticTokens, TinyGPT, TinyGPTConfig  # noqa: E402
+from kubetrain_trainer.rng import set_seed  # noqa: E402
+
+
+class Control(TrainerCallback):
+    def __init__(self, spec):
+        self.spec = spec
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        s = self.spec.get("sigterm_at")
+        if s and s["rank"] == int(os.environ["RANK"]) and state.global_step + 1 == s["step"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.spec.get("stop_at") == state.global_step:
+            control.should_training_stop = True
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    set_seed(spec.get("init_seed", 0))
+    model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, dropout=0.1))
+    args = TrainingArguments(output_dir=spec["out"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
+                             lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
+                             report_to=["none"])
+    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(30, 8, 32), callbacks=[Control(spec)])
+    code = 0
+    try:
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+    except TrainingPreempted:
+        code = 83
+    result = Path(spec["result"])
+    result.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(result / f"params_{rank}.safetensors"))
+    (result / f"history_{rank}.json").write_text(json.dumps(trainer.state.log_history))
+    torch.distributed.destroy_process_group()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

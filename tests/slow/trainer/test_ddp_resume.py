@@ -1,0 +1,102 @@
+"""DDP on CPU with 2 processes (gloo): stop or preempt, resume in new processes, end bitwise equal.
+
+The resume-equivalence test of issue 4: train N steps straight; train k steps,
+stop, start new processes, resume, continue to N; compare parameters and the
+loss history with `torch.equal` / exact float equality. Also: SIGTERM on ONE
+rank stops both at the same step with one emergency checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+STEPS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, world: int = 2, timeout: int = 400) -> list[int]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    codes = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append(p.returncode)
+        if p.returncode not in (0, 83):
+            print(out)
+    return codes
+
+
+def _result(folder: Path, rank: int):
+    params = load_file(str(folder / f"params_{rank}.safetensors"))
+    history = [(e["step"], e["loss"], e["grad_norm"], e["learning_rate"])
+               for e in json.loads((folder / f"history_{rank}.json").read_text()) if "loss" in e]
+    return params, history
+
+
+def _assert_equal_runs(a: Path, b: Path):
+    for rank in (0, 1):
+        pa, ha = _result(a, rank)
+        pb, hb = _result(b, rank)
+        assert pa.keys() == pb.keys()
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), f"rank {rank}: {k} differs"
+        assert ha == hb and len(ha) == STEPS
+    p0, _ = _result(b, 0)
+    p1, _ = _result(b, 1)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)  # replicas agree
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight")
+    assert launch({"out": str(root / "out"), "max_steps": STEPS, "result": str(root / "res")}) == [0, 0]
+    return root / "res"
+
+
+def test_ddp_stop_and_resume_is_bitwise_equal(straight, tmp_path):
+    out = str(tmp_path / "out")
+    assert launch({"out": out, "max_steps": STEPS, "stop_at": 6, "result": str(tmp_path / "r1")}) == [0, 0]
+    assert launch({"out": out, "max_steps": STEPS, "resume": True, "init_seed": 99,
+                   "result": str(tmp_path / "r2")}) == [0, 0]
+    _assert_equal_runs(straight, tmp_path / "r2")
+
+
+def test_sigterm_on_one_rank_preempts_both_at_the_same_step(straight, tmp_path):
+    out = tmp_path / "out"
+    codes = launch({"out": str(out), "max_steps": STEPS, "sigterm_at": {"rank": 1, "step": 5},
+                    "result": str(tmp_path / "r1")})
+    assert codes == [83, 83]
+    ck = out / "checkpoint-5"
+    assert (ck / "trainer_state.json").is_file()
+    assert (ck / "rng_state_0.pth").is_file() and (ck / "rng_state_1.pth").is_file()
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 5
+    assert launch({"out": str(out), "max_steps": STEPS, "resume": True, "init_seed": 5,
+                   "result": str(tmp_path / "r2")}) == [0, 0]
+    _assert_equal_runs(straight, tmp_path / "r2")

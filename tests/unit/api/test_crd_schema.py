@@ -1,0 +1,197 @@
+"""Offline checks of crds/trainingjob.yaml: the properties the API server cannot
+check for us (every field documented, printer columns, bounded CEL cost,
+reserved names in step with docs/contract.md) and the regular expressions,
+exercised on real inputs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def walk(node: dict, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Every schema node below `node` with its dotted path ([] for items, {} for map values)."""
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from walk(sub, f"{path}.{name}" if path else name)
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_identity(crd):
+    assert crd["metadata"]["name"] == "trainingjobs.kubetrain.io"
+    spec = crd["spec"]
+    assert spec["group"] == "kubetrain.io"
+    assert spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "TrainingJob"
+    assert spec["names"]["plural"] == "trainingjobs"
+    assert spec["names"]["shortNames"] == ["tj"]
+
+
+def test_single_served_storage_version_with_status_subresource(version):
+    assert version["name"] == "v1alpha1"
+    assert version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+
+
+def test_every_field_has_a_description(schema):
+    # The API server forbids anything on `metadata` itself but name/generateName rules.
+    missing = [p or "(root)" for p, node in walk(schema)
+               if p != "metadata" and not node.get("description", "").strip()]
+    assert missing == []
+    assert set(schema["properties"]["metadata"]) == {"type", "properties"}
+
+
+def test_schema_is_structural(schema):
+    """Every node has a type, except int-or-string and free-form ones."""
+    untyped = [
+        p for p, node in walk(schema)
+        if "type" not in node
+        and not node.get("x-kubernetes-int-or-string")
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ]
+    assert untyped == []
+
+
+def test_printer_columns(version):
+    cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert cols == {
+        "Phase": ".status.phase",
+        "Ready": ".status.nodesReady",
+        "Nodes": ".status.nodesTotal",
+        "Attempt": ".status.attempt",
+        "Restarts": ".status.restarts",
+        "Preemptions": ".status.preemptions",
+        "Checkpoint": ".status.lastCheckpoint.step",
+        "Age": ".metadata.creationTimestamp",
+        "Message": ".status.message",
+    }
+
+
+def test_agreed_field_names_exist(schema):
+    """The names in docs/api-sketch.md, which the operator and trainer code against."""
+    paths = {p for p, _ in walk(schema)}
+    for p in [
+        "spec.image", "spec.imagePullPolicy", "spec.nodes", "spec.procsPerNode", "spec.masterPort",
+        "spec.resources.requests", "spec.resources.limits", "spec.trainer.builtin.task",
+        "spec.trainer.builtin.args", "spec.trainer.command", "spec.trainer.workingDir", "spec.env",
+        "spec.envFrom", "spec.strategy.type", "spec.strategy.fsdp.reshardAfterForward",
+        "spec.strategy.fsdp.cpuOffload", "spec.strategy.fsdp.mixedPrecision",
+        "spec.strategy.deepspeed.config", "spec.strategy.deepspeed.configMapRef.name",
+        "spec.strategy.deepspeed.configMapRef.key", "spec.checkpoint.uri", "spec.checkpoint.endpoint",
+        "spec.checkpoint.region", "spec.checkpoint.credentialsSecret.name",
+        "spec.checkpoint.credentialsSecret.accessKeyIdKey",
+        "spec.checkpoint.credentialsSecret.secretAccessKeyKey", "spec.runPolicy.backoffLimit",
+        "spec.runPolicy.backoffSeconds", "spec.runPolicy.maxPreemptions",
+        "spec.runPolicy.activeDeadlineSeconds", "spec.runPolicy.ttlSecondsAfterFinished",
+        "spec.runPolicy.suspend", "spec.runPolicy.nodeLostGraceSeconds",
+        *(f"spec.podTemplate.{f}" for f in [
+            "labels", "annotations", "nodeSelector", "tolerations", "affinity", "priorityClassName",
+            "schedulerName", "serviceAccountName", "imagePullSecrets", "volumes", "volumeMounts"]),
+        *(f"status.{f}" for f in [
+            "phase", "message", "conditions", "attempt", "restarts", "preemptions", "failures",
+            "nodesReady", "nodesTotal", "startTime", "completionTime", "nextAttemptTime",
+            "lastCheckpoint.step", "lastCheckpoint.uri", "lastCheckpoint.time", "observedGeneration"]),
+    ]:
+        assert p in paths, p
+
+
+def test_no_inline_credential_fields(schema):
+    checkpoint = schema["properties"]["spec"]["properties"]["checkpoint"]
+    assert not checkpoint.get("x-kubernetes-preserve-unknown-fields")
+    assert set(checkpoint["properties"]) == {"uri", "endpoint", "region", "credentialsSecret"}
+
+
+def test_every_rule_has_a_message_naming_a_field(schema):
+    for path, node in walk(schema):
+        for rule in node.get("x-kubernetes-validations", []):
+            msg = rule.get("message") or rule.get("messageExpression")
+            assert msg, (path, rule)
+            assert "spec." in msg, (path, msg)
+
+
+def test_lists_and_maps_iterated_by_rules_are_bounded(schema):
+    """CEL cost is estimated from maxItems/maxProperties/maxLength: every spec
+    list and map must bound them, or the API server refuses the CRD (or worse,
+    a rule added later silently blows the budget)."""
+    spec = schema["properties"]["spec"]
+    unbounded = []
+    for path, node in walk(spec, "spec"):
+        if node.get("type") == "array" and "maxItems" not in node:
+            unbounded.append(path)
+        if node.get("type") == "object" and "additionalProperties" in node and "maxProperties" not in node:
+            unbounded.append(path)
+    assert unbounded == []
+
+
+def _reserved_in_crd(schema) -> set[str]:
+    spec = schema["properties"]["spec"]
+    rules = [r["rule"] for r in spec["properties"]["env"]["items"]["properties"]["name"]["x-kubernetes-validations"]]
+    rules += [r["rule"] for r in spec["x-kubernetes-validations"]]
+    return set(re.findall(r"'([A-Z][A-Z0-9_]+)'", " ".join(rules)))
+
+
+def test_reserved_env_names_follow_the_contract(schema):
+    """Every variable in docs/contract.md's environment table is rejected in spec.env."""
+    contract = (ROOT / "docs" / "contract.md").read_text()
+    section = contract.split("## Environment of every training container", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names |= set(re.findall(r"`([A-Z][A-Z0-9_]+)`", line.split("|")[1]))
+    assert len(names) >= 15, names
+    assert names - _reserved_in_crd(schema) == set()
+
+
+def _pattern(schema, *path: str) -> re.Pattern:
+    node = schema
+    for p in path:
+        node = node["properties"][p]
+    return re.compile(node["pattern"])
+
+
+@pytest.mark.parametrize("uri, ok", [
+    ("s3://kubetrain-demo/jobs", True),
+    ("s3://bucket", True),
+    ("s3://my.bucket-1/a/b/c", True),
+    ("s3://AKIAXXXX:secret@bucket/prefix", False),
+    ("s3://user@bucket/prefix", False),
+    ("https://bucket/prefix", False),
+    ("s3://Bucket/prefix", False),
+    ("s3://b/prefix", False),
+    ("s3:///prefix", False),
+])
+def test_checkpoint_uri_pattern(schema, uri, ok):
+    pat = _pattern(schema, "spec", "checkpoint", "uri")
+    assert bool(pat.match(uri)) is ok
+
+
+@pytest.mark.parametrize("endpoint, ok", [
+    ("http://minio.minio:9000", True),
+    ("https://s3.eu-west-1.amazonaws.com", True),
+    ("http://127.0.0.1:9000/", True),
+    ("http://key:secret@minio:9000", False),
+    ("minio:9000", False),
+    ("http://minio 9000", False),
+])
+def test_checkpoint_endpoint_pattern(schema, endpoint, ok):
+    assert bool(_pattern(schema, "spec", "checkpoint", "endpoint").match(endpoint)) is ok
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("gpt-small", True), ("a", True), ("x" * 50, True),
+    ("x" * 51, False), ("1job", False), ("Job", False), ("job-", False), ("my.job", False),
+])
+def test_job_name_fits_hostnames_and_labels(schema, name, ok):
+    meta = schema["properties"]["metadata"]["properties"]["name"]
+    assert (bool(re.match(meta["pattern"], name)) and len(name) <= meta["maxLength"]) is ok
+    # <name>-n<rank> is a pod hostname (a DNS label, <= 63) for ranks up to nodes.maximum-1.
+    max_rank = schema["properties"]["spec"]["properties"]["nodes"]["maximum"] - 1
+    assert meta["maxLength"] + len(f"-n{max_rank}") <= 63

@@ -1,0 +1,180 @@
+"""The pod and Service the operator builds follow docs/contract.md exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kubetrain import builders
+from kubetrain.api import Job, SpecError, Spec
+from kubetrain.config import ConfigError, Settings
+from kubetrain.plan import PodView
+
+BODY = {
+    "metadata": {"name": "gpt-small", "namespace": "ml", "uid": "u-1", "generation": 1},
+    "spec": {
+        "image": "reg/trainer:0.1.0", "nodes": 4, "procsPerNode": 2,
+        "resources": {"limits": {"nvidia.com/gpu": 2}},
+        "trainer": {"builtin": {"task": "causal-lm", "args": {"max_steps": 100}}},
+        "env": [{"name": "USER_VAR", "value": "1"}],
+        "checkpoint": {"uri": "s3://bucket/prefix", "endpoint": "http://minio:9000",
+                       "credentialsSecret": {"name": "s3-creds"}},
+        "podTemplate": {"labels": {"team": "a"}, "annotations": {"x": "y"}, "priorityClassName": "low",
+                        "nodeSelector": {"pool": "gpu"}},
+    },
+}
+
+
+def env_of(pod: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_pod_names_labels_owner_and_dns() -> None:
+    job = Job.from_storage(BODY)
+    pod = builders.get_pod(job=job, attempt=3, rank=2)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "gpt-small-a3-n2"
+    assert meta["labels"] == {"team": "a", "kubetrain.io/job-name": "gpt-small", "kubetrain.io/attempt": "3",
+                              "kubetrain.io/node-rank": "2", "app.kubernetes.io/managed-by": "kubetrain"}
+    assert meta["annotations"] == {"x": "y"}
+    assert meta["ownerReferences"] == [{"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                                        "name": "gpt-small", "uid": "u-1", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert spec["hostname"] == "gpt-small-n2" and spec["subdomain"] == "gpt-small"
+    assert spec["restartPolicy"] == "Never"
+    assert spec["priorityClassName"] == "low" and spec["nodeSelector"] == {"pool": "gpu"}
+    container = spec["containers"][0]
+    assert container["command"] == ["python", "-m", "kubetrain_trainer.launch"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_env_contract() -> None:
+    env = env_of(builders.get_pod(job=Job.from_storage(BODY), attempt=3, rank=2))
+    values = {k: v.get("value") for k, v in env.items()}
+    assert values["NNODES"] == "4" and values["NODE_RANK"] == "2" and values["NPROC_PER_NODE"] == "2"
+    assert values["MASTER_ADDR"] == "gpt-small-n0.gpt-small.ml.svc" and values["MASTER_PORT"] == "29500"
+    assert values["KUBETRAIN_JOB_NAME"] == "gpt-small" and values["KUBETRAIN_NAMESPACE"] == "ml"
+    assert values["KUBETRAIN_ATTEMPT"] == "3"
+    assert env["KUBETRAIN_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert values["KUBETRAIN_CHECKPOINT_URI"] == "s3://bucket/prefix/ml/gpt-small"
+    assert values["AWS_ENDPOINT_URL"] == "http://minio:9000" and values["AWS_REGION"] == "us-east-1"
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
+        "name": "s3-creds", "key": "accessKeyId"}}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "s3-creds", "key": "secretAccessKey"}
+    assert "value" not in env["AWS_ACCESS_KEY_ID"] and "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    assert values["KUBETRAIN_STRATEGY"] == "ddp"
+    assert json.loads(values["KUBETRAIN_TRAINER_ARGS"]) == {"max_steps": 100}
+    assert "KUBETRAIN_FSDP_CONFIG" not in env and "KUBETRAIN_DEEPSPEED_CONFIG" not in env
+    names = [e["name"] for e in builders.get_pod(job=Job.from_storage(BODY), attempt=1, rank=0)
+             ["spec"]["containers"][0]["env"]]
+    assert names[-1] == "USER_VAR", "user env comes after the contract's"
+
+
+def test_no_checkpoint_means_empty_uri_and_no_credentials() -> None:
+    body = json.loads(json.dumps(BODY))
+    del body["spec"]["checkpoint"]
+    env = env_of(builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0))
+    assert env["KUBETRAIN_CHECKPOINT_URI"]["value"] == ""
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"} & env.keys()
+
+
+def test_command_trainer_runs_through_the_launcher() -> None:
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["trainer"] = {"command": ["accelerate", "launch", "train.py"], "workingDir": "/w"}
+    container = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "kubetrain_trainer.launch", "--", "accelerate", "launch", "train.py"]
+    assert container["workingDir"] == "/w"
+    assert "KUBETRAIN_TRAINER_ARGS" not in env_of({"spec": {"containers": [container]}})
+
+
+@pytest.mark.parametrize("deepspeed, configmap, key", [
+    ({"config": {"zero_optimization": {"stage": 3}}}, "gpt-small-deepspeed", "ds_config.json"),
+    ({"configMapRef": {"name": "mine", "key": "ds.json"}}, "mine", "ds.json"),
+])
+def test_zero3_mounts_the_deepspeed_config(deepspeed: dict, configmap: str, key: str) -> None:
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["strategy"] = {"type": "zero3", "deepspeed": deepspeed}
+    job = Job.from_storage(body)
+    pod = builders.get_pod(job=job, attempt=1, rank=0)
+    assert {"name": "kubetrain-deepspeed", "configMap": {"name": configmap}} in pod["spec"]["volumes"]
+    assert env_of(pod)["KUBETRAIN_DEEPSPEED_CONFIG"]["value"] == f"/etc/kubetrain/deepspeed/{key}"
+    assert env_of(pod)["KUBETRAIN_STRATEGY"]["value"] == "zero3"
+    if "config" in deepspeed:
+        cm = builders.get_deepspeed_configmap(job=job)
+        assert json.loads(cm["data"]["ds_config.json"]) == deepspeed["config"]
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_fsdp_options_exported_as_json() -> None:
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["strategy"] = {"type": "fsdp", "fsdp": {"reshardAfterForward": False, "mixedPrecision": "bf16"}}
+    env = env_of(builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0))
+    assert json.loads(env["KUBETRAIN_FSDP_CONFIG"]["value"]) == {"reshardAfterForward": False, "mixedPrecision": "bf16"}
+
+
+def test_headless_service() -> None:
+    svc = builders.get_service(job=Job.from_storage(BODY))
+    assert svc["metadata"]["name"] == "gpt-small"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"kubetrain.io/job-name": "gpt-small"}
+    assert svc["spec"]["ports"][0]["port"] == 29500
+    assert svc["metadata"]["ownerReferences"][0]["controller"] is True
+
+
+def test_built_pod_parses_back_into_a_view() -> None:
+    pod = builders.get_pod(job=Job.from_storage(BODY), attempt=2, rank=1)
+    view = PodView.from_storage(pod)
+    assert view is not None and (view.name, view.attempt, view.rank, view.phase) == ("gpt-small-a2-n1", 2, 1, "Pending")
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"nodes": 0}, "spec.nodes"),
+    ({"nodes": "2"}, "spec.nodes"),
+    ({"image": ""}, "spec.image"),
+    ({"strategy": {"type": "horovod"}}, "spec.strategy.type"),
+    ({"checkpoint": {"uri": "gs://b", "credentialsSecret": {"name": "s"}}}, "spec.checkpoint.uri"),
+    ({"checkpoint": {"uri": "s3://bucket"}}, "spec.checkpoint.credentialsSecret.name"),
+    ({"runPolicy": {"backoffLimit": -1}}, "spec.runPolicy.backoffLimit"),
+    ({"trainer": {"builtin": {"task": "x"}, "command": ["a"]}}, "spec.trainer"),
+])
+def test_unusable_spec_names_the_field(spec: dict, field: str) -> None:
+    base = {"image": "i", "trainer": {"builtin": {"task": "regression"}}, **spec}
+    with pytest.raises(SpecError) as err:
+        Spec.from_storage(base)
+    assert str(err.value).startswith(field + ":")
+
+
+def test_backoff_is_exponential_and_capped() -> None:
+    policy = Spec.from_storage({"image": "i", "runPolicy": {"backoffSeconds": 10}}).run_policy
+    assert [policy.backoff_delay(n) for n in (1, 2, 3, 4, 6)] == [10, 20, 40, 80, 300]
+
+
+@pytest.mark.parametrize("env, setting", [
+    ({"KUBETRAIN_LOG_LEVEL": "loud"}, "KUBETRAIN_LOG_LEVEL"),
+    ({"KUBETRAIN_NAMESPACES": "ok,Not_OK"}, "KUBETRAIN_NAMESPACES"),
+    ({"KUBETRAIN_DEFAULT_IMAGE": "a b"}, "KUBETRAIN_DEFAULT_IMAGE"),
+    ({"KUBETRAIN_MAX_CONCURRENT_RECONCILES": "0"}, "KUBETRAIN_MAX_CONCURRENT_RECONCILES"),
+    ({"KUBETRAIN_RESYNC_SECONDS": "soon"}, "KUBETRAIN_RESYNC_SECONDS"),
+])
+def test_bad_setting_is_named(env: dict, setting: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env(env)
+    assert err.value.setting == setting and setting in str(err.value)
+
+
+def test_settings_defaults_and_namespaces() -> None:
+    assert Settings.from_env({}).clusterwide
+    s = Settings.from_env({"KUBETRAIN_NAMESPACES": "a, b", "KUBETRAIN_LOG_LEVEL": "debug",
+                           "KUBETRAIN_DEFAULT_IMAGE": "img:1"})
+    assert s.namespaces == ("a", "b") and s.log_level == "DEBUG" and s.default_image == "img:1"
+    assert Spec.from_storage({}, default_image=s.default_image).image == "img:1"
+
+
+def test_cli_refuses_a_bad_setting(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubetrain.cli import main
+
+    monkeypatch.setenv("KUBETRAIN_LOG_LEVEL", "verbose")
+    assert main(["operator", "run"]) == 2
+    assert "KUBETRAIN_LOG_LEVEL" in capsys.readouterr().err

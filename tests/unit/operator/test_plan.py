@@ -1,0 +1,312 @@
+"""Table tests of the pure planner: every row of issue 3's failure semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kubetrain.api import Job
+from kubetrain.plan import (
+    CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, NodeView, Observed,
+    PatchStatus, plan,
+)
+from kubetrain_factories import at, gang, iso, job, observed, pod, started
+
+
+@dataclass
+class Case:
+    id: str
+    job: Job
+    obs: Observed
+    now: float = 5
+    phase: str | None = None
+    """Expected status.phase after the plan; None: no status write expected."""
+    counters: dict[str, int] = field(default_factory=dict)
+    creates: list[int] | None = None
+    """Ranks of CreatePod actions (None: no creation)."""
+    deletes: list[str] | None = None
+    force: list[str] = field(default_factory=list)
+    events: list[str] | None = None
+    """Expected event reasons, in order (None: not checked)."""
+    requeue: float | None = None
+    message: str | None = None
+    reason: tuple[str, str] | None = None
+    """(condition type, reason) expected among the conditions."""
+    extra: Any = None
+
+
+CASES = [
+    # --- start -------------------------------------------------------------
+    Case("fresh job creates service and the whole gang", job(nodes=3), observed(),
+         phase="Pending", counters={"attempt": 1, "restarts": 0, "nodes_total": 3},
+         creates=[0, 1, 2], events=["Created"], reason=("Created", "PodsCreated")),
+    Case("restart after crash mid-creation creates only the missing pods", job(nodes=3),
+         observed(pod(rank=0, phase="Pending"), pod(rank=2, phase="Pending")),
+         phase="Pending", counters={"attempt": 1}, creates=[1], events=["Created"]),
+    Case("all pods exist but status not written yet: no creation, status recorded", job(nodes=2),
+         observed(*gang(2, phase="Pending")), phase="Pending", counters={"attempt": 1}, creates=[], events=["Created"]),
+    Case("pending pods: nothing to do", job(status=started(phase="Pending")),
+         observed(*gang(phase="Pending")), phase=None),
+    Case("all pods running -> Running with event", job(status=started(phase="Pending")),
+         observed(*gang()), phase="Running", counters={"nodes_ready": 2}, events=["Running"],
+         reason=("Running", "AllPodsRunning")),
+    Case("one pod running: nodesReady moves, phase stays", job(status=started(phase="Pending")),
+         observed(pod(rank=0), pod(rank=1, phase="Pending")), phase="Pending",
+         counters={"nodes_ready": 1}, events=[]),
+    Case("steady running: no writes", job(status=started(nodesReady=2)), observed(*gang()), phase=None),
+    # --- success -----------------------------------------------------------
+    Case("all pods succeeded -> Succeeded", job(status=started(nodesReady=2)),
+         observed(*gang(phase="Succeeded", exit_code=0)), phase="Succeeded", events=["Succeeded"],
+         reason=("Succeeded", "Succeeded")),
+    Case("one succeeded, one still running: keep waiting", job(status=started(nodesReady=2)),
+         observed(pod(rank=0, phase="Succeeded", exit_code=0), pod(rank=1)), phase="Running",
+         counters={"nodes_ready": 1}),
+    # --- preemption --------------------------------------------------------
+    Case("DisruptionTarget (scheduler preemption) -> preemption restart, gang deleted",
+         job(status=started()), observed(pod(rank=0, disruption="PreemptionByScheduler", deleting=True), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 1, "failures": 0, "attempt": 1},
+         deletes=["tj-a1-n1"], events=["Preempted", "Restarting"], reason=("Restarting", "Preempted")),
+    Case("eviction API -> preemption", job(status=started()),
+         observed(pod(rank=0, disruption="EvictionByEvictionAPI"), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 1, "failures": 0},
+         deletes=["tj-a1-n0", "tj-a1-n1"], events=["Preempted", "Restarting"]),
+    Case("pod deleted by someone else (terminating) -> preemption", job(status=started()),
+         observed(pod(rank=0, deleting=True), pod(rank=1)), phase="Restarting",
+         counters={"preemptions": 1, "failures": 0}, deletes=["tj-a1-n1"]),
+    Case("pod gone from a started attempt -> preemption", job(status=started()),
+         observed(pod(rank=1)), phase="Restarting", counters={"preemptions": 1}, deletes=["tj-a1-n1"],
+         message="tj-a1-n0 was deleted"),
+    Case("exit 83 -> preemption, backoffLimit untouched", job(status=started(failures=1)),
+         observed(pod(rank=0, phase="Failed", exit_code=83), pod(rank=1)), phase="Restarting",
+         counters={"preemptions": 1, "failures": 1}, events=["Preempted", "Restarting"]),
+    Case("137 with DisruptionTarget -> preemption", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=137, disruption="TerminationByKubelet"), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 1, "failures": 0}),
+    Case("peer crash after a preemption is not an application failure", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=83), pod(rank=1, phase="Failed", exit_code=1)),
+         phase="Restarting", counters={"preemptions": 1, "failures": 0}),
+    Case("kubelet eviction (status.reason Evicted) -> preemption", job(status=started()),
+         observed(pod(rank=0, phase="Failed", reason="Evicted"), pod(rank=1)), phase="Restarting",
+         counters={"preemptions": 1, "failures": 0}),
+    Case("node NotReady within grace: wait and requeue", job(status=started(), run_policy={"nodeLostGraceSeconds": 30}),
+         observed(*gang(), nodes={"kwok-0": NodeView("kwok-0", ready=False, since=at(0))}), now=10,
+         phase=None, requeue=20),
+    Case("node NotReady beyond grace -> preemption", job(status=started(), run_policy={"nodeLostGraceSeconds": 30}),
+         observed(*gang(), nodes={"kwok-0": NodeView("kwok-0", ready=False, since=at(0))}), now=31,
+         phase="Restarting", counters={"preemptions": 1, "failures": 0}, message="NotReady",
+         force=["tj-a1-n0", "tj-a1-n1"]),
+    Case("node deleted beyond grace -> preemption, pods force-deleted",
+         job(status=started(), run_policy={"nodeLostGraceSeconds": 0}),
+         observed(*gang(), nodes={"kwok-0": NodeView("kwok-0", exists=False, since=at(5))}), now=5,
+         phase="Restarting", counters={"preemptions": 1}, deletes=["tj-a1-n0", "tj-a1-n1"],
+         force=["tj-a1-n0", "tj-a1-n1"], message="was deleted"),
+    Case("pod phase Unknown beyond grace -> preemption", job(status=started(), run_policy={"nodeLostGraceSeconds": 10}),
+         observed(pod(rank=0, phase="Unknown", ready=False, ready_since=iso(0)), pod(rank=1)), now=11,
+         phase="Restarting", counters={"preemptions": 1}),
+    Case("pod phase Unknown within grace: requeue", job(status=started(), run_policy={"nodeLostGraceSeconds": 10}),
+         observed(pod(rank=0, phase="Unknown", ready=False, ready_since=iso(0)), pod(rank=1)), now=4,
+         phase="Running", counters={"nodes_ready": 1}, requeue=6),
+    Case("maxPreemptions exceeded -> Failed", job(status=started(preemptions=2), run_policy={"maxPreemptions": 2}),
+         observed(pod(rank=0, disruption="PreemptionByScheduler"), pod(rank=1)), phase="Failed",
+         counters={"preemptions": 3}, events=["Preempted", "Failed"], reason=("Failed", "MaxPreemptionsExceeded")),
+    Case("maxPreemptions 0 means none allowed", job(status=started(), run_policy={"maxPreemptions": 0}),
+         observed(pod(rank=0, disruption="PreemptionByScheduler"), pod(rank=1)), phase="Failed"),
+    # --- application failure --------------------------------------------------
+    Case("exit 1 -> failure 1, backoff 10s", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), phase="Restarting",
+         counters={"failures": 1, "preemptions": 0}, deletes=["tj-a1-n0", "tj-a1-n1"],
+         events=["BackoffRestart"], requeue=10, reason=("Restarting", "BackoffRestart"),
+         extra={"next_attempt_time": iso(15)}),
+    Case("third failure backs off 10*2^2 = 40s", job(status=started(failures=2), run_policy={"backoffLimit": 5}),
+         observed(pod(rank=0), pod(rank=1, phase="Failed", exit_code=2)), phase="Restarting",
+         counters={"failures": 3}, requeue=40, message="exited with code 2"),
+    Case("backoff capped at 300s", job(status=started(failures=9), run_policy={"backoffLimit": 20}),
+         observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), phase="Restarting", requeue=300),
+    Case("137 without disruption is an application failure", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=137), pod(rank=1)), phase="Restarting",
+         counters={"failures": 1, "preemptions": 0}),
+    Case("backoffLimit exceeded -> Failed with exit code and log tail", job(status=started(failures=3)),
+         observed(pod(rank=0, phase="Failed", exit_code=7, message="Traceback: boom"), pod(rank=1)),
+         phase="Failed", counters={"failures": 4}, deletes=["tj-a1-n1"], events=["Failed"],
+         reason=("Failed", "BackoffLimitExceeded"), message="exited with code 7"),
+    Case("backoffLimit 0 fails at the first failure", job(status=started(), run_policy={"backoffLimit": 0}),
+         observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1, phase="Failed", exit_code=1)),
+         phase="Failed", deletes=[], message="code 1"),
+    # --- cannot ever work ------------------------------------------------------
+    Case("exit 82 -> Failed at once, no restart", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message="unknown arg 'lr'"), pod(rank=1)),
+         phase="Failed", counters={"failures": 0}, deletes=["tj-a1-n1"], events=["Failed"],
+         reason=("Failed", "InvalidConfiguration"), message="unknown arg"),
+    Case("ImagePullBackOff -> Failed at once", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff"), pod(rank=1, phase="Pending")),
+         phase="Failed", reason=("Failed", "ImagePullBackOff"), deletes=["tj-a1-n0", "tj-a1-n1"]),
+    Case("ErrImagePull -> Failed", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="ErrImagePull"), pod(rank=1, phase="Pending")),
+         phase="Failed", reason=("Failed", "ErrImagePull")),
+    Case("InvalidImageName -> Failed", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="InvalidImageName"), pod(rank=1, phase="Pending")),
+         phase="Failed", reason=("Failed", "InvalidImageName")),
+    Case("CreateContainerConfigError -> Failed", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="CreateContainerConfigError"), pod(rank=1, phase="Pending")),
+         phase="Failed", reason=("Failed", "CreateContainerConfigError")),
+    Case("ContainerCreating is not fatal", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="ContainerCreating"), pod(rank=1, phase="Pending")),
+         phase=None),
+    Case("spec the operator cannot use -> Failed naming the field",
+         job(spec={"nodes": "many"}), observed(), phase="Failed", reason=("Failed", "InvalidSpec"),
+         message="spec.nodes"),
+    # --- restarting ----------------------------------------------------------------
+    Case("restarting: old pods still terminating -> wait, create nothing",
+         job(status=started(phase="Restarting", nextAttemptTime=iso(0))),
+         observed(pod(rank=0, deleting=iso(4)), pod(rank=1, deleting=iso(4))), phase=None, creates=None,
+         requeue=29),
+    Case("restarting: old pod not yet deleted gets deleted", job(status=started(phase="Restarting", nextAttemptTime=iso(0))),
+         observed(pod(rank=0, phase="Failed", exit_code=1)), deletes=["tj-a1-n0"], creates=None),
+    Case("restarting: old gang gone -> attempt 2 created", job(status=started(phase="Restarting", nextAttemptTime=iso(0), preemptions=1)),
+         observed(), phase="Pending", counters={"attempt": 2, "restarts": 1, "preemptions": 1},
+         creates=[0, 1], events=["Created"], reason=("Restarting", "AttemptStarted")),
+    Case("restarting: in backoff -> requeue, no creation",
+         job(status=started(phase="Restarting", nextAttemptTime=iso(20), failures=1)), observed(), now=5,
+         phase=None, creates=None, requeue=15),
+    Case("restarting: crash after creating part of attempt 2 -> complete it",
+         job(status=started(phase="Restarting", nextAttemptTime=iso(0))), observed(pod(attempt=2, rank=1, phase="Pending")),
+         phase="Pending", counters={"attempt": 2}, creates=[0]),
+    Case("stuck terminating pod on deleted node is force-deleted",
+         job(status=started(phase="Restarting", nextAttemptTime=iso(0))),
+         observed(pod(rank=0, deleting=iso(1)), nodes={"kwok-0": NodeView("kwok-0", exists=False, since=at(1))}),
+         deletes=["tj-a1-n0"], force=["tj-a1-n0"], creates=None),
+    Case("stale pod of an old attempt next to a running gang is deleted", job(status=started(attempt=2, nodesReady=2)),
+         observed(pod(attempt=1, rank=0, phase="Failed", exit_code=1), *gang(attempt=2)), deletes=["tj-a1-n0"], phase=None),
+    # --- suspend / resume --------------------------------------------------------
+    Case("suspend -> Suspended, pods deleted", job(status=started(), run_policy={"suspend": True}),
+         observed(*gang()), phase="Suspended", deletes=["tj-a1-n0", "tj-a1-n1"], events=["Suspended"],
+         reason=("Suspended", "Suspended")),
+    Case("suspended from creation creates nothing", job(run_policy={"suspend": True}), observed(),
+         phase="Suspended", counters={"attempt": 0}, creates=None),
+    Case("resume with pods gone -> new attempt", job(status=started(phase="Suspended")), observed(),
+         phase="Pending", counters={"attempt": 2, "restarts": 1}, creates=[0, 1], events=["Resumed", "Created"]),
+    Case("resume while old pods terminate -> Restarting, wait", job(status=started(phase="Suspended")),
+         observed(pod(rank=0, deleting=iso(4))), phase="Restarting", creates=None, events=["Resumed"]),
+    # --- deadline, ttl, deletion ---------------------------------------------------
+    Case("activeDeadlineSeconds exceeded -> Failed DeadlineExceeded",
+         job(status=started(), run_policy={"activeDeadlineSeconds": 60}), observed(*gang()), now=61,
+         phase="Failed", events=["DeadlineExceeded", "Failed"], reason=("Failed", "DeadlineExceeded"),
+         deletes=["tj-a1-n0", "tj-a1-n1"]),
+    Case("deadline not yet reached -> requeue at deadline",
+         job(status=started(nodesReady=2), run_policy={"activeDeadlineSeconds": 60}), observed(*gang()), now=20,
+         phase=None, requeue=40),
+    Case("ttl not reached -> requeue", job(status={**started(phase="Succeeded"), "completionTime": iso(0)},
+                                           run_policy={"ttlSecondsAfterFinished": 30}),
+         observed(*gang(phase="Succeeded", exit_code=0)), now=10, phase=None, requeue=20),
+    Case("ttl reached -> delete the job", job(status={**started(phase="Succeeded"), "completionTime": iso(0)},
+                                             run_policy={"ttlSecondsAfterFinished": 30}),
+         observed(), now=31, phase=None, extra="DeleteJob"),
+    Case("job being deleted -> nothing (owner references do the rest)", job(deleting=True), observed(*gang()),
+         phase=None, creates=None, deletes=None),
+    Case("failed job still has a running pod -> it is deleted", job(status={**started(phase="Failed"), "completionTime": iso(0)}),
+         observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), deletes=["tj-a1-n1"], phase=None),
+    # --- checkpoints -----------------------------------------------------------------
+    Case("checkpoint annotation copied into status", job(status=started(nodesReady=2)),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint":
+                                          '{"step": 1200, "uri": "s3://b/p/ns/tj/checkpoint-1200", "time": "t"}'}),
+                  pod(rank=1)), phase="Running", extra={"last_checkpoint.step": 1200}),
+    Case("termination message checkpoint (higher step) wins", job(status=started(nodesReady=2, lastCheckpoint={"step": 50, "uri": "u"})),
+         observed(pod(rank=0, phase="Succeeded", exit_code=0, message='{"step": 90, "uri": "s3://b/c-90"}'), pod(rank=1)),
+         phase="Running", extra={"last_checkpoint.step": 90}),
+    Case("older checkpoint never replaces a newer one", job(status=started(nodesReady=2, lastCheckpoint={"step": 500, "uri": "u"})),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": '{"step": 100, "uri": "x"}'}), pod(rank=1)),
+         phase=None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_plan_table(case: Case) -> None:
+    result = plan(case.job, case.obs, at(case.now))
+    status = result.status
+    if case.phase is None:
+        assert status is None or status.phase == case.job.status.phase, f"unexpected status write {status}"
+    else:
+        assert status is not None, "expected a status write"
+        assert status.phase == case.phase
+        assert status.observed_generation == case.job.generation
+    for key, value in case.counters.items():
+        assert getattr(status or case.job.status, key) == value, key
+    creates = [a.rank for a in result.actions if isinstance(a, CreatePod)]
+    if case.creates is None:
+        assert creates == []
+    else:
+        assert sorted(creates) == case.creates
+    deletes = [a.name for a in result.actions if isinstance(a, DeletePod)]
+    if case.deletes is not None:
+        assert sorted(deletes) == sorted(case.deletes)
+    assert sorted(a.name for a in result.actions if isinstance(a, DeletePod) and a.force) == sorted(case.force)
+    if case.events is not None:
+        assert [e.reason for e in result.events] == case.events
+    if case.requeue is not None:
+        assert result.requeue_after == pytest.approx(case.requeue)
+    if case.message is not None:
+        assert case.message in (status or case.job.status).message
+    if case.reason is not None:
+        cond = (status or case.job.status).condition(case.reason[0])
+        assert cond is not None and cond.reason == case.reason[1], (status or case.job.status).conditions
+    if case.extra == "DeleteJob":
+        assert any(isinstance(a, DeleteJob) for a in result.actions)
+    elif isinstance(case.extra, dict):
+        for key, value in case.extra.items():
+            obj: Any = status
+            for part in key.split("."):
+                obj = getattr(obj, part)
+            assert obj == value, key
+
+
+def test_pods_are_created_before_the_status_records_the_attempt() -> None:
+    result = plan(job(nodes=2), observed(), at(0))
+    kinds = [type(a) for a in result.actions]
+    assert kinds == [CreateService, CreatePod, CreatePod, PatchStatus]
+
+
+def test_restart_status_is_written_before_pods_are_deleted() -> None:
+    result = plan(job(status=started()), observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), at(1))
+    kinds = [type(a) for a in result.actions]
+    assert kinds == [PatchStatus, DeletePod, DeletePod]
+
+
+def test_inline_deepspeed_config_gets_a_configmap() -> None:
+    tj = job(spec={"strategy": {"type": "zero3", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}})
+    assert any(isinstance(a, EnsureDeepSpeedConfigMap) for a in plan(tj, observed(), at(0)).actions)
+
+
+def test_plan_is_idempotent_once_its_status_is_stored() -> None:
+    """Applying a plan's status and planning again with the same pods changes nothing."""
+    tj = job(status=started(phase="Pending"))
+    obs = observed(*gang())
+    first = plan(tj, obs, at(1))
+    assert first.status is not None
+    again = Job(**{**tj.__dict__, "status": first.status})
+    second = plan(again, obs, at(2))
+    assert second.status is None and second.actions == () and second.events == ()
+
+
+def test_whole_failure_sequence_until_failed() -> None:
+    """Three failures back off 1, 2, 4 s; the fourth fails the job (backoffLimit 3)."""
+    tj = job(run_policy={"backoffSeconds": 1, "backoffLimit": 3})
+    now = 0.0
+    delays = []
+    for attempt in range(1, 5):
+        start = plan(tj, observed(), at(now))
+        tj = Job(**{**tj.__dict__, "status": start.status})
+        assert tj.status.attempt == attempt and tj.status.phase == "Pending"
+        crashed = observed(pod(attempt=attempt, rank=0, phase="Failed", exit_code=3), pod(attempt=attempt, rank=1))
+        result = plan(tj, crashed, at(now))
+        tj = Job(**{**tj.__dict__, "status": result.status})
+        if attempt < 4:
+            assert tj.status.phase == "Restarting"
+            delays.append(result.requeue_after)
+            now += result.requeue_after
+        else:
+            assert tj.status.phase == "Failed"
+            assert "exited with code 3" in tj.status.message
+    assert delays == [1, 2, 4]
+    assert tj.status.restarts == 3 and tj.status.failures == 4 and tj.status.preemptions == 0

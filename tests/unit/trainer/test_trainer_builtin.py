@@ -1,0 +1,52 @@
+"""The built-in entrypoint: configuration errors exit 82 with a hint; runs train, save and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kubetrain_trainer.builtin import EXIT_INVALID_CONFIG, run
+
+
+def _env(**args):
+    base = {"report_to": ["none"], "disable_tqdm": True, "logging_steps": 1}
+    return {"KUBETRAIN_BUILTIN_TASK": "regression", "KUBETRAIN_TRAINER_ARGS": json.dumps({**base, **args})}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KUBETRAIN_TRAINER_ARGS": '{"max_stpes": 3}'}, "unknown argument 'max_stpes'; did you mean 'max_steps'"),
+    ({"KUBETRAIN_TRAINER_ARGS": '{"max_steps": '}, "KUBETRAIN_TRAINER_ARGS is not valid JSON"),
+    ({"KUBETRAIN_TRAINER_ARGS": '[1]'}, "must be a JSON object"),
+    ({"KUBETRAIN_BUILTIN_TASK": "regresion"}, "unknown task 'regresion'; did you mean 'regression'"),
+    ({"KUBETRAIN_TRAINER_ARGS": '{"d_model": "big"}'}, "d_model: expected an integer"),
+    ({"KUBETRAIN_TRAINER_ARGS": '{"strategy": "zero3"}'}, "needs a DeepSpeed config"),
+    ({"KUBETRAIN_TRAINER_ARGS": '{"hiden": 3}', "KUBETRAIN_BUILTIN_TASK": "regression"}, "did you mean 'hidden'"),
+])
+def test_invalid_configuration_exits_82_with_a_hint(env, message, capsys):
+    assert run(env, []) == EXIT_INVALID_CONFIG
+    assert message in capsys.readouterr().err
+
+
+def test_trains_saves_and_resumes_from_output_dir(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(_env(output_dir=str(out), max_steps=4, save_steps=2), []) == 0
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kubetrain-tiny-mlp"
+    assert run(_env(output_dir=str(out), save_steps=2), ["--max_steps", "6"]) == 0
+    history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    # the second run trained only steps 5-6: its first-run steps came from checkpoint-4
+    assert '"global_step": 6' in capsys.readouterr().out
+
+
+def test_resume_from_env_points_at_a_restored_checkpoint(tmp_path):
+    first = tmp_path / "first"
+    assert run(_env(output_dir=str(first), max_steps=2, save_steps=2), []) == 0
+    second = tmp_path / "second"
+    env = {**_env(output_dir=str(second), max_steps=3, save_steps=1),
+           "KUBETRAIN_RESUME_FROM": str(first / "checkpoint-2")}
+    assert run(env, []) == 0
+    state = json.loads((second / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
+    assert not (second / "checkpoint-1").exists()  # steps 1-2 were not retrained

@@ -1,0 +1,188 @@
+"""The launcher without storage: env contract parsing, worker environment, exit codes, signals.
+
+Process tests run `python -m kubetrain_trainer.launch -- <tiny python worker>`
+for real (no S3: KUBETRAIN_CHECKPOINT_URI is empty). They are marked `slow`:
+each pays the launcher's interpreter start (seconds on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.launch import (
+    EXIT_INVALID_CONFIG,
+    EXIT_PREEMPTED,
+    ConfigError,
+    LaunchConfig,
+    exit_code_for,
+    worker_env,
+)
+
+BASE = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "3", "MASTER_ADDR": "job-n0.job.ns.svc",
+        "MASTER_PORT": "29500", "KUBETRAIN_ATTEMPT": "4", "KUBETRAIN_STRATEGY": "fsdp"}
+
+
+def test_env_contract_is_read():
+    cfg = LaunchConfig.from_env(BASE | {"KUBETRAIN_TRAINER_ARGS": '{"save_total_limit": 2, "max_steps": 5}'}, [])
+    assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node, cfg.world_size) == (2, 1, 3, 6)
+    assert (cfg.attempt, cfg.strategy, cfg.master_port, cfg.builtin) == (4, "fsdp", 29500, True)
+    assert cfg.checkpoint_uri is None
+    assert cfg.retention().save_total_limit == 2
+    assert cfg.local_dir == Path("/tmp/kubetrain/checkpoints")
+    cfg = LaunchConfig.from_env(BASE | {"KUBETRAIN_TRAINER_ARGS": '{"output_dir": "/data/out"}'}, [])
+    assert cfg.local_dir == Path("/data/out")  # the built-in trainer writes there: watch it
+    cfg = LaunchConfig.from_env(BASE, ["--", "accelerate", "launch", "train.py"])
+    assert cfg.command == ("accelerate", "launch", "train.py") and not cfg.builtin
+
+
+@pytest.mark.parametrize(
+    "override, argv, variable",
+    [
+        ({"NNODES": "two"}, [], "NNODES"),
+        ({"NNODES": "0"}, [], "NNODES"),
+        ({"NODE_RANK": "2"}, [], "NODE_RANK"),
+        ({"NPROC_PER_NODE": "-1"}, [], "NPROC_PER_NODE"),
+        ({"MASTER_PORT": "70000"}, [], "MASTER_PORT"),
+        ({"MASTER_ADDR": ""}, [], "MASTER_ADDR"),
+        ({"KUBETRAIN_ATTEMPT": "0"}, [], "KUBETRAIN_ATTEMPT"),
+        ({"KUBETRAIN_STRATEGY": "zero2"}, [], "KUBETRAIN_STRATEGY"),
+        ({"KUBETRAIN_CHECKPOINT_URI": "gs://bucket/x"}, [], "KUBETRAIN_CHECKPOINT_URI"),
+        ({"KUBETRAIN_TRAINER_ARGS": "{not json"}, [], "KUBETRAIN_TRAINER_ARGS"),
+        ({"KUBETRAIN_TRAINER_ARGS": "[1]"}, [], "KUBETRAIN_TRAINER_ARGS"),
+        ({"KUBETRAIN_TERMINATION_GRACE_SECONDS": "soon"}, [], "KUBETRAIN_TERMINATION_GRACE_SECONDS"),
+        ({}, ["--"], "command"),
+        ({}, ["train.py"], "command"),
+    ],
+)
+def test_invalid_configuration_names_the_variable(override, argv, variable):
+    with pytest.raises(ConfigError, match=f"^{variable}:"):
+        LaunchConfig.from_env(BASE | override, argv)
+
+
+def test_worker_env_sets_torch_distributed_variables_and_resume(tmp_path: Path):
+    cfg = LaunchConfig.from_env(BASE | {"KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path),
+                                        "KUBETRAIN_TRAINER_ARGS": '{"max_steps": 3}'}, [])
+    env = worker_env(cfg, 2, {"PATH": "/bin", "KUBETRAIN_RESUME_FROM": "stale", "KUBETRAIN_TRAINER_ARGS": "{}"}, tmp_path / "checkpoint-7")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
+        "RANK": "5", "LOCAL_RANK": "2", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1"}
+    assert env["MASTER_ADDR"] == "job-n0.job.ns.svc" and env["MASTER_PORT"] == "29500"
+    assert env["KUBETRAIN_RESUME_FROM"] == str(tmp_path / "checkpoint-7")
+    assert env["KUBETRAIN_SYNC_BY_LAUNCHER"] == "1"
+    assert env["KUBETRAIN_LOCAL_CHECKPOINT_DIR"] == str(tmp_path)
+    assert env["KUBETRAIN_TRAINER_ARGS"] == "{}"  # passed through untouched
+    env = worker_env(cfg, 0, {"KUBETRAIN_RESUME_FROM": "stale"}, None)
+    assert "KUBETRAIN_RESUME_FROM" not in env
+
+
+@pytest.mark.parametrize(
+    "first_failure, signalled, all_ok, code",
+    [
+        (None, False, True, 0),
+        (None, True, True, 0),  # finished just as SIGTERM came: done is done
+        (83, False, False, 83),
+        (82, True, False, 82),
+        (1, True, False, 83),  # killed while being preempted
+        (1, False, False, 1),
+        (-9, False, False, 137),
+        (-15, False, False, 143),
+    ],
+)
+def test_exit_codes(first_failure, signalled, all_ok, code):
+    assert exit_code_for(first_failure=first_failure, signalled=signalled, all_ok=all_ok) == code
+
+
+# ---------------------------------------------------------------- real processes
+
+WORKER = r"""
+import os, signal, sys, time, json, pathlib
+out = pathlib.Path(os.environ["TEST_OUT"])
+rank = os.environ["RANK"]
+(out / f"env-{rank}.json").write_text(json.dumps({k: os.environ.get(k) for k in
+    ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}))
+mode = os.environ["TEST_MODE"]
+def on_term(*_):
+    (out / f"sigterm-{rank}").write_text("x")
+    sys.exit(83)
+if mode == "trap":
+    signal.signal(signal.SIGTERM, on_term)
+elif mode == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+(out / f"ready-{rank}").write_text("x")
+if mode == "ok":
+    sys.exit(0)
+if mode == "fail" and rank == "1":
+    sys.exit(int(os.environ["TEST_CODE"]))
+time.sleep(60)
+"""
+
+
+def _launch(tmp_path: Path, mode: str, *, nproc: int = 2, extra=None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBETRAIN_", "AWS_"))}
+    env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_PORT="29511",
+               KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp_path / "ckpt"), TEST_OUT=str(tmp_path), TEST_MODE=mode,
+               KUBETRAIN_TERMINATION_LOG=str(tmp_path / "termination-log"))
+    env.update(extra or {})
+    return subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch", "--", sys.executable, "-c", WORKER],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(tmp_path: Path, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(tmp_path.glob("ready-*"))) < n:
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_workers_get_ranks_and_success_exits_0(tmp_path: Path):
+    p = _launch(tmp_path, "ok")
+    assert p.wait(timeout=120) == 0, p.stderr.read()
+    envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(2)]
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert all(e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["GROUP_RANK"] == "0" for e in envs)
+    assert envs[1]["MASTER_ADDR"] == "127.0.0.1" and envs[1]["MASTER_PORT"] == "29511"
+    assert not (tmp_path / "termination-log").exists()  # nothing committed: nothing to report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [3, EXIT_INVALID_CONFIG, EXIT_PREEMPTED])
+def test_first_failing_worker_decides_and_the_others_are_stopped(tmp_path: Path, code: int):
+    p = _launch(tmp_path, "fail", extra={"TEST_CODE": str(code)})
+    assert p.wait(timeout=120) == code, p.stderr.read()
+    # rank 0 would sleep 60 s: it was stopped soon after rank 1 failed
+    assert time.time() - (tmp_path / "ready-1").stat().st_mtime < 30, "the sleeping worker was not stopped"
+    assert (tmp_path / "ready-0").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_is_forwarded_and_reported_as_preempted(tmp_path: Path):
+    p = _launch(tmp_path, "trap")
+    _wait_ready(tmp_path, 2)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == EXIT_PREEMPTED, p.stderr.read()
+    assert sorted(f.name for f in tmp_path.glob("sigterm-*")) == ["sigterm-0", "sigterm-1"]
+
+
+@pytest.mark.slow
+def test_workers_ignoring_sigterm_are_killed_within_the_grace_period(tmp_path: Path):
+    p = _launch(tmp_path, "ignore", extra={"KUBETRAIN_TERMINATION_GRACE_SECONDS": "3"})
+    _wait_ready(tmp_path, 2)
+    start = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == EXIT_PREEMPTED
+    assert time.monotonic() - start < 10  # grace 3 s, not the workers' 60 s sleep
+
+
+@pytest.mark.slow
+def test_invalid_environment_exits_82_naming_the_variable(tmp_path: Path):
+    p = _launch(tmp_path, "ok", extra={"NPROC_PER_NODE": "many"})
+    assert p.wait(timeout=60) == EXIT_INVALID_CONFIG
+    assert "NPROC_PER_NODE" in p.stderr.read()

@@ -1,0 +1,218 @@
+"""Pure rules of the checkpoint commit record: building, validating, choosing, fencing, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.manifest import (
+    BestCheckpoint,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    NodePart,
+    RemoteCheckpoint,
+    RetentionPolicy,
+    build_manifest,
+    check_fence,
+    merge_parts,
+    newest_complete,
+    plan_retention,
+    verify_local,
+)
+
+SHA = "a" * 64
+
+
+def _m(step: int, *, attempt: int = 1, metrics=None, best=None, files=None) -> Manifest:
+    return Manifest(
+        step=step,
+        attempt=attempt,
+        world_size=2,
+        strategy="ddp",
+        files=files if files is not None else (FileEntry("model.safetensors", 10, SHA),),
+        metrics=metrics or {},
+        created="2026-01-01T00:00:00Z",
+        best=best,
+    )
+
+
+def _c(step: int, *, complete: bool = True, **kw) -> RemoteCheckpoint:
+    if not complete:
+        return RemoteCheckpoint(step=step, manifest=None, listing={"model.safetensors": 3})
+    m = _m(step, **kw)
+    listing = {f.path: f.size for f in m.files} | {"manifest.json": 100}
+    return RemoteCheckpoint(step=step, manifest=m, listing=listing)
+
+
+def test_build_manifest_hashes_every_file_and_reads_trainer_state(tmp_path: Path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "sub" / "shard_0.pt").write_bytes(b"x" * 1000)
+    (tmp_path / "manifest.json").write_text("{}")  # commit records are never checkpoint files
+    (tmp_path / "manifest.node-1.json").write_text("{}")
+    state = {
+        "global_step": 20,
+        "log_history": [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"step": 20, "eval_loss": 1.25}],
+        "best_metric": 1.25,
+        "best_model_checkpoint": "/out/checkpoint-20",
+    }
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    m = build_manifest(tmp_path, step=20, attempt=3, world_size=4, strategy="fsdp")
+    assert [f.path for f in m.files] == ["model.safetensors", "sub/shard_0.pt", "trainer_state.json"]
+    by_path = {f.path: f for f in m.files}
+    assert by_path["sub/shard_0.pt"].size == 1000
+    assert by_path["model.safetensors"].sha256 == hashlib.sha256(b"weights").hexdigest()
+    assert m.metrics == {"loss": 1.5, "eval_loss": 1.25}
+    assert m.best == BestCheckpoint(metric=None, value=1.25, step=20)
+    assert (m.step, m.attempt, m.world_size, m.strategy) == (20, 3, 4, "fsdp")
+    assert m.created.endswith("Z")
+
+
+def test_manifest_round_trips_through_json():
+    m = _m(7, attempt=2, metrics={"eval_loss": 0.5}, best=BestCheckpoint("eval_loss", 0.5, 7))
+    again = Manifest.from_json(m.to_json())
+    assert again == m
+    raw = json.loads(m.to_json())
+    assert {"format", "step", "attempt", "world_size", "strategy", "files", "metrics", "created"} <= set(raw)
+    assert raw["format"] == 1
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r.update(format=2), "format"),
+        (lambda r: r.pop("step"), "step"),
+        (lambda r: r.update(attempt=0), "attempt"),
+        (lambda r: r.update(world_size="2"), "world_size"),
+        (lambda r: r.update(strategy=""), "strategy"),
+        (lambda r: r.update(files={}), "files"),
+        (lambda r: r["files"].append(dict(r["files"][0])), "twice"),
+        (lambda r: r["files"][0].update(path="../escape"), "unsafe"),
+        (lambda r: r["files"][0].update(path="/abs"), "unsafe"),
+        (lambda r: r["files"][0].update(path="manifest.json"), "commit record"),
+        (lambda r: r["files"][0].update(size=-1), "size"),
+        (lambda r: r["files"][0].update(sha256="XYZ"), "sha256"),
+        (lambda r: r.update(metrics=[1]), "metrics"),
+    ],
+)
+def test_invalid_manifests_are_rejected_with_the_field_named(mutate, message):
+    raw = json.loads(_m(5).to_json())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(json.dumps(raw))
+
+
+def test_not_json_is_a_manifest_error():
+    with pytest.raises(ManifestError, match="JSON"):
+        Manifest.from_json(b"{torn")
+
+
+def test_completeness_needs_every_listed_file_with_its_size():
+    m = _m(5, files=(FileEntry("a", 3, SHA), FileEntry("b/c", 4, SHA)))
+    assert RemoteCheckpoint(5, m, {"a": 3, "b/c": 4, "stale-extra": 9}).complete
+    assert not RemoteCheckpoint(5, m, {"a": 3}).complete
+    assert not RemoteCheckpoint(5, m, {"a": 3, "b/c": 5}).complete
+    assert not RemoteCheckpoint(6, m, {"a": 3, "b/c": 4}).complete  # manifest of another step
+    assert m.mismatches({"a": 3}) == ["b/c: missing"]
+
+
+def test_newest_complete_skips_torn_and_excluded():
+    cps = [_c(10), _c(20), _c(30, complete=False)]
+    assert newest_complete(cps).step == 20
+    assert newest_complete(cps, exclude={20}).step == 10
+    assert newest_complete([_c(5, complete=False)]) is None
+
+
+@pytest.mark.parametrize(
+    "existing, step, attempt, history, allowed",
+    [
+        ([(10, 1)], 20, 1, set(), True),  # same attempt
+        ([(10, 1)], 20, 2, set(), True),  # newer attempt goes on
+        ([(10, 1)], 10, 2, set(), True),  # newer attempt may overwrite an older one's step
+        ([(10, 2)], 10, 1, {(10, 2)}, False),  # never overwrite a higher attempt's step
+        ([(10, 2)], 20, 1, set(), False),  # a higher attempt appeared while we run: zombie
+        ([(10, 2)], 20, 1, {(10, 2)}, True),  # higher attempt from history (job re-created)
+    ],
+)
+def test_write_fencing(existing, step, attempt, history, allowed):
+    cps = [_c(s, attempt=a) for s, a in existing]
+    fence = check_fence(cps, step=step, attempt=attempt, history=frozenset(history))
+    assert fence.allowed is allowed, fence.reason
+
+
+def _plan(cps, **policy):
+    in_flight = policy.pop("in_flight", ())
+    return plan_retention(cps, RetentionPolicy(**policy), in_flight=in_flight)
+
+
+def test_retention_keeps_newest_up_to_limit():
+    plan = _plan([_c(s) for s in (10, 20, 30, 40)], save_total_limit=2)
+    assert plan.delete == (10, 20)
+    assert plan.keep == (30, 40)
+
+
+def test_retention_never_deletes_the_best_even_beyond_the_limit():
+    cps = [_c(10, metrics={"eval_loss": 0.1}), _c(20, metrics={"eval_loss": 0.5}), _c(30, metrics={"eval_loss": 0.9}),
+           _c(40)]
+    plan = _plan(cps, save_total_limit=1, metric_for_best_model="loss")
+    assert plan.keep == (10, 40)
+    assert plan.protected == {40: "newest complete", 10: "best"}
+    plan = _plan(cps, save_total_limit=2, metric_for_best_model="eval_loss")
+    assert plan.keep == (10, 40)
+    # accuracy-like metric: greater is better by default
+    cps = [_c(10, metrics={"eval_acc": 0.9}), _c(20, metrics={"eval_acc": 0.5}), _c(30)]
+    assert _plan(cps, save_total_limit=1, metric_for_best_model="acc").keep == (10, 30)
+    assert _plan(cps, save_total_limit=1, metric_for_best_model="acc", greater_is_better=False).keep == (20, 30)
+
+
+def test_retention_falls_back_to_the_best_step_recorded_by_the_trainer():
+    cps = [_c(10), _c(20), _c(30, best=BestCheckpoint("eval_loss", 0.2, 10))]
+    assert _plan(cps, save_total_limit=1).keep == (10, 30)
+
+
+def test_retention_never_deletes_the_newest_complete_nor_an_upload_in_flight():
+    cps = [_c(10), _c(20), _c(30, complete=False)]
+    plan = _plan(cps, save_total_limit=1, in_flight=(30,))
+    assert plan.keep == (20, 30)
+    assert plan.delete == (10,)
+
+
+def test_torn_folders_are_deleted_only_below_the_newest_complete():
+    cps = [_c(10, complete=False), _c(20), _c(30, complete=False)]
+    plan = _plan(cps)  # no limit: complete ones are all kept
+    assert plan.delete == (10,)
+    assert plan.keep == (20, 30)
+    assert _plan([_c(10, complete=False)]).delete == ()
+
+
+def test_no_limit_keeps_every_complete_checkpoint():
+    assert _plan([_c(s) for s in (1, 2, 3)]).delete == ()
+    assert _plan([_c(s) for s in (1, 2, 3)], save_total_limit=0).delete == ()
+
+
+def test_merge_parts_needs_every_node_of_this_attempt():
+    a = FileEntry("rng_state_0.pth", 1, "0" * 64)
+    b = FileEntry("rng_state_1.pth", 1, "1" * 64)
+    shared = FileEntry("trainer_state.json", 5, "2" * 64)
+    parts = [NodePart(0, 10, 2, (a, shared)), NodePart(1, 10, 2, (b, shared))]
+    assert [f.path for f in merge_parts(parts, step=10, attempt=2, nnodes=2)] == [
+        "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+    with pytest.raises(ManifestError, match="missing"):
+        merge_parts([parts[0], NodePart(1, 10, 1, (b,))], step=10, attempt=2, nnodes=2)  # zombie's part
+    with pytest.raises(ManifestError, match="different content"):
+        merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 64),))],
+                    step=10, attempt=2, nnodes=2)
+    assert NodePart.from_json(parts[1].to_json()) == parts[1]
+
+
+def test_verify_local_detects_size_and_content_changes(tmp_path: Path):
+    (tmp_path / "a").write_bytes(b"abc")
+    good = FileEntry("a", 3, hashlib.sha256(b"abc").hexdigest())
+    assert verify_local(tmp_path, [good]) == []
+    assert verify_local(tmp_path, [FileEntry("a", 3, SHA)]) == ["a: sha256 mismatch"]
+    assert verify_local(tmp_path, [FileEntry("a", 4, SHA)]) == ["a: size 3 != 4"]
+    assert verify_local(tmp_path, [FileEntry("b", 1, SHA)]) == ["b: missing"]

@@ -1,0 +1,321 @@
+"""The uploader's ordering, fencing, retry and retention logic, with the S3 boundary faked in memory.
+
+The real S3 behaviour of the same code is covered against MinIO in
+tests/integration/trainer_storage; here the store is a dict so that the
+order of writes (manifest LAST) and the failure paths can be asserted exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+
+from kubetrain_trainer.manifest import MANIFEST_NAME, Manifest, RemoteCheckpoint, RetentionPolicy, node_part_name
+from kubetrain_trainer.storage import (
+    Backoff,
+    StoragePermanentError,
+    StorageTemporaryError,
+    classify,
+    retrying,
+)
+from kubetrain_trainer.sync import CheckpointUploader, FolderWatcher, SyncSettings
+
+FAST = Backoff(initial_s=0.01, maximum_s=0.05)
+
+
+class MemoryStore:
+    """Just enough of CheckpointStore: objects in a dict, every write logged, failures injectable."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.writes: list[str] = []
+        self.fail_next = 0
+        self.lock = threading.Lock()
+
+    def _maybe_fail(self) -> None:
+        with self.lock:
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                raise StorageTemporaryError("connect to 127.0.0.1:1 refused")
+
+    def checkpoint_uri(self, step: int) -> str:
+        return f"s3://b/p/checkpoint-{step}"
+
+    def list_checkpoints(self) -> list[RemoteCheckpoint]:
+        self._maybe_fail()
+        steps: dict[int, dict[str, int]] = {}
+        for key, data in self.objects.items():
+            folder, rel = key.split("/", 1)
+            steps.setdefault(int(folder.split("-")[1]), {})[rel] = len(data)
+        out = []
+        for step, listing in sorted(steps.items()):
+            raw = self.objects.get(f"checkpoint-{step}/{MANIFEST_NAME}")
+            out.append(RemoteCheckpoint(step, Manifest.from_json(raw) if raw else None, listing))
+        return out
+
+    def _put(self, key: str, data: bytes) -> None:
+        self._maybe_fail()
+        self.objects[key] = data
+        self.writes.append(key)
+
+    def upload_file(self, step: int, local: Path, rel: str) -> None:
+        self._put(f"checkpoint-{step}/{rel}", local.read_bytes())
+
+    def commit(self, manifest: Manifest) -> None:
+        self._put(f"checkpoint-{manifest.step}/{MANIFEST_NAME}", manifest.to_json())
+
+    def write_node_part(self, part) -> None:
+        self._put(f"checkpoint-{part.step}/{node_part_name(part.node_rank)}", part.to_json())
+
+    def read_node_parts(self, step: int):
+        from kubetrain_trainer.manifest import NodePart
+
+        return [NodePart.from_json(v) for k, v in self.objects.items()
+                if k.startswith(f"checkpoint-{step}/manifest.node-")]
+
+    def uncommit(self, step: int) -> None:
+        self._maybe_fail()
+        self.objects.pop(f"checkpoint-{step}/{MANIFEST_NAME}", None)
+        self.writes.append(f"uncommit checkpoint-{step}")
+
+    def delete_checkpoint(self, step: int) -> None:
+        self.uncommit(step)
+        for k in [k for k in self.objects if k.startswith(f"checkpoint-{step}/")]:
+            del self.objects[k]
+
+
+def _local_checkpoint(root: Path, step: int, *, loss: float | None = None) -> Path:
+    folder = root / f"checkpoint-{step}"
+    (folder / "shards").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * (step + 10))
+    (folder / "shards" / "rank0.pt").write_bytes(b"s%d" % step)
+    if loss is not None:
+        (folder / "trainer_state.json").write_text(
+            '{"log_history": [{"step": %d, "eval_loss": %s}]}' % (step, loss))
+    return folder
+
+
+def _uploader(tmp_path: Path, store: MemoryStore, **kw) -> CheckpointUploader:
+    settings = SyncSettings(attempt=kw.pop("attempt", 1), world_size=2, strategy="ddp", backoff=FAST,
+                            status_interval_s=0.01, **kw)
+    return CheckpointUploader(store, settings, staging_dir=tmp_path / "staging").start()
+
+
+def test_files_first_manifest_last_and_content_exact(tmp_path: Path):
+    store = MemoryStore()
+    committed = []
+    up = _uploader(tmp_path, store)
+    up.on_commit = committed.append
+    src = _local_checkpoint(tmp_path / "out", 5)
+    assert up.submit(src, 5)
+    assert up.close(10)
+    assert store.writes[-1] == "checkpoint-5/manifest.json"
+    assert set(store.writes[:-1]) == {"checkpoint-5/model.safetensors", "checkpoint-5/shards/rank0.pt"}
+    assert store.objects["checkpoint-5/shards/rank0.pt"] == b"s5"
+    m = Manifest.from_json(store.objects["checkpoint-5/manifest.json"])
+    assert (m.step, m.attempt, m.world_size) == (5, 1, 2)
+    assert [c.step for c in committed] == [5] and committed[0].uri.endswith("checkpoint-5")
+    assert not list((tmp_path / "staging").iterdir()), "snapshot not cleaned up"
+
+
+def test_snapshot_survives_the_trainer_rotating_the_folder_away(tmp_path: Path):
+    store = MemoryStore()
+    store.fail_next = 3  # keep the upload busy while the local folder disappears
+    up = _uploader(tmp_path, store)
+    src = _local_checkpoint(tmp_path / "out", 7)
+    up.submit(src, 7)
+    import shutil
+
+    shutil.rmtree(src)
+    assert up.close(10)
+    assert store.objects["checkpoint-7/model.safetensors"] == b"w" * 17
+
+
+def test_outage_retries_reports_lagging_then_catches_up(tmp_path: Path, caplog):
+    store = MemoryStore()
+    store.fail_next = 10**9
+    up = _uploader(tmp_path, store)
+    up.submit(_local_checkpoint(tmp_path / "out", 1), 1)
+    deadline = time.monotonic() + 10
+    while not up.lagging:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "lagging" in up.status_line() and "refused" in up.status_line()
+    assert not up.wait(0.2)
+    store.fail_next = 0
+    assert up.close(10)
+    assert "checkpoint-1/manifest.json" in store.objects
+    assert "in sync" in up.status_line()
+
+
+def test_older_waiting_snapshots_are_superseded(tmp_path: Path):
+    store = MemoryStore()
+    store.fail_next = 10**9
+    up = _uploader(tmp_path, store, max_queued=1)
+    for step in (1, 2, 3, 4):
+        up.submit(_local_checkpoint(tmp_path / "out", step), step)
+    store.fail_next = 0
+    assert up.close(10)
+    committed = sorted(c.step for c in store.list_checkpoints() if c.complete)
+    assert committed[-1] == 4 and len(committed) < 4
+    assert up.dropped
+
+
+def test_a_lower_attempt_never_overwrites_nor_runs_beside_a_higher_one(tmp_path: Path):
+    store = MemoryStore()
+    newer = _uploader(tmp_path / "a2", store, attempt=2)
+    newer.submit(_local_checkpoint(tmp_path / "out2", 10), 10)
+    assert newer.close(10)
+    before = dict(store.objects)
+    zombie = _uploader(tmp_path / "a1", store, attempt=1)  # started before attempt 2 committed
+    zombie.submit(_local_checkpoint(tmp_path / "out1", 10), 10)
+    zombie.submit(_local_checkpoint(tmp_path / "out1", 20), 20)
+    zombie.close(10)
+    assert store.objects == before
+    assert zombie.fenced and "attempt 2" in zombie.fenced
+    assert not zombie.submit(tmp_path / "out1" / "checkpoint-20", 20)
+
+
+def test_a_newer_attempt_replaces_an_older_commit_at_the_same_step_uncommitting_first(tmp_path: Path):
+    store = MemoryStore()
+    old = _uploader(tmp_path / "a1", store, attempt=1)
+    old.submit(_local_checkpoint(tmp_path / "out1", 10), 10)
+    assert old.close(10)
+    new = _uploader(tmp_path / "a2", store, attempt=2, history=frozenset({(10, 1)}))
+    src = _local_checkpoint(tmp_path / "out2", 10)
+    (src / "model.safetensors").write_bytes(b"different")
+    new.submit(src, 10)
+    assert new.close(10)
+    writes = store.writes[store.writes.index("uncommit checkpoint-10"):]
+    assert writes[-1] == "checkpoint-10/manifest.json" and len(writes) > 2
+    assert Manifest.from_json(store.objects["checkpoint-10/manifest.json"]).attempt == 2
+    assert store.objects["checkpoint-10/model.safetensors"] == b"different"
+
+
+def test_retention_after_commit_keeps_best_and_newest(tmp_path: Path):
+    store = MemoryStore()
+    up = _uploader(tmp_path, store, retention=RetentionPolicy(save_total_limit=1, metric_for_best_model="loss"))
+    for step, loss in ((1, 0.9), (2, 0.1), (3, 0.5), (4, 0.7)):
+        up.submit(_local_checkpoint(tmp_path / "out", step, loss=loss), step)
+        assert up.wait(10)
+    assert up.close(10)
+    assert sorted(c.step for c in store.list_checkpoints()) == [2, 4]
+
+
+def test_multi_node_commit_waits_for_every_nodes_part(tmp_path: Path):
+    store = MemoryStore()
+    node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=10)
+    node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1)
+    a = tmp_path / "o0" / "checkpoint-3"
+    a.mkdir(parents=True)
+    (a / "rng_state_0.pth").write_bytes(b"0")
+    b = tmp_path / "o1" / "checkpoint-3"
+    b.mkdir(parents=True)
+    (b / "rng_state_1.pth").write_bytes(b"1")
+    node0.submit(a, 3)
+    time.sleep(0.3)
+    assert "checkpoint-3/manifest.json" not in store.objects  # node 1's part is not there yet
+    node1.submit(b, 3)
+    assert node1.close(10) and node0.close(10)
+    m = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
+    assert [f.path for f in m.files] == ["rng_state_0.pth", "rng_state_1.pth"]
+
+
+def test_folder_watcher_reports_complete_new_and_replaced_folders_once(tmp_path: Path):
+    (tmp_path / "checkpoint-1").mkdir()
+    w = FolderWatcher(tmp_path)
+    assert w.prime() == [1]
+    assert w.poll() == []
+    (tmp_path / "tmp-checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / MANIFEST_NAME).write_text("{}")  # restored: already committed
+    assert w.poll() == []
+    (tmp_path / "tmp-checkpoint-2").rename(tmp_path / "checkpoint-2")
+    assert w.poll() == [(2, tmp_path / "checkpoint-2")]
+    assert w.poll() == []
+    (tmp_path / "checkpoint-2").rename(tmp_path / "old")
+    (tmp_path / "checkpoint-2").mkdir()  # re-saved at the same step
+    assert w.poll() == [(2, tmp_path / "checkpoint-2")]
+
+
+def _client_error(code: str, status: int, message: str = "") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
+
+
+@pytest.mark.parametrize(
+    "exc, kind",
+    [
+        (_client_error("SlowDown", 503), StorageTemporaryError),
+        (_client_error("InternalError", 500), StorageTemporaryError),
+        (_client_error("NoSuchBucket", 404), StoragePermanentError),
+        (_client_error("InvalidAccessKeyId", 403), StoragePermanentError),
+        (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageTemporaryError),
+        (ConnectionResetError("reset"), StorageTemporaryError),
+    ],
+)
+def test_errors_are_classified_temporary_or_permanent(exc, kind):
+    assert type(classify(exc, op="put", where="s3://b/k")) is kind
+
+
+def test_credentials_never_appear_in_error_messages(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value-xyz")
+    err = classify(_client_error("SignatureDoesNotMatch", 403, "expected s3cr3t-value-xyz"), op="put", where="s3://b/k")
+    assert "s3cr3t-value-xyz" not in str(err) and "SignatureDoesNotMatch" in str(err)
+
+
+def test_retrying_gives_up_at_the_deadline_and_succeeds_before_it():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise StorageTemporaryError("down")
+        return "ok"
+
+    assert retrying(flaky, deadline=time.monotonic() + 10, backoff=FAST) == "ok"
+    with pytest.raises(StorageTemporaryError):
+        retrying(lambda: (_ for _ in ()).throw(StorageTemporaryError("down")), deadline=time.monotonic() + 0.1,
+                 backoff=FAST)
+    with pytest.raises(StoragePermanentError):  # never retried
+        retrying(lambda: (_ for _ in ()).throw(StoragePermanentError("no bucket")), deadline=None, backoff=FAST)
+
+
+def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
+    store = MemoryStore()
+    store.fail_next = 10**9
+    up = _uploader(tmp_path, store, max_queued=5)
+    for step in (1, 2, 3, 4):
+        up.submit(_local_checkpoint(tmp_path / "out", step), step)
+    time.sleep(0.2)  # step 1 is being uploaded (and failing)
+    dropped = up.keep_only_newest()
+    assert dropped == [2, 3]
+    store.fail_next = 0
+    assert up.close(10)
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [1, 4]
+
+
+def test_sync_callback_uploads_on_save_unless_the_launcher_does(tmp_path: Path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kubetrain_trainer.sync import CheckpointSyncCallback
+
+    store = MemoryStore()
+    folder = _local_checkpoint(tmp_path / "out", 9)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=9, last_checkpoint_dir=str(folder))
+    monkeypatch.setenv("KUBETRAIN_SYNC_BY_LAUNCHER", "1")
+    off = CheckpointSyncCallback(_uploader(tmp_path / "off", store))
+    off.on_save(None, state, None, checkpoint_dir=str(folder))
+    off.on_train_end(None, state, None)
+    assert store.objects == {}
+    monkeypatch.delenv("KUBETRAIN_SYNC_BY_LAUNCHER")
+    on = CheckpointSyncCallback(_uploader(tmp_path / "on", store))
+    on.on_save(None, SimpleNamespace(**{**vars(state), "is_world_process_zero": False}), None)
+    assert on._uploader.pending_steps() == []  # only world rank 0 uploads
+    on.on_save(None, state, None, checkpoint_dir=str(folder))
+    on.on_train_end(None, state, None)
+    assert "checkpoint-9/manifest.json" in store.objects

@@ -1,0 +1,450 @@
+"""`TrainingArguments`: every knob of a run, typed, validated once, before training.
+
+The names and meanings follow the Hugging Face Trainer so that an HF user is at
+home at once. The operator passes the TrainingJob's `spec.trainer.args` as a
+JSON dict (`KUBETRAIN_TRAINER_ARGS`), users pass a YAML/JSON file or command
+line flags: all three go through `from_dict`, which coerces strings, rejects
+unknown names with the nearest valid one suggested, and checks that the
+settings work together. Every problem is a `ConfigError`, which the entrypoint
+maps to the "invalid configuration" exit code (82): such a job can never succeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, Union
+
+IntervalStrategy = Literal["no", "steps", "epoch"]
+SaveStrategy = Literal["no", "steps", "epoch", "best"]
+SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
+Reporter = Literal["tensorboard", "jsonl", "all", "none"]
+
+
+class ConfigError(ValueError):
+    """A setting that can never work. Raised before training; the message says what to change."""
+
+
+@dataclass
+class TrainingArguments:
+    """Arguments of one training run (Hugging Face `TrainingArguments` names and semantics)."""
+
+    # --- output and checkpoints -------------------------------------------------
+    output_dir: str = "trainer_output"
+    """Where checkpoints (`checkpoint-<step>/`), logs and the final model go."""
+    save_strategy: SaveStrategy = "steps"
+    """When to checkpoint: every `save_steps`, every epoch, on a new best eval metric, or never."""
+    save_steps: float = 500
+    """Checkpoint every N optimizer steps; a value below 1 is a fraction of the total steps."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints; the best and the newest are never deleted."""
+    save_safetensors: bool = True
+    """Write model weights as safetensors (`model.safetensors`) rather than a pickle."""
+    resume_from_checkpoint: str | None = None
+    """Checkpoint folder to resume from (the entrypoint passes it to `train`)."""
+    ignore_data_skip: bool = False
+    """On resume, start the epoch's data from the beginning instead of the exact next batch."""
+
+    # --- batch and optimisation ---------------------------------------------------
+    per_device_train_batch_size: int = 8
+    """Micro-batch size per process for training."""
+    per_device_eval_batch_size: int = 8
+    """Batch size per process for evaluation and prediction."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (gradients are synchronised on the last one only)."""
+    learning_rate: float = 5e-5
+    """Peak learning rate of the AdamW optimizer."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay; never applied to biases and normalisation weights."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = "adamw_torch"
+    """Optimizer implementation."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
+    num_train_epochs: float = 3.0
+    """Epochs to train (fractional allowed); ignored when `max_steps` > 0."""
+    max_steps: int = -1
+    """Total optimizer steps; overrides `num_train_epochs` when > 0."""
+    lr_scheduler_type: SchedulerType = "linear"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: float = 0
+    """Linear warmup steps; a value below 1 is a fraction of the total steps."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the total steps (used when `warmup_steps` is 0)."""
+    seed: int = 42
+    """Seed for python, numpy and torch at the start of training."""
+    data_seed: int | None = None
+    """Seed of the data order (defaults to `seed`)."""
+    nan_inf_policy: Literal["skip", "stop"] = "skip"
+    """On a NaN/inf loss: drop that step's update ("skip") or stop training with an error ("stop")."""
+
+    # --- precision and memory -----------------------------------------------------
+    bf16: bool = False
+    """bfloat16 autocast for forward passes (CPU and GPU)."""
+    fp16: bool = False
+    """float16 autocast with a gradient scaler (GPU only)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (the model must support it)."""
+    neftune_noise_alpha: float | None = None
+    """NEFTune: add uniform noise of this scale to input embeddings while training."""
+    use_cpu: bool = False
+    """Train on CPU even when a GPU is present."""
+
+    # --- distributed strategy ---------------------------------------------------
+    strategy: Literal["ddp", "fsdp", "zero3"] = "ddp"
+    """How parameters are replicated or sharded across processes."""
+    deepspeed: str | dict | None = None
+    """DeepSpeed config (path to a JSON file or a dict); required by `strategy: zero3`."""
+    fsdp_config: dict | None = None
+    """FSDP2 options (only with `strategy: fsdp`)."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait before the process group gives up."""
+    ddp_find_unused_parameters: bool | None = None
+    """Passed to DistributedDataParallel (default: False)."""
+
+    # --- data ---------------------------------------------------------------------
+    dataloader_num_workers: int = 0
+    """Worker processes per dataloader (0 loads in the training process)."""
+    dataloader_pin_memory: bool = True
+    """Pin host memory of batches (only used with a GPU)."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of each epoch."""
+
+    # --- evaluation ---------------------------------------------------------------
+    eval_strategy: IntervalStrategy = "no"
+    """When to evaluate: every `eval_steps`, every epoch, or never."""
+    eval_steps: float | None = None
+    """Evaluate every N steps (defaults to `logging_steps`); below 1 is a fraction of the total."""
+    prediction_loss_only: bool = False
+    """Evaluate the loss only; do not collect predictions for `compute_metrics`."""
+    load_best_model_at_end: bool = False
+    """Reload the best checkpoint (by `metric_for_best_model`) when training ends."""
+    metric_for_best_model: str | None = None
+    """Eval metric that ranks checkpoints (`loss` when `load_best_model_at_end` is set)."""
+    greater_is_better: bool | None = None
+    """Whether a larger `metric_for_best_model` is better (default: False for names ending in loss)."""
+
+    # --- logging ------------------------------------------------------------------
+    logging_strategy: IntervalStrategy = "steps"
+    """When to log the training loss."""
+    logging_steps: float = 500
+    """Log every N steps; below 1 is a fraction of the total steps."""
+    logging_first_step: bool = False
+    """Also log after the first step."""
+    logging_nan_inf_filter: bool = True
+    """Leave NaN/inf losses out of the logged average (the step is still handled by `nan_inf_policy`)."""
+    logging_dir: str | None = None
+    """Where reporters write (default `<output_dir>/runs`)."""
+    report_to: list[Reporter] = field(default_factory=lambda: ["jsonl"])
+    """Reporters: tensorboard, jsonl (`<logging_dir>/log.jsonl`), all or none."""
+    log_level: LogLevel = "passive"
+    """Log level of the main process ("passive": leave the logging setup alone, info by default)."""
+    log_level_replica: LogLevel = "warning"
+    """Log level of the other processes."""
+    log_on_each_node: bool = True
+    """Log on the local main process of every node, not just the global main process."""
+    disable_tqdm: bool | None = None
+    """Hide the progress bar (shown on the main process by default)."""
+    run_name: str | None = None
+    """A name for reporters."""
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            try:
+                setattr(self, f.name, _coerce(getattr(self, f.name), hints[f.name], f.name))
+            except ConfigError as exc:
+                errors.append(str(exc))
+        if not errors:
+            errors = self._incompatibilities()
+        if errors:
+            raise ConfigError("invalid training arguments:\n  - " + "\n  - ".join(errors))
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if "all" in self.report_to:
+            self.report_to = ["tensorboard", "jsonl"]
+        elif "none" in self.report_to:
+            self.report_to = []
+        if self.data_seed is None:
+            self.data_seed = self.seed
+        if self.logging_dir is None:
+            self.logging_dir = str(Path(self.output_dir) / "runs")
+
+    # ------------------------------------------------------------------ checks
+    def _incompatibilities(self) -> list[str]:
+        """Settings that are each valid but do not work together; each message says what to change."""
+        e: list[str] = []
+        if self.per_device_train_batch_size < 1 or self.per_device_eval_batch_size < 1:
+            e.append("per_device_train_batch_size and per_device_eval_batch_size must be >= 1")
+        if self.gradient_accumulation_steps < 1:
+            e.append("gradient_accumulation_steps must be >= 1")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            e.append("set max_steps > 0 or num_train_epochs > 0: nothing to train")
+        for name in ("save_steps", "logging_steps", "eval_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                e.append(f"{name} must be >= 0 (a value below 1 is a fraction of the total steps)")
+            elif value is not None and value > 1 and value != int(value):
+                e.append(f"{name}={value}: above 1 it must be a whole number of steps")
+        if not 0 <= self.warmup_ratio <= 1:
+            e.append("warmup_ratio must be within [0, 1]")
+        if self.save_strategy == "steps" and not self.save_steps:
+            e.append("save_strategy 'steps' needs save_steps > 0 (or set save_strategy: no)")
+        if self.logging_strategy == "steps" and not self.logging_steps:
+            e.append("logging_strategy 'steps' needs logging_steps > 0 (or set logging_strategy: no)")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            e.append("save_total_limit must be >= 1 (or null to keep every checkpoint)")
+        if self.bf16 and self.fp16:
+            e.append("bf16 and fp16 are both set: pick one")
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no":
+                e.append("load_best_model_at_end needs evaluation: set eval_strategy to 'steps' or 'epoch'")
+            elif self.save_strategy == "no":
+                e.append("load_best_model_at_end needs checkpoints: set save_strategy to match eval_strategy")
+            elif self.save_strategy not in ("best", self.eval_strategy):
+                e.append(f"load_best_model_at_end needs save_strategy == eval_strategy "
+                         f"(got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}): "
+                         f"set save_strategy: {self.eval_strategy}")
+            elif self.save_strategy == "steps":
+                eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
+                if eval_steps and self.save_steps % eval_steps:
+                    e.append(f"load_best_model_at_end needs save_steps ({self.save_steps}) to be a multiple "
+                             f"of eval_steps ({eval_steps}): change one of them")
+        if self.save_strategy == "best":
+            if self.eval_strategy == "no":
+                e.append("save_strategy 'best' needs evaluation: set eval_strategy to 'steps' or 'epoch'")
+            if self.metric_for_best_model is None and not self.load_best_model_at_end:
+                e.append("save_strategy 'best' needs metric_for_best_model (e.g. 'loss')")
+        if self.strategy == "zero3" and not self.deepspeed:
+            e.append("strategy 'zero3' needs a DeepSpeed config: set deepspeed to a JSON path or a dict")
+        if self.deepspeed and self.strategy != "zero3":
+            e.append(f"deepspeed is set but strategy is {self.strategy!r}: set strategy: zero3 or remove deepspeed")
+        if self.fsdp_config and self.strategy != "fsdp":
+            e.append(f"fsdp_config is set but strategy is {self.strategy!r}: set strategy: fsdp or remove fsdp_config")
+        if isinstance(self.deepspeed, str) and self.strategy == "zero3" and not Path(self.deepspeed).is_file():
+            e.append(f"deepspeed config file {self.deepspeed!r} does not exist")
+        if self.dataloader_num_workers < 0:
+            e.append("dataloader_num_workers must be >= 0")
+        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
+            e.append("neftune_noise_alpha must be > 0 (or null to disable NEFTune)")
+        return e
+
+    # ------------------------------------------------------------ derived values
+    def resolve_steps(self, value: float | None, max_steps: int) -> int:
+        """A step argument as a step count: below 1 it is a fraction of `max_steps` (rounded up)."""
+        if not value:
+            return 0
+        if value < 1:
+            return max(1, math.ceil(value * max_steps))
+        return int(value)
+
+    def warmup_for(self, max_steps: int) -> int:
+        if self.warmup_steps:
+            return self.resolve_steps(self.warmup_steps, max_steps)
+        return math.ceil(self.warmup_ratio * max_steps)
+
+    # -------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, extra_keys: Sequence[str] = ()) -> "TrainingArguments":
+        """Build from a mapping; unknown keys fail with the nearest valid name suggested.
+
+        `extra_keys` are other names the caller accepts (a built-in task's own
+        keys): they are left out here and only count when suggesting names.
+        """
+        args, _ = cls.split_dict(data, extra_keys=extra_keys)
+        return args
+
+    @classmethod
+    def split_dict(cls, data: Mapping[str, Any], *, extra_keys: Sequence[str] = ()
+                   ) -> tuple["TrainingArguments", dict[str, Any]]:
+        """Build from a mapping; return the arguments and the entries named in `extra_keys`."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"training arguments must be a mapping, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in data if k not in names and k not in extra_keys]
+        if unknown:
+            raise ConfigError("; ".join(unknown_name_message(k, [*names, *extra_keys]) for k in unknown))
+        own = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k in extra_keys}
+        return cls(**own), extra
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, extra_keys: Sequence[str] = ()) -> "TrainingArguments":
+        """Build from a YAML or JSON file holding one mapping."""
+        return cls.from_dict(load_mapping_file(path), extra_keys=extra_keys)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str]) -> "TrainingArguments":
+        """Build from command-line flags: `--max_steps 10`, `--bf16`, `--config args.yaml` (flags win)."""
+        return cls.from_dict(parse_cli(argv))
+
+
+def unknown_name_message(name: str, valid: Sequence[str]) -> str:
+    near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown argument {name!r}{hint}"
+
+
+def load_mapping_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML or JSON file that holds one mapping."""
+    import yaml  # JSON is a subset of YAML, so one parser serves both
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read arguments file {str(path)!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"arguments file {str(path)!r} is not valid YAML/JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"arguments file {str(path)!r} must hold a mapping of argument names to values")
+    return data
+
+
+def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
+    """`--name value`, `--name=value` and bare boolean `--name`; values stay strings for `_coerce`."""
+    out: dict[str, Any] = {}
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        token = items[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected command-line token {token!r}: arguments look like --name value")
+        name, eq, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:
+            if i + 1 < len(items) and not items[i + 1].startswith("--"):
+                value, i = items[i + 1], i + 1
+            else:
+                value = "true"
+        out[name] = value
+        i += 1
+    if "config" in out:
+        base = load_mapping_file(out.pop("config"))
+        out = {**base, **out}
+    return out
+
+
+# ----------------------------------------------------------------------- coercion
+_TYPES: dict[str, Any] | None = None
+
+
+def _field_types() -> dict[str, Any]:
+    global _TYPES
+    if _TYPES is None:
+        _TYPES = typing.get_type_hints(TrainingArguments)
+    return _TYPES
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert `value` (possibly a command-line string) to the annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
+            if type(None) in options:
+                return None
+        errors = []
+        # Try the most specific choices first so that "5" stays an int for `float | None`.
+        for option in sorted((o for o in options if o is not type(None)), key=_specificity):
+            try:
+                return _coerce(value, option, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{name}: invalid value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if not value.startswith("[") else _json(value, name)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(v, item, name) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return value
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if tp is dict:
+        if isinstance(value, str):
+            value = _json(value, name)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _specificity(tp: Any) -> int:
+    order = {bool: 0, int: 1, float: 2, dict: 3, str: 4}
+    return order.get(tp, 5)
+
+
+def _json(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name}: not valid JSON: {exc}") from exc

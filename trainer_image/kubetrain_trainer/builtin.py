@@ -1,0 +1,142 @@
+"""The built-in tasks the operator can run without a user image: `python -m kubetrain_trainer.builtin`.
+
+Reads `KUBETRAIN_BUILTIN_TASK` (`causal-lm`: a tiny GPT on deterministic
+synthetic tokens; `regression`: a tiny MLP) and `KUBETRAIN_TRAINER_ARGS` (a
+JSON object of `TrainingArguments` names plus the task's own keys; command
+line flags override it), trains with `resume_from_checkpoint` set to
+`KUBETRAIN_RESUME_FROM` when the launcher restored a checkpoint, else to the
+newest complete one in `output_dir`, and saves the final model there.
+
+Exit codes follow docs/contract.md: 82 for an invalid configuration (never
+retried), 83 when preempted by SIGTERM after the emergency checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+EXIT_INVALID_CONFIG = 82
+EXIT_PREEMPTED = 83
+
+logger = logging.getLogger("kubetrain_trainer")
+
+
+@dataclass
+class CausalLMTask:
+    """A tiny GPT-like model on synthetic token sequences."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    dropout: float = 0.0
+    num_samples: int = 4096
+    """Training sequences."""
+    eval_samples: int = 256
+    """Evaluation sequences (drawn with another seed)."""
+
+    def build(self, args):
+        from .models import SyntheticTokens, TinyGPT, TinyGPTConfig
+
+        model = TinyGPT(TinyGPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, d_model=self.d_model,
+                                      n_layers=self.n_layers, n_heads=self.n_heads, dropout=self.dropout))
+        train = SyntheticTokens(self.num_samples, self.seq_len, self.vocab_size, seed=args.data_seed)
+        evaluation = SyntheticTokens(self.eval_samples, self.seq_len, self.vocab_size, seed=args.data_seed + 1)
+        return model, train, evaluation
+
+
+@dataclass
+class RegressionTask:
+    """A tiny MLP fitting a noisy linear function."""
+
+    in_features: int = 8
+    hidden: int = 32
+    dropout: float = 0.0
+    num_samples: int = 1024
+    eval_samples: int = 128
+    noise: float = 0.01
+
+    def build(self, args):
+        from .models import SyntheticRegression, TinyMLP
+
+        model = TinyMLP(self.in_features, self.hidden, self.dropout)
+        train = SyntheticRegression(self.num_samples, self.in_features, seed=args.data_seed, noise=self.noise)
+        evaluation = SyntheticRegression(self.eval_samples, self.in_features, seed=args.data_seed + 1,
+                                         noise=self.noise)
+        return model, train, evaluation
+
+
+TASKS = {"causal-lm": CausalLMTask, "regression": RegressionTask}
+
+
+def load_config(env: dict[str, str], argv: Sequence[str]):
+    """(task name, TrainingArguments, task) from the environment and flags; ConfigError when invalid."""
+    from .args import ConfigError, TrainingArguments, _coerce, parse_cli
+
+    name = env.get("KUBETRAIN_BUILTIN_TASK", "causal-lm")
+    if name not in TASKS:
+        near = difflib.get_close_matches(name, list(TASKS), n=1)
+        raise ConfigError(f"KUBETRAIN_BUILTIN_TASK: unknown task {name!r}"
+                          + (f"; did you mean {near[0]!r}?" if near else f"; known: {', '.join(TASKS)}"))
+    try:
+        raw = json.loads(env.get("KUBETRAIN_TRAINER_ARGS") or "{}")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"KUBETRAIN_TRAINER_ARGS is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("KUBETRAIN_TRAINER_ARGS must be a JSON object of argument names to values")
+    raw = {**raw, **parse_cli(argv)}
+    if "output_dir" not in raw and env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR"):
+        raw["output_dir"] = env["KUBETRAIN_LOCAL_CHECKPOINT_DIR"]
+    task_cls = TASKS[name]
+    task_fields = [f.name for f in dataclasses.fields(task_cls)]
+    args, extra = TrainingArguments.split_dict(raw, extra_keys=task_fields)
+    hints = typing.get_type_hints(task_cls)
+    task = task_cls(**{k: _coerce(v, hints[k], k) for k, v in extra.items()})
+    return name, args, task
+
+
+def run(env: dict[str, str], argv: Sequence[str]) -> int:
+    import torch
+
+    from .args import ConfigError
+    from .rng import set_seed
+    from .state import TrainingPreempted
+    from .trainer import Trainer
+
+    try:
+        name, args, task = load_config(env, argv)
+        set_seed(args.seed)  # identical initial weights on every rank and attempt
+        model, train_ds, eval_ds = task.build(args)
+        trainer = Trainer(model=model, args=args, train_dataset=train_ds,
+                          eval_dataset=eval_ds if args.eval_strategy != "no" else None)
+        resume = env.get("KUBETRAIN_RESUME_FROM") or True
+        output = trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model()
+    except ConfigError as exc:
+        print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
+    except TrainingPreempted as exc:
+        print(f"kubetrain: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    print(json.dumps({"task": name, "global_step": output.global_step, "training_loss": output.training_loss}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(dict(os.environ), sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Callbacks: the hooks users know from the HF Trainer, and the built-in ones.
+
+The loop raises events; callbacks read `TrainerState` and flip
+`TrainerControl` flags (log / evaluate / save / stop). Deciding *when* to log,
+evaluate and save is itself a callback (`DefaultFlowCallback`), so the loop
+never hard-codes a schedule. Callbacks with state worth resuming implement
+`state()` / `load_state()`; their state travels in `trainer_state.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .args import TrainingArguments
+from .state import TrainerState
+
+logger = logging.getLogger("kubetrain_trainer")
+
+
+@dataclass
+class TrainerControl:
+    """Flags callbacks set to steer the loop; the loop resets them after acting."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+    def _new_step(self) -> None:
+        self.should_save = self.should_evaluate = self.should_log = False
+
+
+class TrainerCallback:
+    """Base class: override the events you need. kwargs carry model, optimizer, lr_scheduler, metrics, logs..."""
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs): ...
+    def on_train_begin(self, args, state, control, **kwargs): ...
+    def on_train_end(self, args, state, control, **kwargs): ...
+    def on_epoch_begin(self, args, state, control, **kwargs): ...
+    def on_epoch_end(self, args, state, control, **kwargs): ...
+    def on_step_begin(self, args, state, control, **kwargs): ...
+    def on_substep_end(self, args, state, control, **kwargs): ...
+    def on_step_end(self, args, state, control, **kwargs): ...
+    def on_evaluate(self, args, state, control, **kwargs): ...
+    def on_predict(self, args, state, control, **kwargs): ...
+    def on_save(self, args, state, control, **kwargs):
+        """After a checkpoint is committed: `state.last_checkpoint_dir` (and kwarg `checkpoint_dir`) is its folder."""
+    def on_log(self, args, state, control, **kwargs): ...
+
+    # Resumable callbacks return a JSON-able dict here and accept it back.
+    def state(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+_EVENTS = [name for name in vars(TrainerCallback) if name.startswith("on_")]
+
+
+class CallbackHandler:
+    """Dispatches each event to every callback in order; the control object is shared."""
+
+    def __init__(self, callbacks: list[TrainerCallback], **objects: Any):
+        self.callbacks: list[TrainerCallback] = []
+        for cb in callbacks:
+            self.add_callback(cb)
+        self.objects = objects  # model, optimizer, ... handed to callbacks as kwargs
+
+    def add_callback(self, callback: TrainerCallback | type) -> None:
+        cb = callback() if isinstance(callback, type) else callback
+        if any(type(existing) is type(cb) for existing in self.callbacks):
+            logger.warning("callback %s added twice", type(cb).__name__)
+        self.callbacks.append(cb)
+
+    def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        for cb in self.callbacks:
+            if cb is callback or (isinstance(callback, type) and type(cb) is callback):
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def remove_callback(self, callback: TrainerCallback | type) -> None:
+        self.pop_callback(callback)
+
+    def call(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+             **kwargs: Any) -> TrainerControl:
+        for cb in self.callbacks:
+            result = getattr(cb, event)(args, state, control, **self.objects, **kwargs)
+            if result is not None:  # HF callbacks may return a control object
+                control = result
+        return control
+
+    def save_states(self, state: TrainerState) -> None:
+        state.stateful_callbacks = {type(cb).__name__: s for cb in self.callbacks if (s := cb.state()) is not None}
+
+    def load_states(self, state: TrainerState) -> None:
+        for cb in self.callbacks:
+            saved = state.stateful_callbacks.get(type(cb).__name__)
+            if saved is not None:
+                cb.load_state(saved)
+
+
+for _event in _EVENTS:  # handler.on_log(args, state, control, logs=...) etc.
+    setattr(CallbackHandler, _event,
+            lambda self, args, state, control, _e=_event, **kw: self.call(_e, args, state, control, **kw))
+
+
+class DefaultFlowCallback(TrainerCallback):
+    """Decides when to log, evaluate, save and stop from the `*_strategy` / `*_steps` arguments."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step == 1 and args.logging_first_step:
+            control.should_log = True
+        if args.logging_strategy == "steps" and state.logging_steps and step % state.logging_steps == 0:
+            control.should_log = True
+        if args.eval_strategy == "steps" and state.eval_steps and step % state.eval_steps == 0:
+            control.should_evaluate = True
+        if args.save_strategy == "steps" and state.save_steps and step % state.save_steps == 0:
+            control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            if args.save_strategy not in ("no", "best"):
+                control.should_save = True
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if args.logging_strategy == "epoch":
+            control.should_log = True
+        if args.eval_strategy == "epoch":
+            control.should_evaluate = True
+        if args.save_strategy == "epoch":
+            control.should_save = True
+        return control
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar of optimizer steps, on the main process only (the loop adds it there)."""
+
+    def __init__(self):
+        self.bar = None
+        self._last = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
+        self._last = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self._last)
+            self._last = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs:
+            self.bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v)
+                                  for k, v in logs.items() if k in ("loss", "eval_loss", "learning_rate")},
+                                 refresh=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class LoggingCallback(TrainerCallback):
+    """Writes every log record to the `kubetrain_trainer` logger (main process only)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            logger.info("step %d: %s", state.global_step, logs)
+
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stops training when `metric_for_best_model` has not improved for `early_stopping_patience` evaluations."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold
+        self.patience_counter = 0
+        self.best: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not args.metric_for_best_model or args.eval_strategy == "no":
+            from .args import ConfigError
+
+            raise ConfigError("EarlyStoppingCallback needs metric_for_best_model and an eval_strategy")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        name = args.metric_for_best_model
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        value = (metrics or {}).get(key)
+        if value is None or not math.isfinite(value):
+            logger.warning("early stopping: metric %s missing or not finite; not counted", key)
+            return
+        better = (value > self.best + self.early_stopping_threshold if args.greater_is_better
+                  else value < self.best - self.early_stopping_threshold) if self.best is not None else True
+        if better:
+            self.best, self.patience_counter = value, 0
+        else:
+            self.patience_counter += 1
+            if self.patience_counter >= self.early_stopping_patience:
+                logger.info("early stopping at step %d: %s did not improve for %d evaluations",
+                            state.global_step, key, self.patience_counter)
+                control.should_training_stop = True
+
+    def state(self):
+        return {"patience_counter": self.patience_counter, "best": self.best}
+
+    def load_state(self, state):
+        self.patience_counter = state["patience_counter"]
+        self.best = state["best"]

@@ -1,0 +1,183 @@
+"""Local checkpoints: one registry of what a resume needs, atomic commit, discovery, retention.
+
+Layout (HF Trainer compatible): `<output_dir>/checkpoint-<step>/` holding the
+model (`model.safetensors` or strategy shards), `optimizer.pt`,
+`scheduler.pt`, `rng_state_<rank>.pth`, `training_args.json` and
+`trainer_state.json` (with the data position).
+
+Invariants:
+- A checkpoint is written under `tmp-checkpoint-<step>` and renamed to
+  `checkpoint-<step>` only once every rank has finished writing; the rename
+  is the commit. Discovery only ever sees committed names, so a crash
+  mid-save leaves nothing that resume would pick (the tmp folder is removed
+  at the next start).
+- Retention keeps at most `save_total_limit` checkpoints but never deletes the
+  newest one nor the best one (by `metric_for_best_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import distributed as dist_util
+
+logger = logging.getLogger("kubetrain_trainer")
+
+PREFIX = "checkpoint"
+TMP_PREFIX = "tmp-checkpoint"
+_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
+COMPLETE_MARKER = "trainer_state.json"  # written last inside the tmp folder
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}-{step}"
+
+
+@dataclass
+class ResumeItem:
+    """One thing a resume needs: how to write it into a checkpoint folder and read it back.
+
+    `save` and `load` are called on every rank (in registry order); each item
+    decides itself which ranks write (rank 0 only, every rank, or collectively).
+    """
+
+    name: str
+    save: Callable[[Path], None]
+    load: Callable[[Path], None]
+
+
+class ResumeRegistry:
+    """The single list of everything saved into and restored from a checkpoint."""
+
+    def __init__(self) -> None:
+        self.items: list[ResumeItem] = []
+
+    def register(self, name: str, *, save: Callable[[Path], None], load: Callable[[Path], None]) -> None:
+        if any(item.name == name for item in self.items):
+            raise ValueError(f"resume item {name!r} registered twice")
+        self.items.append(ResumeItem(name, save, load))
+
+    def save_all(self, directory: Path) -> None:
+        for item in self.items:
+            item.save(directory)
+
+    def load_all(self, directory: Path) -> None:
+        for item in self.items:
+            item.load(directory)
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints under `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _NAME.match(child.name)
+        if m and child.is_dir() and (child / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def newest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / COMPLETE_MARKER).is_file() and not p.name.startswith(TMP_PREFIX)
+
+
+def remove_incomplete(output_dir: str | Path) -> list[Path]:
+    """Delete leftovers of interrupted saves (`tmp-checkpoint-*`). Call on one process per node."""
+    root = Path(output_dir)
+    removed = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(TMP_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+    return removed
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush file contents and the folder entries, so the commit rename never precedes the data."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(output_dir: str | Path, step: int, registry: ResumeRegistry) -> Path:
+    """*Collective.* Write every registered item under a temporary name, then commit it by renaming."""
+    root = Path(output_dir)
+    tmp = root / f"{TMP_PREFIX}-{step}"
+    final = root / checkpoint_name(step)
+    local_main = dist_util.is_local_main_process()
+    if local_main:  # one process per node owns the node's folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist_util.barrier()
+    registry.save_all(tmp)
+    dist_util.barrier()
+    if local_main:
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. an emergency save right after a regular one)
+            stale = root / f"{TMP_PREFIX}-{step}-replaced"
+            shutil.rmtree(stale, ignore_errors=True)
+            final.rename(stale)
+            tmp.rename(final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dist_util.barrier()
+    return final
+
+
+def checkpoints_to_delete(checkpoints: list[tuple[int, Path]], *, limit: int | None,
+                          keep: Iterable[str] = ()) -> list[Path]:
+    """Oldest checkpoints beyond `limit`, sparing the newest and every folder named in `keep` (the best)."""
+    if limit is None or len(checkpoints) <= limit:
+        return []
+    protected = {Path(k).name for k in keep if k}
+    if checkpoints:
+        protected.add(checkpoints[-1][1].name)
+    excess = len(checkpoints) - limit
+    doomed = []
+    for _, path in checkpoints:
+        if excess <= 0:
+            break
+        if path.name in protected:
+            continue
+        doomed.append(path)
+        excess -= 1
+    return doomed
+
+
+def rotate_checkpoints(output_dir: str | Path, *, limit: int | None, keep: Iterable[str] = ()) -> list[Path]:
+    """Apply `save_total_limit` on this node's folder (call on the local main process)."""
+    doomed = checkpoints_to_delete(list_checkpoints(output_dir), limit=limit, keep=keep)
+    for path in doomed:
+        logger.info("deleting old checkpoint %s (save_total_limit=%s)", path, limit)
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -1,0 +1,137 @@
+"""Samplers and dataloaders that resume mid-epoch in O(1).
+
+The HF Trainer resumes mid-epoch by iterating (and discarding) every batch
+already seen, which costs as long as the training it skips. Here the data
+order of an epoch is a pure function of (data_seed, epoch): a permutation of
+the dataset, padded so that every rank gets the same count, dealt out
+round-robin to the ranks. After `n` samples have been consumed globally the
+remaining order is `perm[n:]` dealt out the same way, so the sampler starts
+there directly — no batch is loaded to be thrown away, and the world size
+may even change between runs. Iterable datasets have no random access; they
+fall back to skipping batches (logged).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, Sized
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Deterministic per-epoch order, sharded across ranks, that can start at any global sample offset."""
+
+    def __init__(self, dataset_len: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside [0, {num_replicas})")
+        self.dataset_len = dataset_len
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start_sample = 0
+        # Same count on every rank, or collectives would hang on the uneven last step.
+        if drop_last:
+            self.total_size = (dataset_len // num_replicas) * num_replicas
+        else:
+            self.total_size = math.ceil(dataset_len / num_replicas) * num_replicas
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        """Select the epoch's order and skip its first `start_sample` samples (global count)."""
+        self.epoch = epoch
+        self.start_sample = min(start_sample - start_sample % self.num_replicas, self.total_size)
+
+    def epoch_order(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        if self.total_size > len(order):  # pad by wrapping around, like DistributedSampler
+            order += (order * math.ceil(self.total_size / max(len(order), 1)))[: self.total_size - len(order)]
+        return order[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.epoch_order()
+        return iter(order[self.start_sample + self.rank:: self.num_replicas])
+
+    def __len__(self) -> int:
+        return (self.total_size - self.start_sample) // self.num_replicas
+
+    def samples_per_rank(self) -> int:
+        """Samples one rank sees in a whole epoch."""
+        return self.total_size // self.num_replicas
+
+
+def batches_per_epoch(sampler: ResumableDistributedSampler, batch_size: int, drop_last: bool) -> int:
+    n = sampler.samples_per_rank()
+    return n // batch_size if drop_last else math.ceil(n / batch_size)
+
+
+def has_length(dataset: Any) -> bool:
+    try:
+        return isinstance(dataset, Sized) and len(dataset) >= 0 and not isinstance(dataset, IterableDataset)
+    except TypeError:
+        return False
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed python/numpy in each worker from torch's per-worker seed (which derives from the loader's generator)."""
+    import random
+
+    import numpy as np
+
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, collate_fn: Callable | None,
+                num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int) -> DataLoader:
+    # A private generator: DataLoader draws the workers' base seed from it rather than from the
+    # global torch RNG, which would otherwise advance at each epoch start and break exact resume.
+    g = torch.Generator()
+    g.manual_seed(generator_seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn or default_collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        generator=g,
+        worker_init_fn=seed_worker if num_workers else None,
+        persistent_workers=False,
+    )
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()}) if type(batch) is dict \
+            else {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(to_device(v, device) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to):  # e.g. a transformers BatchEncoding
+        return batch.to(device)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the first tensor in a batch (used to weight eval losses)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    return 1

@@ -1,0 +1,89 @@
+"""Process-group facts the loop needs: who am I, how many are we, which device.
+
+The launcher (or torchrun) starts one process per device and sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Everything else reads
+them through here so that a world size of one never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def is_local_main_process() -> bool:
+    return local_rank() == 0
+
+
+def device_for(use_cpu: bool) -> torch.device:
+    """The device of this process: its local GPU, or the CPU."""
+    if torch.cuda.is_available() and not use_cpu:
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def init_process_group(*, use_cpu: bool, timeout_s: int) -> None:
+    """Join the process group described by the environment (no-op for one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    device = device_for(use_cpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """*Collective.* True on every rank when `flag` is true on at least one."""
+    if world_size() <= 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj: Any) -> Any:
+    """*Collective.* Rank 0's `obj` on every rank."""
+    if world_size() <= 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """*Collective.* Every rank's `obj`, in rank order, on every rank."""
+    if world_size() <= 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

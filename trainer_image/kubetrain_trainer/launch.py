@@ -1,0 +1,530 @@
+"""The training container's entrypoint: `python -m kubetrain_trainer.launch [-- command...]`.
+
+It is the trainer side of docs/contract.md, and PID 1 of the pod:
+
+1. read and validate the environment once (a bad value exits 82 naming the variable);
+2. restore the newest COMPLETE checkpoint from S3 into the local folder (every
+   node restores, every file checked against its sha256);
+3. start NPROC_PER_NODE workers (plain subprocesses: the launcher owns their
+   signals) with RANK/LOCAL_RANK/WORLD_SIZE/... set; the default worker is the
+   built-in trainer, `-- cmd...` runs the user's command;
+4. watch the local folder and upload every new `checkpoint-<step>` in the
+   background (`sync.py`), so S3 never sits in the workers' way;
+5. forward SIGTERM to the workers, give them the grace period to take an
+   emergency checkpoint, then spend what is left uploading it;
+6. exit with the contract's code: 0 success, 83 preempted, 82 invalid
+   configuration, 84 checkpoint storage unusable, else the worker's code; on node
+   rank 0 report the last committed checkpoint (termination message, pod annotation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+EXIT_OK = 0
+EXIT_INVALID_CONFIG = 82
+EXIT_PREEMPTED = 83
+EXIT_STORAGE = 84
+"""Checkpoint storage unreachable at start or final uploads not committed: an application failure (retried)."""
+
+STRATEGIES = ("ddp", "fsdp", "zero3")
+BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")
+log = logging.getLogger("kubetrain_trainer.launch")
+
+
+class ConfigError(ValueError):
+    """The pod environment is invalid; the message names the variable. Never retried (exit 82)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The pod contract's environment, validated."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    attempt: int
+    strategy: str
+    checkpoint_uri: str | None
+    """None: the job has no checkpoint storage (nothing restored or uploaded)."""
+    trainer_args: Mapping[str, Any]
+    local_dir: Path
+    """Where checkpoints are restored to and watched: the trainer's output_dir."""
+    command: tuple[str, ...]
+    builtin: bool
+    job_name: str = ""
+    namespace: str = ""
+    pod_name: str = ""
+    grace_s: float = 30.0
+    """The pod's terminationGracePeriodSeconds (KUBETRAIN_TERMINATION_GRACE_SECONDS)."""
+    upload_wait_s: float = 1800.0
+    """How long a finished run waits for pending uploads (KUBETRAIN_UPLOAD_TIMEOUT_SECONDS)."""
+    restore_timeout_s: float = 600.0
+    """How long S3 may stay unreachable before the start gives up (KUBETRAIN_RESTORE_TIMEOUT_SECONDS)."""
+    termination_log: Path = Path("/dev/termination-log")
+    service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], argv: Sequence[str]) -> "LaunchConfig":
+        nnodes = _int(env, "NNODES", 1, minimum=1)
+        node_rank = _int(env, "NODE_RANK", 0, minimum=0)
+        if node_rank >= nnodes:
+            raise ConfigError(f"NODE_RANK: {node_rank} is not below NNODES={nnodes}")
+        strategy = env.get("KUBETRAIN_STRATEGY") or "ddp"
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"KUBETRAIN_STRATEGY: unknown value {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        uri = env.get("KUBETRAIN_CHECKPOINT_URI") or None
+        if uri is not None and (not uri.startswith("s3://") or len(uri) <= len("s3://")):
+            raise ConfigError(f"KUBETRAIN_CHECKPOINT_URI: must look like s3://bucket/prefix, got {uri!r}")
+        raw_args = env.get("KUBETRAIN_TRAINER_ARGS") or "{}"
+        try:
+            trainer_args = json.loads(raw_args)
+        except ValueError as e:
+            raise ConfigError(f"KUBETRAIN_TRAINER_ARGS: not valid JSON ({e})") from None
+        if not isinstance(trainer_args, dict):
+            raise ConfigError("KUBETRAIN_TRAINER_ARGS: must be a JSON object")
+        command = tuple(argv)
+        if command and command[0] == "--":
+            command = command[1:]
+            if not command:
+                raise ConfigError("command: nothing after '--'")
+        elif command:
+            raise ConfigError(f"command: expected '-- <command...>', got {' '.join(command)!r}")
+        builtin = not command
+        local_dir = Path(env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR") or "/tmp/kubetrain/checkpoints")
+        if builtin and trainer_args.get("output_dir"):
+            local_dir = Path(str(trainer_args["output_dir"]))
+        port = _int(env, "MASTER_PORT", 29500, minimum=1)
+        if port > 65535:
+            raise ConfigError(f"MASTER_PORT: {port} is not a TCP port")
+        return cls(
+            nnodes=nnodes,
+            node_rank=node_rank,
+            nproc_per_node=_int(env, "NPROC_PER_NODE", 1, minimum=1),
+            master_addr=env.get("MASTER_ADDR") or ("127.0.0.1" if nnodes == 1 else _missing("MASTER_ADDR")),
+            master_port=port,
+            attempt=_int(env, "KUBETRAIN_ATTEMPT", 1, minimum=1),
+            strategy=strategy,
+            checkpoint_uri=uri,
+            trainer_args=trainer_args,
+            local_dir=local_dir,
+            command=command or BUILTIN_COMMAND,
+            builtin=builtin,
+            job_name=env.get("KUBETRAIN_JOB_NAME", ""),
+            namespace=env.get("KUBETRAIN_NAMESPACE", ""),
+            pod_name=env.get("KUBETRAIN_POD_NAME", ""),
+            grace_s=_float(env, "KUBETRAIN_TERMINATION_GRACE_SECONDS", 30.0),
+            upload_wait_s=_float(env, "KUBETRAIN_UPLOAD_TIMEOUT_SECONDS", 1800.0),
+            restore_timeout_s=_float(env, "KUBETRAIN_RESTORE_TIMEOUT_SECONDS", 600.0),
+            termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
+            service_account_dir=Path(
+                env.get("KUBETRAIN_SERVICEACCOUNT_DIR") or "/var/run/secrets/kubernetes.io/serviceaccount"
+            ),
+        )
+
+    def retention(self):
+        """Remote retention from the trainer's own arguments (HF defaults for the best metric)."""
+        from kubetrain_trainer.manifest import RetentionPolicy
+
+        a = self.trainer_args
+        metric = a.get("metric_for_best_model") or ("loss" if a.get("load_best_model_at_end") else None)
+        limit = a.get("save_total_limit")
+        greater = a.get("greater_is_better")
+        return RetentionPolicy(
+            save_total_limit=limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
+            metric_for_best_model=metric if isinstance(metric, str) else None,
+            greater_is_better=greater if isinstance(greater, bool) else None,
+        )
+
+
+def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resume_from: Path | None) -> dict[str, str]:
+    """The environment of one worker: torch.distributed's variables plus ours."""
+    env = dict(base)
+    env.update(
+        RANK=str(cfg.node_rank * cfg.nproc_per_node + local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(cfg.world_size),
+        LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
+        GROUP_RANK=str(cfg.node_rank),
+        ROLE_RANK=str(cfg.node_rank * cfg.nproc_per_node + local_rank),
+        ROLE_WORLD_SIZE=str(cfg.world_size),
+        MASTER_ADDR=cfg.master_addr,
+        MASTER_PORT=str(cfg.master_port),
+        KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(cfg.local_dir),
+        # The launcher uploads; an in-process CheckpointSyncCallback must not too.
+        KUBETRAIN_SYNC_BY_LAUNCHER="1",
+    )
+    # As torchrun does: N processes each spawning all-core thread pools thrash.
+    if cfg.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("KUBETRAIN_RESUME_FROM", None)
+    if resume_from is not None:
+        env["KUBETRAIN_RESUME_FROM"] = str(resume_from)
+    # The built-in trainer takes output_dir from KUBETRAIN_LOCAL_CHECKPOINT_DIR
+    # unless its arguments name one (then local_dir is that one) and resumes
+    # from KUBETRAIN_RESUME_FROM: its arguments are passed through untouched.
+    return env
+
+
+def exit_code_for(*, first_failure: int | None, signalled: bool, all_ok: bool) -> int:
+    """Map the workers' outcome to the contract's exit code."""
+    if all_ok:
+        return EXIT_OK
+    if first_failure in (EXIT_INVALID_CONFIG, EXIT_PREEMPTED):
+        return first_failure
+    if signalled:
+        return EXIT_PREEMPTED
+    if first_failure is None:
+        return 1
+    return 128 - first_failure if first_failure < 0 else first_failure
+
+
+class Workers:
+    """The worker processes of this node, with signal forwarding and first-failure tracking."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self.first_failure: int | None = None
+        self._termed = False
+
+    @classmethod
+    def spawn(cls, cfg: LaunchConfig, base_env: Mapping[str, str], resume_from: Path | None) -> "Workers":
+        procs = []
+        for local_rank in range(cfg.nproc_per_node):
+            env = worker_env(cfg, local_rank, base_env, resume_from)
+            # Own process group: a terminal's Ctrl-C or a group kill of the
+            # launcher reaches workers only through us, exactly once.
+            procs.append(subprocess.Popen(list(cfg.command), env=env, process_group=0))
+        log.info("started %d worker(s): %s", len(procs), " ".join(cfg.command))
+        return cls(procs)
+
+    def poll(self) -> bool:
+        """Record exits; True when every worker has exited."""
+        for p in self.procs:
+            code = p.poll()
+            if code is not None and code != 0 and self.first_failure is None:
+                self.first_failure = code
+                log.warning("worker pid %d exited with %d", p.pid, code)
+        return all(p.returncode is not None for p in self.procs)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(p.returncode == 0 for p in self.procs)
+
+    def terminate(self) -> None:
+        if self._termed:
+            return
+        self._termed = True
+        for p in self.procs:
+            if p.poll() is None:
+                _signal(p, signal.SIGTERM, group=False)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                log.error("worker pid %d did not stop in time: SIGKILL", p.pid)
+                _signal(p, signal.SIGKILL, group=True)
+        for p in self.procs:
+            p.wait()
+
+
+def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig) -> float | None:
+    """Run until every worker exited. Returns when SIGTERM arrived (monotonic), or None."""
+    signalled_at: float | None = None
+    kill_at: float | None = None
+    while not workers.poll():
+        now = time.monotonic()
+        if stop.is_set() and signalled_at is None:
+            signalled_at = now
+            log.warning("SIGTERM: asking workers for an emergency checkpoint (grace %.0fs)", cfg.grace_s)
+            workers.terminate()
+            # Leave a third of the grace period (at most 30 s) to upload the emergency checkpoint.
+            kill_at = now + cfg.grace_s - min(30.0, cfg.grace_s / 3)
+        if workers.first_failure is not None and kill_at is None:
+            # One dead rank leaves the others blocked in collectives: stop them all.
+            log.warning("a worker failed: stopping the others")
+            workers.terminate()
+            kill_at = now + min(60.0, cfg.grace_s)
+        if kill_at is not None and now >= kill_at:
+            workers.kill()
+            break
+        time.sleep(0.2)
+    workers.poll()
+    return signalled_at
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("KUBETRAIN_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s kubetrain-launch %(levelname)s %(message)s",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = LaunchConfig.from_env(os.environ, argv)
+    except ConfigError as e:
+        log.error("invalid configuration: %s", e)
+        return EXIT_INVALID_CONFIG
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cfg.local_dir.mkdir(parents=True, exist_ok=True)
+
+    uploader = watch = None
+    resume_from: Path | None = None
+    if cfg.checkpoint_uri:
+        from kubetrain_trainer.storage import StorageError, StoragePermanentError
+
+        try:
+            uploader, watch, resume_from = _start_sync(cfg, stop)
+        except StoragePermanentError as e:
+            log.error("invalid configuration: checkpoint storage: %s", e)
+            return EXIT_INVALID_CONFIG
+        except StorageError as e:
+            log.error("checkpoint storage unreachable: %s", e)
+            return EXIT_PREEMPTED if stop.is_set() else EXIT_STORAGE
+    if stop.is_set():
+        log.warning("SIGTERM before training started")
+        return EXIT_PREEMPTED
+
+    workers = Workers.spawn(cfg, os.environ, resume_from)
+    started = time.monotonic()
+    signalled_at = supervise(workers, stop, cfg)
+    code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)
+    log.info("workers finished after %.1fs; outcome exit code %d", time.monotonic() - started, code)
+
+    if uploader is not None and watch is not None:
+        watch.stop()  # one last scan: the emergency checkpoint
+        if signalled_at is not None:
+            uploader.keep_only_newest()
+            budget = max(1.0, signalled_at + cfg.grace_s - 2.0 - time.monotonic())
+        elif code == EXIT_OK:
+            budget = cfg.upload_wait_s
+        else:
+            # The run failed anyway: save what we can, but do not hold up the retry for long.
+            budget = min(cfg.upload_wait_s, 120.0)
+        synced = uploader.close(budget)
+        log.info("%s", uploader.status_line())
+        if code == EXIT_OK and cfg.node_rank == 0 and not uploader.fenced:
+            synced = _upload_final(cfg, uploader) and synced
+        if cfg.node_rank == 0 and uploader.last_committed is not None:
+            write_termination_message(cfg.termination_log, uploader.last_committed.to_json())
+        if not synced and code == EXIT_OK:
+            log.error("training finished but its last checkpoints are not in storage")
+            code = EXIT_STORAGE
+    return code
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: Path | None
+    """The restored local folder (None: no complete checkpoint, start from scratch)."""
+    committed: Any
+    """`sync.CommittedCheckpoint` of the restored one, or None."""
+    history: frozenset[tuple[int, int]]
+    """(step, attempt) of every manifest in storage at start, for write fencing."""
+
+
+def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None) -> Restored:
+    """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
+
+    Temporary storage errors are retried until `deadline`; a checksum
+    mismatch marks that checkpoint bad and falls back to the next older one.
+    """
+    from kubetrain_trainer.manifest import newest_complete
+    from kubetrain_trainer.storage import ChecksumError, retrying
+    from kubetrain_trainer.sync import CommittedCheckpoint
+
+    remote = retrying(store.list_checkpoints, deadline=deadline, what="listing checkpoints")
+    history = frozenset((c.step, c.manifest.attempt) for c in remote if c.manifest is not None)
+    bad: set[int] = set()
+    while (chosen := newest_complete(remote, exclude=bad)) is not None:
+        if stop is not None and stop.is_set():
+            break
+        manifest = chosen.manifest
+        assert manifest is not None
+        try:
+            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline, what="restore")
+        except ChecksumError as e:
+            log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
+            bad.add(chosen.step)
+            continue
+        log.info("restored checkpoint-%d (attempt %d) into %s", chosen.step, manifest.attempt, path)
+        committed = CommittedCheckpoint(step=chosen.step, uri=store.checkpoint_uri(chosen.step), time=manifest.created)
+        return Restored(path=path, committed=committed, history=history)
+    log.info("no complete checkpoint in %s: starting from scratch", store.location.uri)
+    return Restored(path=None, committed=None, history=history)
+
+
+def _upload_final(cfg: LaunchConfig, uploader) -> bool:
+    """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored."""
+    from kubetrain_trainer.storage import StorageError
+    from kubetrain_trainer.sync import upload_final_model
+
+    step = uploader.last_committed.step if uploader.last_committed else 0
+    try:
+        upload_final_model(uploader.store, cfg.local_dir, uploader.settings, step=step,
+                           deadline=time.monotonic() + cfg.upload_wait_s)
+        return True
+    except StorageError as e:
+        log.error("final model not uploaded: %s", e)
+        return False
+
+
+def _start_sync(cfg: LaunchConfig, stop: threading.Event):
+    """Restore, then start the uploader and the folder watcher. Returns (uploader, watch, resume_from)."""
+    from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageConfig
+    from kubetrain_trainer.sync import CheckpointUploader, CommittedCheckpoint, FolderWatcher, SyncSettings, WatchLoop
+
+    store = CheckpointStore(StorageConfig.from_env(os.environ))
+    restored = restore_newest(store, cfg.local_dir, deadline=time.monotonic() + cfg.restore_timeout_s, stop=stop)
+    resume_from, initial, history = restored.path, restored.committed, restored.history
+
+    def on_commit(record: CommittedCheckpoint) -> None:
+        if cfg.node_rank != 0:
+            return
+        write_termination_message(cfg.termination_log, record.to_json())
+        annotate_pod(
+            sa_dir=cfg.service_account_dir, namespace=cfg.namespace, pod=cfg.pod_name,
+            annotations={"kubetrain.io/last-checkpoint": record.to_json()},
+        )
+
+    def on_lag(lagging: bool, line: str) -> None:
+        # The operator can surface this in the job's status ("checkpoints are lagging").
+        annotate_pod(
+            sa_dir=cfg.service_account_dir, namespace=cfg.namespace, pod=cfg.pod_name,
+            annotations={"kubetrain.io/checkpoint-sync": line if lagging else None},
+        )
+
+    settings = SyncSettings(
+        attempt=cfg.attempt,
+        world_size=cfg.world_size,
+        strategy=cfg.strategy,
+        node_rank=cfg.node_rank,
+        nnodes=cfg.nnodes,
+        retention=cfg.retention(),
+        backoff=Backoff(initial_s=1.0, maximum_s=30.0),
+        history=history,
+    )
+    staging = cfg.local_dir.parent / f".{cfg.local_dir.name}.upload-staging"
+    uploader = CheckpointUploader(
+        store, settings, staging_dir=staging, on_commit=on_commit, on_lag=on_lag, initial=initial
+    ).start()
+    watcher = FolderWatcher(cfg.local_dir)
+    stale = watcher.prime()
+    if stale:
+        log.warning("ignoring local checkpoints left from before this launch: %s", stale)
+    return uploader, WatchLoop(watcher, uploader).start(), resume_from
+
+
+def write_termination_message(path: Path, message: str) -> None:
+    """Best effort: the pod's terminationMessagePath carries the last committed checkpoint."""
+    try:
+        tmp = path.with_name(path.name + ".tmp") if path.parent != Path("/dev") else path
+        tmp.write_text(message + "\n")
+        if tmp != path:
+            tmp.replace(path)
+    except OSError as e:
+        log.debug("cannot write termination message to %s: %s", path, e)
+
+
+def annotate_pod(
+    *, sa_dir: Path, namespace: str, pod: str, annotations: Mapping[str, str | None], timeout_s: float = 5.0
+) -> bool:
+    """Best effort: set (None: remove) annotations on our pod with a plain HTTPS merge patch.
+
+    Uses the mounted ServiceAccount token; no Kubernetes client library in the
+    trainer image. Failures are logged at debug level and never raised.
+    """
+    import ssl
+    import urllib.request
+
+    token_file = sa_dir / "token"
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not pod or not host or not token_file.is_file():
+        return False
+    if not namespace:
+        try:
+            namespace = (sa_dir / "namespace").read_text().strip()
+        except OSError:
+            return False
+    host = f"[{host}]" if ":" in host else host
+    url = f"https://{host}:{port}/api/v1/namespaces/{namespace}/pods/{pod}"
+    body = json.dumps({"metadata": {"annotations": dict(annotations)}}).encode()
+    try:
+        ca = sa_dir / "ca.crt"
+        context = ssl.create_default_context(cafile=str(ca) if ca.is_file() else None)
+        request = urllib.request.Request(url, data=body, method="PATCH")
+        request.add_header("Authorization", "Bearer " + token_file.read_text().strip())
+        request.add_header("Content-Type", "application/merge-patch+json")
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
+            return 200 <= response.status < 300
+    except Exception as e:  # noqa: BLE001 - reporting is best effort; the token is never logged
+        log.debug("cannot annotate pod %s/%s: %s", namespace, pod, type(e).__name__)
+        return False
+
+
+def _signal(p: subprocess.Popen, sig: int, *, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _missing(name: str) -> str:
+    raise ConfigError(f"{name}: required when NNODES > 1")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Writing the final model in the layout `from_pretrained` loads: config.json + model.safetensors.
+
+Hugging Face models save themselves (`save_pretrained`, given the
+consolidated state dict so sharded strategies work too). Any other module is
+written as `model.safetensors`, with a `config.json` when it carries a config
+(a dataclass, a dict or an object with `to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .strategies.ddp import safetensors_ready
+
+
+def config_dict(module: nn.Module) -> dict[str, Any] | None:
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return None
+
+
+def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | None, out: Path, *,
+                     safe_serialization: bool = True, processing_class: Any = None) -> None:
+    if state_dict is None:
+        raise RuntimeError("no consolidated state dict on the main process: refusing to write an incomplete model")
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(module, "save_pretrained"):
+        module.save_pretrained(out, state_dict=state_dict, safe_serialization=safe_serialization)
+    else:
+        if safe_serialization:
+            save_file(safetensors_ready(state_dict), str(out / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            torch.save(state_dict, out / "pytorch_model.bin")
+        config = config_dict(module)
+        if config is not None:
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(out)

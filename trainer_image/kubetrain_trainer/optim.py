@@ -1,0 +1,76 @@
+"""The default optimizer and learning-rate schedules (overridable on the Trainer).
+
+Weight decay is applied to weight matrices only: biases and the weights of
+normalisation layers are left undecayed (as in the HF Trainer), because
+shrinking them towards zero only fights the normalisation.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from .args import TrainingArguments
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm, nn.LocalResponseNorm)
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that get weight decay: not biases, not normalisation weights."""
+    names: set[str] = set()
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, _NORMS) or "norm" in type(module).__name__.lower()
+        for param_name, _ in module.named_parameters(recurse=False):
+            if is_norm or param_name == "bias":
+                continue
+            names.add(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    decay = decay_parameter_names(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in params if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if args.optim == "sgd":
+        return torch.optim.SGD(groups, lr=args.learning_rate)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, fused=True if args.optim == "adamw_torch_fused" else None)
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def _constant_with_warmup(step: int, *, warmup: int, total: int) -> float:
+    return step / max(1, warmup) if step < warmup else 1.0
+
+
+def _constant(step: int, *, warmup: int, total: int) -> float:
+    return 1.0
+
+
+_SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant,
+              "constant_with_warmup": _constant_with_warmup}
+
+
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, num_training_steps: int) -> LambdaLR:
+    warmup = args.warmup_for(num_training_steps)
+    fn = partial(_SCHEDULES[args.lr_scheduler_type], warmup=warmup, total=num_training_steps)
+    return LambdaLR(optimizer, fn)

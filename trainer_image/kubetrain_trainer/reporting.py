@@ -1,0 +1,80 @@
+"""Reporters named by `report_to`: TensorBoard and a JSON-lines log.
+
+Both are callbacks that act on `on_log` on the main process only. An empty
+`report_to` simply adds none, so the loop never checks whether reporting is on.
+The JSON-lines log (`<logging_dir>/log.jsonl`, one record per line) is the
+machine-readable history: easy to tail from a pod and to parse in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from .args import TrainingArguments
+from .callbacks import TrainerCallback
+
+
+class JsonLinesCallback(TrainerCallback):
+    """Appends each log record, with step and wall time, to `<logging_dir>/log.jsonl`."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else None
+        self._file = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.path = self.path or Path(args.logging_dir) / "log.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)  # line-buffered: a killed pod keeps whole lines
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._file is None or not logs:
+            return
+        record = {"step": state.global_step, "time": time.time(),
+                  **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in logs.items()}}
+        self._file.write(json.dumps(record) + "\n")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardCallback(TrainerCallback):
+    """Writes numeric log values as TensorBoard scalars under `logging_dir`."""
+
+    def __init__(self):
+        self.writer = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or self.writer is not None:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
+
+        self.writer = SummaryWriter(log_dir=args.logging_dir)
+        self.writer.add_text("args", args.to_json_string())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.writer is None or not logs:
+            return
+        for key, value in logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                tag = key if key.startswith("eval_") else f"train/{key}"
+                self.writer.add_scalar(tag.replace("eval_", "eval/", 1), value, state.global_step)
+        self.writer.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+_REPORTERS = {"tensorboard": TensorBoardCallback, "jsonl": JsonLinesCallback}
+
+
+def reporters_for(args: TrainingArguments) -> list[TrainerCallback]:
+    return [_REPORTERS[name]() for name in args.report_to]

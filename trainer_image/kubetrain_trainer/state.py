@@ -1,0 +1,108 @@
+"""What the loop knows about its own progress, saved as `trainer_state.json`.
+
+`TrainerState` follows the Hugging Face fields (global_step, epoch,
+log_history, best_metric, best_model_checkpoint, ...) and adds what an exact
+resume needs: the data position (epoch and samples consumed in it) and the
+running loss sums since the last log, so that a stopped and resumed run logs
+bitwise the same losses as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class TrainingPreempted(RuntimeError):
+    """Training stopped on SIGTERM after an emergency checkpoint; the job should be resumed."""
+
+    def __init__(self, step: int, checkpoint_dir: str | None):
+        self.step = step
+        self.checkpoint_dir = checkpoint_dir
+        where = f"checkpoint {checkpoint_dir}" if checkpoint_dir else "no checkpoint"
+        super().__init__(f"preempted at step {step}; {where}")
+
+
+class NonFiniteLossError(RuntimeError):
+    """A NaN/inf loss with `nan_inf_policy: stop`."""
+
+
+@dataclass
+class DataPosition:
+    """Where the training data stands: the next batch is sample `samples` of epoch `epoch`."""
+
+    epoch: int = 0
+    samples: int = 0
+    """Samples consumed in this epoch across all processes (independent of the world size)."""
+
+
+@dataclass
+class TrainerState:
+    """Progress of a run; written into every checkpoint as `trainer_state.json`."""
+
+    global_step: int = 0
+    """Optimizer steps taken (skipped NaN steps included: their data was consumed)."""
+    epoch: float = 0.0
+    """Fractional epoch reached."""
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: int = 0
+    eval_steps: int = 0
+    save_steps: int = 0
+    train_batch_size: int = 0
+    """Global batch per optimizer step (per-device batch x accumulation x world size)."""
+    world_size: int = 1
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    last_checkpoint_dir: str | None = None
+    """Folder of the most recently committed local checkpoint (set before `on_save` fires)."""
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    total_flos: float = 0.0
+    data_position: DataPosition = field(default_factory=DataPosition)
+    loss_since_log: float = 0.0
+    """Sum of step losses since the last log (float32 value) - resumes the logging average exactly."""
+    steps_since_log: int = 0
+    loss_total: float = 0.0
+    """Sum of all finite step losses (for `TrainOutput.training_loss`)."""
+    loss_count: int = 0
+    skipped_steps: int = 0
+    """Steps whose update was dropped because the loss was NaN/inf."""
+    stateful_callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Saved state of callbacks that have some (e.g. early stopping patience)."""
+
+    def save_to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load_from_json(cls, path: str | Path) -> "TrainerState":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}  # tolerate HF's extra fields
+        position = data.pop("data_position", None) or {}
+        return cls(**data, data_position=DataPosition(**position))
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+class EvalPrediction(NamedTuple):
+    """What `compute_metrics` receives."""
+
+    predictions: Any
+    label_ids: Any

@@ -1,0 +1,432 @@
+"""The only module that talks to S3.
+
+Everything above it (sync, launch) speaks in checkpoints and steps; this module
+turns that into S3 objects under `KUBETRAIN_CHECKPOINT_URI`:
+
+    <uri>/checkpoint-<step>/<files...>
+    <uri>/checkpoint-<step>/manifest.node-<r>.json   (sharded multi-node only)
+    <uri>/checkpoint-<step>/manifest.json            (written LAST: the commit)
+
+Errors come in two types, so callers know what to do next:
+`StorageTemporaryError` (network, throttling, 5xx: retry after a delay) and
+`StoragePermanentError` (no bucket, bad credentials, bad URI: stop and report).
+Messages carry the operation, bucket/key and the S3 error code only; they
+never carry credentials (values of the AWS_* secrets are redacted even if a
+library puts them in a message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+from kubetrain_trainer.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    NodePart,
+    RemoteCheckpoint,
+    checkpoint_dirname,
+    node_part_name,
+    parse_checkpoint_dirname,
+    sha256_file,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PERMANENT_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "NoSuchBucket",
+        "InvalidBucketName",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidArgument",
+        "InvalidRequest",
+        "MethodNotAllowed",
+    }
+)
+
+
+class StorageError(Exception):
+    """Base of storage failures. The message is safe to log."""
+
+
+class StorageTemporaryError(StorageError):
+    """Network trouble, throttling or a server error: retry after a delay."""
+
+
+class StoragePermanentError(StorageError):
+    """Will not get better by retrying (missing bucket, bad credentials, bad URI)."""
+
+
+class ChecksumError(StorageError):
+    """Downloaded bytes do not match the manifest: that checkpoint is not usable."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str
+    """Key prefix without leading or trailing slash ('' for the bucket root)."""
+
+    @classmethod
+    def parse(cls, uri: str) -> "S3Location":
+        if not uri.startswith("s3://"):
+            raise StoragePermanentError(f"checkpoint URI must start with s3://, got {uri!r}")
+        rest = uri[len("s3://") :]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise StoragePermanentError(f"checkpoint URI has no bucket: {uri!r}")
+        return cls(bucket=bucket, prefix=prefix.strip("/"))
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How to reach S3. Read from the pod environment once (`from_env`)."""
+
+    uri: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    multipart_threshold: int = 64 << 20
+    multipart_chunksize: int = 64 << 20
+    max_concurrency: int = 4
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "StorageConfig":
+        return cls(
+            uri=env["KUBETRAIN_CHECKPOINT_URI"],
+            endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            **overrides,
+        )
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter, capped."""
+
+    initial_s: float = 1.0
+    maximum_s: float = 60.0
+    factor: float = 2.0
+
+    def delay(self, failures: int) -> float:
+        ceiling = min(self.maximum_s, self.initial_s * self.factor ** max(0, failures - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def retrying(
+    fn: Callable[[], T],
+    *,
+    deadline: float | None,
+    backoff: Backoff = Backoff(),
+    what: str = "",
+    sleep: Callable[[float], None] = time.sleep,
+    on_retry: Callable[[StorageTemporaryError], None] | None = None,
+) -> T:
+    """Run `fn`, retrying StorageTemporaryError with backoff until `deadline` (time.monotonic; None = forever)."""
+    failures = 0
+    while True:
+        try:
+            return fn()
+        except StorageTemporaryError as e:
+            failures += 1
+            delay = backoff.delay(failures)
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            if on_retry is not None:
+                on_retry(e)
+            log.warning("%s failed (%s); retry %d in %.1fs", what or "storage call", e, failures, delay)
+            sleep(delay)
+
+
+class CheckpointStore:
+    """Checkpoints of one job in one S3 location. Thread-safe for concurrent calls."""
+
+    def __init__(self, config: StorageConfig, *, client: Any | None = None) -> None:
+        self.config = config
+        self.location = S3Location.parse(config.uri)
+        self._client = client if client is not None else _make_client(config)
+        from boto3.s3.transfer import TransferConfig
+
+        self._transfer = TransferConfig(
+            multipart_threshold=config.multipart_threshold,
+            multipart_chunksize=config.multipart_chunksize,
+            max_concurrency=config.max_concurrency,
+            use_threads=config.max_concurrency > 1,
+        )
+
+    # ------------------------------------------------------------ reading
+
+    def checkpoint_uri(self, step: int) -> str:
+        return f"s3://{self.location.bucket}/{self.location.key(checkpoint_dirname(step))}"
+
+    def list_checkpoints(self) -> list[RemoteCheckpoint]:
+        """Every `checkpoint-<step>/` folder with its listing and parsed manifest (None if torn)."""
+        listings: dict[int, dict[str, int]] = {}
+        base = self.location.key() + "/" if self.location.prefix else ""
+        for obj in self._list(base):
+            rest = obj["Key"][len(base) :]
+            folder, _, rel = rest.partition("/")
+            step = parse_checkpoint_dirname(folder)
+            if step is None or not rel:
+                continue
+            listings.setdefault(step, {})[rel] = int(obj["Size"])
+        out = []
+        for step, listing in sorted(listings.items()):
+            manifest = None
+            if MANIFEST_NAME in listing:
+                manifest = self.read_manifest(step)
+            out.append(RemoteCheckpoint(step=step, manifest=manifest, listing=listing))
+        return out
+
+    def read_manifest(self, step: int) -> Manifest | None:
+        """The parsed manifest of `step`, None when absent or invalid (an invalid one is a torn commit)."""
+        data = self._get(self.location.key(checkpoint_dirname(step), MANIFEST_NAME))
+        if data is None:
+            return None
+        try:
+            return Manifest.from_json(data)
+        except ManifestError as e:
+            log.warning("checkpoint-%d: invalid manifest ignored: %s", step, e)
+            return None
+
+    def read_node_parts(self, step: int) -> list[NodePart]:
+        folder = self.location.key(checkpoint_dirname(step))
+        parts = []
+        for obj in self._list(folder + "/"):
+            name = obj["Key"][len(folder) + 1 :]
+            if name.startswith("manifest.node-") and name.endswith(".json"):
+                data = self._get(obj["Key"])
+                if data is None:
+                    continue
+                try:
+                    parts.append(NodePart.from_json(data))
+                except ManifestError as e:
+                    log.warning("checkpoint-%d: invalid node part %s ignored: %s", step, name, e)
+        return parts
+
+    def download_checkpoint(self, manifest: Manifest, dest: Path) -> Path:
+        """Download every file of a committed checkpoint into `dest/checkpoint-<step>`, verified.
+
+        Files land in a sibling `.restoring` folder that is renamed into place
+        only after every sha256 matched, so a crash never leaves a half
+        restored folder under the final name. Files already present locally
+        with the right digest are not fetched again.
+        """
+        final = dest / checkpoint_dirname(manifest.step)
+        staging = dest / f".{checkpoint_dirname(manifest.step)}.restoring"
+        dest.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            _rmtree(staging)
+        staging.mkdir()
+        for f in manifest.files:
+            target = staging / f.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            existing = final / f.path
+            if existing.is_file() and existing.stat().st_size == f.size and sha256_file(existing) == f.sha256:
+                if _same_fs(existing, staging):
+                    os.link(existing, target)
+                else:
+                    _copy(existing, target)
+                continue
+            key = self.location.key(checkpoint_dirname(manifest.step), f.path)
+            self._call("download", key, lambda: self._client.download_file(
+                self.location.bucket, key, str(target), Config=self._transfer
+            ))
+            if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
+                _rmtree(staging)
+                raise ChecksumError(f"checkpoint-{manifest.step}/{f.path}: downloaded bytes do not match the manifest")
+        (staging / MANIFEST_NAME).write_bytes(manifest.to_json())
+        if final.exists():
+            _rmtree(final)
+        staging.rename(final)
+        return final
+
+    # ------------------------------------------------------------ writing
+
+    def upload_file(self, step: int, local: Path, rel: str, *, folder: str | None = None) -> None:
+        key = self.location.key(folder or checkpoint_dirname(step), rel)
+        self._call("upload", key, lambda: self._client.upload_file(
+            str(local), self.location.bucket, key, Config=self._transfer
+        ))
+
+    def put_bytes(self, step: int, rel: str, data: bytes, *, folder: str | None = None) -> None:
+        key = self.location.key(folder or checkpoint_dirname(step), rel)
+        self._call("put", key, lambda: self._client.put_object(
+            Bucket=self.location.bucket, Key=key, Body=data, ContentType="application/json"
+        ))
+
+    def read_named_manifest(self, folder: str) -> Manifest | None:
+        """The manifest of a non-checkpoint folder (e.g. `final`), None when absent or invalid."""
+        data = self._get(self.location.key(folder, MANIFEST_NAME))
+        try:
+            return Manifest.from_json(data) if data is not None else None
+        except ManifestError:
+            return None
+
+    def folder_uri(self, folder: str) -> str:
+        return f"s3://{self.location.bucket}/{self.location.key(folder)}"
+
+    def write_node_part(self, part: NodePart) -> None:
+        self.put_bytes(part.step, node_part_name(part.node_rank), part.to_json())
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write `manifest.json`: from now on the checkpoint exists for resume."""
+        self.put_bytes(manifest.step, MANIFEST_NAME, manifest.to_json())
+
+    def uncommit(self, step: int) -> None:
+        """Remove a manifest first, so a folder being rewritten is torn, never a mix of two commits."""
+        key = self.location.key(checkpoint_dirname(step), MANIFEST_NAME)
+        self._call("delete", key, lambda: self._client.delete_object(Bucket=self.location.bucket, Key=key))
+
+    def delete_checkpoint(self, step: int) -> None:
+        """Delete a checkpoint folder, manifest FIRST (so it stops being complete before it loses files)."""
+        self.uncommit(step)
+        folder = self.location.key(checkpoint_dirname(step)) + "/"
+        keys = [obj["Key"] for obj in self._list(folder)]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            self._call("delete", folder, lambda: self._client.delete_objects(Bucket=self.location.bucket, Delete=batch))
+
+    def upload_files(self, step: int, folder: Path, files: tuple[FileEntry, ...]) -> None:
+        for f in files:
+            self.upload_file(step, folder / f.path, f.path)
+
+    def check_access(self) -> None:
+        """One cheap call that fails permanently on a missing bucket or bad credentials."""
+        self._call("head_bucket", "", lambda: self._client.head_bucket(Bucket=self.location.bucket))
+
+    # ------------------------------------------------------------ plumbing
+
+    def _list(self, prefix: str) -> list[dict[str, Any]]:
+        def run() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
+                out.extend(page.get("Contents", []))
+            return out
+
+        return self._call("list", prefix, run)
+
+    def _get(self, key: str) -> bytes | None:
+        def run() -> bytes | None:
+            try:
+                return self._client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
+            except Exception as e:  # noqa: BLE001 - NoSuchKey is data, not an error
+                if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                raise
+
+        return self._call("get", key, run)
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified below, never swallowed
+            raise classify(e, op=op, where=f"s3://{self.location.bucket}/{key}") from None
+
+
+def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
+    """Map a boto/botocore/OS exception to a temporary or permanent StorageError with a safe message."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionError as BotoConnectionError,
+        HTTPClientError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    code = _error_code(exc)
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return StoragePermanentError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
+        text = f"{op} {where}: {code or status} {message}".strip()
+        if code in _PERMANENT_CODES or status in (400, 401, 403, 404, 405):
+            return StoragePermanentError(text)
+        return StorageTemporaryError(text)
+    if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
+        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
+    if isinstance(exc, BotoCoreError):
+        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
+    # boto3's transfer manager wraps errors (S3UploadFailedError and friends);
+    # their text includes the inner ClientError's code.
+    text = _redact(str(exc))
+    if any(c in text for c in _PERMANENT_CODES):
+        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {text}")
+    return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {text}")
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _redact(text: str) -> str:
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def _make_client(config: StorageConfig) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    # Our own retry loop (with a deadline) sits above this; botocore's
+    # standard mode covers the fast retries of a single request.
+    boto_config = Config(
+        connect_timeout=config.connect_timeout_s,
+        read_timeout=config.read_timeout_s,
+        retries={"max_attempts": 3, "mode": "standard"},
+        # S3-compatible servers (MinIO) address buckets by path, not by host.
+        s3={"addressing_style": "path" if config.endpoint_url else "auto"},
+    )
+    return boto3.session.Session().client(
+        "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config
+    )
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
+def _copy(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.copyfile(src, dst)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""DDP: every rank holds the whole model; gradients are averaged in backward.
+
+With a world size of one the model is not wrapped at all, so single-process
+training pays nothing for the strategy seam. Checkpoints hold the full model
+(`model.safetensors`) and optimizer (`optimizer.pt`), written by rank 0 and
+read by every rank. fp16 uses a gradient scaler, whose state is saved too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import distributed as dist_util
+from .base import OptimizerFactory, Prepared, SchedulerFactory, Strategy
+
+WEIGHTS_NAME = "model.safetensors"
+PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+OPTIMIZER_NAME = "optimizer.pt"
+SCALER_NAME = "scaler.pt"
+
+
+def safetensors_ready(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two entries sharing storage (safetensors refuses tied tensors)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state_dict.items():
+        t = value.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        out[key] = t
+    return out
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self) -> None:
+        self._module: nn.Module | None = None
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._safetensors = True
+        self.device = torch.device("cpu")
+
+    def prepare(self, model: nn.Module, *, args: Any, create_optimizer: OptimizerFactory,
+                create_scheduler: SchedulerFactory) -> Prepared:
+        self.device = dist_util.device_for(args.use_cpu)
+        self._safetensors = args.save_safetensors
+        self._module = model.to(self.device)
+        if dist_util.world_size() > 1:
+            self._model = DistributedDataParallel(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=bool(args.ddp_find_unused_parameters),
+            )
+        else:
+            self._model = model
+        self._optimizer = create_optimizer(self._module)
+        scheduler = create_scheduler(self._optimizer)
+        if args.fp16:
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        return Prepared(model=self._model, optimizer=self._optimizer, lr_scheduler=scheduler)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self._scaler.scale(loss) if self._scaler else loss).backward()
+
+    def no_sync(self, enabled: bool):
+        if enabled and isinstance(self._model, DistributedDataParallel):
+            return self._model.no_sync()
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self._scaler:
+            self._scaler.unscale_(self._optimizer)
+        params = [p for p in self._module.parameters() if p.grad is not None]
+        # max_norm <= 0 means "do not clip": an infinite bound still yields the norm for logging.
+        bound = max_norm if max_norm and max_norm > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, bound)
+
+    def optimizer_step(self) -> None:
+        if self._scaler:
+            self._scaler.step(self._optimizer)
+            self._scaler.update()
+        else:
+            self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        if dist_util.rank() != 0:
+            return  # replicas hold identical copies
+        state = self._module.state_dict()
+        if self._safetensors:
+            save_file(safetensors_ready(state), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            torch.save(state, directory / PICKLE_WEIGHTS_NAME)
+        torch.save(self._optimizer.state_dict(), directory / OPTIMIZER_NAME)
+        if self._scaler:
+            torch.save(self._scaler.state_dict(), directory / SCALER_NAME)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        directory = Path(directory)
+        if (directory / WEIGHTS_NAME).is_file():
+            state = load_file(str(directory / WEIGHTS_NAME), device=str(self.device))
+        elif (directory / PICKLE_WEIGHTS_NAME).is_file():
+            state = torch.load(directory / PICKLE_WEIGHTS_NAME, map_location=self.device, weights_only=True)
+        else:
+            raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}")
+        self._module.load_state_dict(state)
+        if (directory / OPTIMIZER_NAME).is_file():
+            self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
+                                                       weights_only=True))
+        if self._scaler and (directory / SCALER_NAME).is_file():
+            self._scaler.load_state_dict(torch.load(directory / SCALER_NAME, weights_only=True))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if dist_util.rank() != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self._module.load_state_dict(state_dict)
+
+    def unwrap(self) -> nn.Module:
+        return self._module

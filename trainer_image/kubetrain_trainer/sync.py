@@ -1,0 +1,522 @@
+"""Background upload of local checkpoints to S3, with commit, fencing and retention.
+
+Training must never wait for S3, and S3 must never hold a checkpoint that
+resume could half-read. So:
+
+- a new local `checkpoint-<step>/` is snapshotted at once (hard links: cheap,
+  and immune to the trainer's local rotation deleting the folder) and queued;
+- one background thread uploads every file, then (multi-node: each node writes
+  its part record, node rank 0 waits for all parts) writes `manifest.json`
+  LAST; only then does the checkpoint exist for resume;
+- before committing, the write fence is checked (a lower attempt never
+  overwrites or runs beside a higher one, see `manifest.check_fence`);
+- after a commit, node rank 0 applies remote retention (`plan_retention`);
+- when S3 is down, uploads retry with backoff, at most `max_queued` snapshots
+  wait (older waiting ones are superseded by newer), and a status line says
+  checkpoints are lagging. Training goes on regardless.
+
+The primary user is the launcher, which watches the local output folder
+(`FolderWatcher`) so that S3 stays out of the worker processes and arbitrary
+`-- command` jobs are synced too. `CheckpointSyncCallback` is the thin
+in-process alternative for a Trainer run without the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kubetrain_trainer.callbacks import TrainerCallback
+from kubetrain_trainer.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ManifestError,
+    NodePart,
+    RetentionPolicy,
+    build_manifest,
+    check_fence,
+    checkpoint_dirname,
+    merge_parts,
+    parse_checkpoint_dirname,
+    plan_retention,
+    scan_folder,
+    utc_now_rfc3339,
+)
+from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageError, StoragePermanentError
+
+log = logging.getLogger(__name__)
+
+
+class FencedError(StorageError):
+    """A newer attempt owns the checkpoint location: this process must not commit."""
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """Who is uploading, and the rules to follow."""
+
+    attempt: int
+    world_size: int
+    strategy: str
+    node_rank: int = 0
+    nnodes: int = 1
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    backoff: Backoff = field(default_factory=Backoff)
+    part_wait_s: float = 900.0
+    """How long node rank 0 waits for the other nodes' parts of one checkpoint."""
+    max_queued: int = 2
+    """Snapshots waiting behind the one uploading; older waiting ones are dropped beyond this."""
+    status_interval_s: float = 30.0
+    history: frozenset[tuple[int, int]] = frozenset()
+    """(step, attempt) of every manifest seen at start (see `check_fence`)."""
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """The contract's last-checkpoint record (termination message, pod annotation)."""
+
+    step: int
+    uri: str
+    time: str
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "uri": self.uri, "time": self.time}, sort_keys=True)
+
+
+@dataclass
+class _Job:
+    step: int
+    folder: Path
+    """The hard-linked snapshot under the staging folder (owned by the uploader)."""
+    files: tuple[FileEntry, ...] | None = None
+    uploaded: set[str] = field(default_factory=set)
+    failures: int = 0
+
+
+class CheckpointUploader:
+    """One background thread that commits snapshots of local checkpoints to S3, oldest first."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        settings: SyncSettings,
+        *,
+        staging_dir: Path,
+        on_commit: Callable[[CommittedCheckpoint], None] | None = None,
+        on_lag: Callable[[bool, str], None] | None = None,
+        initial: CommittedCheckpoint | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.staging_dir = staging_dir
+        self.on_commit = on_commit
+        self.on_lag = on_lag
+        """Called with (lagging, status line) whenever the lagging state flips (e.g. to annotate the pod)."""
+        self._lag_reported = False
+        self.last_committed: CommittedCheckpoint | None = initial
+        self.last_error: str | None = None
+        self.fenced: str | None = None
+        self.dropped: list[int] = []
+        self._queue: deque[_Job] = deque()
+        self._current: _Job | None = None
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kubetrain-ckpt-upload", daemon=True)
+        self._last_status = 0.0
+
+    # ------------------------------------------------------------ public
+
+    def start(self) -> "CheckpointUploader":
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def submit(self, folder: Path, step: int) -> bool:
+        """Snapshot `folder` (a complete local checkpoint) and queue it. False if it vanished or we are fenced."""
+        if self.fenced:
+            return False
+        snap = self.staging_dir / f"{checkpoint_dirname(step)}.{time.monotonic_ns()}"
+        try:
+            _snapshot(folder, snap)
+        except FileNotFoundError:
+            # The trainer rotated it away before we looked: nothing to upload.
+            shutil.rmtree(snap, ignore_errors=True)
+            log.warning("checkpoint-%d disappeared locally before it could be snapshotted", step)
+            return False
+        with self._lock:
+            self._queue.append(_Job(step=step, folder=snap))
+            while len(self._queue) > self.settings.max_queued:
+                old = self._queue.popleft()
+                self.dropped.append(old.step)
+                shutil.rmtree(old.folder, ignore_errors=True)
+                log.warning("checkpoint-%d superseded by a newer one before it could be uploaded", old.step)
+            self._lock.notify_all()
+        return True
+
+    def pending_steps(self) -> list[int]:
+        with self._lock:
+            current = [self._current.step] if self._current else []
+            return current + [j.step for j in self._queue]
+
+    @property
+    def lagging(self) -> bool:
+        return bool(self.pending_steps()) and self.last_error is not None
+
+    def status_line(self) -> str:
+        last = self.last_committed.step if self.last_committed else None
+        pending = self.pending_steps()
+        state = "lagging" if self.lagging else ("uploading" if pending else "in sync")
+        line = f"checkpoint sync {state}: last committed step {last}, pending steps {pending}"
+        if self.last_error and pending:
+            line += f", last error: {self.last_error}"
+        if self.fenced:
+            line += f", fenced: {self.fenced}"
+        return line
+
+    def keep_only_newest(self) -> list[int]:
+        """Drop every waiting snapshot but the newest (on preemption the grace period is short)."""
+        with self._lock:
+            dropped = []
+            while len(self._queue) > 1:
+                old = self._queue.popleft()
+                shutil.rmtree(old.folder, ignore_errors=True)
+                dropped.append(old.step)
+            self.dropped.extend(dropped)
+        if dropped:
+            log.warning("no time for older checkpoints %s: uploading the newest first", dropped)
+        return dropped
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until nothing is pending (True) or the timeout passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._queue or self._current is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(timeout=min(left, 1.0))
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """Drain the queue within `timeout_s`, then stop the thread. True when everything was committed."""
+        done = self.wait(timeout_s)
+        if not done:
+            log.error("%s; giving up after %.0fs", self.status_line(), timeout_s)
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._thread.join(timeout=5.0)
+        return done
+
+    # ------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if self._current is None and self._queue:
+                    self._current = self._queue.popleft()
+                job = self._current
+                if job is None:
+                    self._lock.wait(timeout=1.0)
+                    continue
+            try:
+                self._process(job)
+                finished = True
+            except FencedError as e:
+                self.fenced = str(e)
+                log.error("checkpoint-%d not committed: %s; no further uploads from this attempt", job.step, e)
+                finished = True
+                self._drop_all()
+            except ManifestError as e:
+                # Inconsistent parts can not be fixed by retrying; the folder stays torn.
+                self.last_error = str(e)
+                log.error("checkpoint-%d can not be committed: %s", job.step, e)
+                finished = True
+            except (StorageError, OSError) as e:
+                finished = False
+                job.failures += 1
+                self.last_error = str(e)
+                permanent = isinstance(e, StoragePermanentError)
+                delay = self.settings.backoff.maximum_s if permanent else self.settings.backoff.delay(job.failures)
+                log.warning("checkpoint-%d upload failed (%s); retry %d in %.1fs", job.step, e, job.failures, delay)
+                self._maybe_status(force=True)
+                self._stop.wait(delay)
+            if finished:
+                shutil.rmtree(job.folder, ignore_errors=True)
+                with self._lock:
+                    self._current = None
+                    self._lock.notify_all()
+            self._maybe_status()
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            for j in self._queue:
+                shutil.rmtree(j.folder, ignore_errors=True)
+            self._queue.clear()
+
+    def _maybe_status(self, *, force: bool = False) -> None:
+        lagging = self.lagging
+        if lagging != self._lag_reported:
+            self._lag_reported = lagging
+            if self.on_lag is not None:
+                try:
+                    self.on_lag(lagging, self.status_line())
+                except Exception:  # noqa: BLE001 - reporting must never stop uploads
+                    log.exception("on_lag hook failed")
+        now = time.monotonic()
+        if self.pending_steps() and (force or now - self._last_status >= self.settings.status_interval_s):
+            if now - self._last_status >= min(5.0, self.settings.status_interval_s):
+                log.warning("%s", self.status_line()) if self.lagging else log.info("%s", self.status_line())
+                self._last_status = now
+
+    def _process(self, job: _Job) -> None:
+        s = self.settings
+        if job.files is None:
+            job.files = scan_folder(job.folder)  # hashing once, not per retry
+        remote = self.store.list_checkpoints()
+        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history)
+        if not fence.allowed:
+            raise FencedError(fence.reason)
+        existing = next((c for c in remote if c.step == job.step), None)
+        if existing is not None and existing.manifest is not None:
+            same = existing.complete and existing.manifest.attempt == s.attempt and existing.manifest.files == job.files
+            if same:
+                log.info("checkpoint-%d is already committed with the same content", job.step)
+                self._committed(job.step)
+                return
+            # An older attempt's (or different) commit at this step: make the folder
+            # torn first, so it is never a mix of two checkpoints.
+            self.store.uncommit(job.step)
+        for f in job.files:
+            if f.path not in job.uploaded:
+                self.store.upload_file(job.step, job.folder / f.path, f.path)
+                job.uploaded.add(f.path)
+        files = job.files
+        if s.nnodes > 1:
+            self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files))
+            if s.node_rank != 0:
+                log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
+                return
+            files = self._wait_for_parts(job.step)
+        manifest = build_manifest(
+            job.folder, step=job.step, attempt=s.attempt, world_size=s.world_size, strategy=s.strategy, files=files
+        )
+        # Re-check right before the commit: a newer attempt may have started meanwhile.
+        fence = check_fence(self.store.list_checkpoints(), step=job.step, attempt=s.attempt, history=s.history)
+        if not fence.allowed:
+            raise FencedError(fence.reason)
+        self.store.commit(manifest)
+        log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
+        self._committed(job.step)
+        self._apply_retention()
+
+    def _wait_for_parts(self, step: int) -> tuple[FileEntry, ...]:
+        deadline = time.monotonic() + self.settings.part_wait_s
+        while True:
+            parts = self.store.read_node_parts(step)
+            try:
+                return merge_parts(parts, step=step, attempt=self.settings.attempt, nnodes=self.settings.nnodes)
+            except ManifestError as e:
+                if "missing" not in str(e) or time.monotonic() > deadline:
+                    raise
+            if self._stop.wait(2.0):
+                raise ManifestError(f"checkpoint-{step}: stopped while waiting for other nodes' parts")
+
+    def _committed(self, step: int) -> None:
+        self.last_error = None
+        record = CommittedCheckpoint(step=step, uri=self.store.checkpoint_uri(step), time=utc_now_rfc3339())
+        if self.last_committed is None or step >= self.last_committed.step:
+            self.last_committed = record
+        if self.on_commit is not None:
+            try:
+                self.on_commit(record)
+            except Exception:  # noqa: BLE001 - reporting must never stop uploads
+                log.exception("on_commit hook failed")
+
+    def _apply_retention(self) -> None:
+        if self.settings.node_rank != 0:
+            return
+        remote = self.store.list_checkpoints()
+        plan = plan_retention(remote, self.settings.retention, in_flight=self.pending_steps())
+        for step in plan.delete:
+            log.info("deleting remote checkpoint-%d (retention; kept %s)", step, dict(plan.protected))
+            self.store.delete_checkpoint(step)
+
+
+class FolderWatcher:
+    """Finds checkpoint folders that appeared (or were replaced) under a local output folder.
+
+    The trainer writes `tmp-checkpoint-<step>` and renames it: a folder under
+    its final name is complete locally. Folders holding a `manifest.json` were
+    restored from storage and are already committed. A folder re-saved at the
+    same step gets a new inode and is reported again.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._seen: dict[int, int] = {}
+
+    def prime(self) -> list[int]:
+        """Mark every folder present now as seen (left from before this launch, not ours to upload)."""
+        return [step for step, _ in self.poll()]
+
+    def poll(self) -> list[tuple[int, Path]]:
+        found = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            step = parse_checkpoint_dirname(entry.name)
+            if step is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                inode = entry.inode()
+            except OSError:
+                continue
+            if self._seen.get(step) == inode:
+                continue
+            self._seen[step] = inode
+            if (Path(entry.path) / MANIFEST_NAME).exists():
+                continue
+            found.append((step, Path(entry.path)))
+        return sorted(found)
+
+
+class WatchLoop:
+    """Polls a `FolderWatcher` in a thread and hands new folders to an uploader."""
+
+    def __init__(self, watcher: FolderWatcher, uploader: CheckpointUploader, *, interval_s: float = 1.0) -> None:
+        self.watcher = watcher
+        self.uploader = uploader
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kubetrain-ckpt-watch", daemon=True)
+
+    def start(self) -> "WatchLoop":
+        self._thread.start()
+        return self
+
+    def scan_once(self) -> None:
+        for step, folder in self.watcher.poll():
+            log.info("new local checkpoint-%d: queued for upload", step)
+            self.uploader.submit(folder, step)
+
+    def stop(self) -> None:
+        """Stop polling, after one last scan (the emergency checkpoint lands just before the workers exit)."""
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        self.scan_once()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.scan_once()
+            except Exception:  # noqa: BLE001 - a scan error must not kill the watcher
+                log.exception("checkpoint folder scan failed")
+
+
+class CheckpointSyncCallback(TrainerCallback):
+    """Uploads each checkpoint the Trainer saves (thin alternative to the launcher's watcher).
+
+    A no-op when the launcher already syncs (it sets KUBETRAIN_SYNC_BY_LAUNCHER=1
+    for its workers) and on every process but world rank 0 (single-node only;
+    multi-node sharded jobs need the launcher on every node).
+    """
+
+    def __init__(self, uploader: CheckpointUploader | None = None, *, wait_s: float = 600.0) -> None:
+        self._uploader = uploader
+        self.wait_s = wait_s
+        self.enabled = os.environ.get("KUBETRAIN_SYNC_BY_LAUNCHER") != "1"
+
+    def _get(self) -> CheckpointUploader | None:
+        if self._uploader is None and self.enabled and os.environ.get("KUBETRAIN_CHECKPOINT_URI"):
+            from kubetrain_trainer.storage import StorageConfig
+
+            env = os.environ
+            store = CheckpointStore(StorageConfig.from_env(env))
+            settings = SyncSettings(
+                attempt=int(env.get("KUBETRAIN_ATTEMPT", "1")),
+                world_size=int(env.get("WORLD_SIZE", "1")),
+                strategy=env.get("KUBETRAIN_STRATEGY", "ddp"),
+            )
+            staging = Path(env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR", "/tmp/kubetrain/checkpoints")).parent / "upload-staging"
+            self._uploader = CheckpointUploader(store, settings, staging_dir=staging).start()
+        return self._uploader
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self.enabled or not state.is_world_process_zero:
+            return
+        folder = kwargs.get("checkpoint_dir") or state.last_checkpoint_dir
+        uploader = self._get()
+        if uploader is not None and folder:
+            uploader.submit(Path(folder), state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._uploader is not None and state.is_world_process_zero:
+            self._uploader.close(self.wait_s)
+
+
+FINAL_FOLDER = "final"
+
+
+def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncSettings, *, step: int,
+                       deadline: float) -> str | None:
+    """Upload the finished run's top-level outputs (the `from_pretrained` layout) to `<uri>/final/`.
+
+    Everything directly produced in `output_dir` except checkpoint folders and
+    hidden staging folders; `manifest.json` is written last, as for checkpoints,
+    so a torn final upload is recognisable. Returns the folder's URI, or None
+    when there was nothing to upload.
+    """
+    from kubetrain_trainer.manifest import Manifest, utc_now_rfc3339 as now
+    from kubetrain_trainer.storage import retrying
+
+    from kubetrain_trainer.manifest import sha256_file
+
+    found: list[FileEntry] = []
+    for entry in sorted(output_dir.iterdir()):
+        name = entry.name
+        if name.startswith((".", "tmp-checkpoint-")) or parse_checkpoint_dirname(name) is not None:
+            continue  # checkpoints have their own folders; hidden ones are staging
+        if entry.is_file() and not entry.is_symlink():
+            found.append(FileEntry(path=name, size=entry.stat().st_size, sha256=sha256_file(entry)))
+        elif entry.is_dir() and not entry.is_symlink():
+            found.extend(FileEntry(f"{name}/{f.path}", f.size, f.sha256) for f in scan_folder(entry))
+    files = tuple(found)
+    if not files:
+        return None
+    for f in files:
+        retrying(lambda: store.upload_file(step, output_dir / f.path, f.path, folder=FINAL_FOLDER),
+                 deadline=deadline, backoff=settings.backoff, what=f"final/{f.path}")
+    manifest = Manifest(step=step, attempt=settings.attempt, world_size=settings.world_size,
+                        strategy=settings.strategy, files=files, created=now())
+    retrying(lambda: store.put_bytes(step, MANIFEST_NAME, manifest.to_json(), folder=FINAL_FOLDER),
+             deadline=deadline, backoff=settings.backoff, what="final/manifest.json")
+    log.info("final model uploaded to %s (%d files)", store.folder_uri(FINAL_FOLDER), len(files))
+    return store.folder_uri(FINAL_FOLDER)
+
+
+def _snapshot(src: Path, dst: Path) -> None:
+    """Hard-link every file of `src` under `dst` (copy across file systems)."""
+    if not src.is_dir():
+        raise FileNotFoundError(src)
+    for root, _dirs, files in os.walk(src):
+        rel = Path(root).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            s, d = Path(root) / name, dst / rel / name
+            try:
+                os.link(s, d)
+            except OSError as e:
+                if isinstance(e, FileNotFoundError):
+                    raise
+                shutil.copyfile(s, d)

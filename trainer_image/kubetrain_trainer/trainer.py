@@ -1,0 +1,557 @@
+"""The training loop: HF-Trainer-shaped API, strategy-agnostic, exactly resumable.
+
+`Trainer.train` reads top to bottom: plan the steps, prepare the model through
+the `Strategy` (the only place that knows DDP/FSDP/ZeRO-3), restore a
+checkpoint through the resume registry, then loop over optimizer steps. The
+loop's side decisions (when to log, evaluate, save, stop) come from callbacks
+via `TrainerControl`. A SIGTERM (preemption) only sets a flag; the loop
+finishes the current step, writes an emergency checkpoint and raises
+`TrainingPreempted`, which the entrypoint turns into the "preempted" exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from . import checkpoint as ckpt
+from . import distributed as dist_util
+from . import optim, rng
+from .args import ConfigError, TrainingArguments
+from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
+                        TrainerControl)
+from .data import ResumableDistributedSampler, batches_per_epoch, has_length, make_loader, to_device
+from .evaluation import EvaluationMixin, call_model, extract_loss
+from .modelio import save_model_files
+from .reporting import reporters_for
+from .state import DataPosition, NonFiniteLossError, TrainerState, TrainingPreempted, TrainOutput
+from .strategies.base import Strategy, get_strategy
+
+logger = logging.getLogger("kubetrain_trainer")
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "critical": logging.CRITICAL, "passive": logging.INFO}
+
+
+@dataclass
+class StepPlan:
+    """How many steps, epochs and batches this run has (fixed before the loop starts)."""
+
+    max_steps: int
+    num_epochs: int
+    batches_per_epoch: int | None
+    """Micro-batches per rank in a full epoch; None for iterable datasets."""
+
+
+class Trainer(EvaluationMixin):
+    """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator: Callable | None = None, train_dataset: Dataset | None = None,
+                 eval_dataset: Dataset | None = None, processing_class: Any = None,
+                 compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
+                 optimizers: tuple[Any, Any] = (None, None)):
+        if model is None:
+            raise ValueError("Trainer needs a model")
+        self.args = args = args if args is not None else TrainingArguments()
+        dist_util.init_process_group(use_cpu=args.use_cpu, timeout_s=args.ddp_timeout)
+        self.device = dist_util.device_for(args.use_cpu)
+        if args.fp16 and self.device.type != "cuda":
+            raise ConfigError("fp16 needs a GPU; on CPU set bf16: true instead")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but no eval_dataset was given: "
+                              "pass one or set eval_strategy: no")
+        if args.neftune_noise_alpha and not hasattr(model, "get_input_embeddings"):
+            raise ConfigError("neftune_noise_alpha needs a model with get_input_embeddings(); unset it")
+        if args.gradient_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ConfigError("gradient_checkpointing: this model has no gradient_checkpointing_enable(); "
+                                  "set gradient_checkpointing: false")
+            model.gradient_checkpointing_enable()
+        self.model = model
+        self.model_wrapped: nn.Module | None = None
+        self.data_collator = data_collator
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.strategy: Strategy = get_strategy(args.strategy)
+        self._prepared = False
+        self._pin_memory = args.dataloader_pin_memory and self.device.type == "cuda"
+        self._autocast = self._autocast_factory()
+        self._stop_requested = False
+        self._new_best = False
+        main = dist_util.is_main_process()
+        self.state = TrainerState(is_world_process_zero=main, is_local_process_zero=dist_util.is_local_main_process())
+        self.control = TrainerControl()
+        self._setup_logging()
+        builtins: list[TrainerCallback] = [DefaultFlowCallback(), LoggingCallback(), *reporters_for(args)]
+        if main and not args.disable_tqdm:
+            builtins.append(ProgressCallback())
+        self.callback_handler = CallbackHandler([*builtins, *(callbacks or [])])
+        self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    # ------------------------------------------------------------ callbacks API
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    # -------------------------------------------------------- overridable parts
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("training needs a train_dataset")
+        args = self.args
+        sampler = None
+        if has_length(self.train_dataset):
+            sampler = ResumableDistributedSampler(len(self.train_dataset), num_replicas=dist_util.world_size(),
+                                                  rank=dist_util.rank(), shuffle=True, seed=args.data_seed,
+                                                  drop_last=args.dataloader_drop_last)
+        return make_loader(self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                           collate_fn=self.data_collator, num_workers=args.dataloader_num_workers,
+                           pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
+                           generator_seed=args.data_seed)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = optim.create_optimizer(model if model is not None else self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: int | None = None):
+        outputs = call_model(model, inputs)
+        loss = extract_loss(outputs)
+        if loss is None:
+            raise ValueError("the model returned no loss: return a tensor, a dict with 'loss', or outputs with "
+                             ".loss (or override Trainer.compute_loss)")
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: Any, num_micro_batches: int = 1) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its (scaled) loss, detached."""
+        inputs = to_device(inputs, self.device)
+        with self._autocast():
+            loss = self.compute_loss(model, inputs)
+        loss = loss / num_micro_batches
+        self.strategy.backward(loss)
+        return loss.detach()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+
+    # ------------------------------------------------------------------- train
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
+        """Train; `resume_from_checkpoint` is None (fresh), True (newest complete checkpoint) or a folder."""
+        if kwargs:
+            raise TypeError(f"train() got unexpected arguments: {', '.join(kwargs)}")
+        args = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        resume_dir = self._resolve_resume(resume_from_checkpoint)
+        rng.set_seed(args.seed)
+        dataloader = self.get_train_dataloader()
+        plan = self._plan(dataloader)
+        self._init_state(plan)
+        self._prepare(plan.max_steps)
+        if dist_util.is_local_main_process():
+            ckpt.remove_incomplete(args.output_dir)
+        registry = self.resume_registry()
+        if resume_dir is not None:
+            logger.info("resuming from %s", resume_dir)
+            registry.load_all(resume_dir)
+            self._check_resumed_state(plan)
+        self.callback_handler.objects = dict(model=self.model, processing_class=self.processing_class,
+                                             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                             train_dataloader=dataloader)
+        neftune = self._neftune_hook()
+        previous_handler = self._install_sigterm_handler()
+        try:
+            return self._loop(dataloader, plan, registry)
+        finally:
+            neftune.remove()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+
+    def _loop(self, dataloader: DataLoader, plan: StepPlan, registry: ckpt.ResumeRegistry) -> TrainOutput:
+        args, state, strategy = self.args, self.state, self.strategy
+        model = self.model_wrapped
+        world = dist_util.world_size()
+        samples_per_batch = args.per_device_train_batch_size * world
+        ga = args.gradient_accumulation_steps
+        # Loss sums stay on the device between logs: `.item()` would sync every step.
+        loss_since_log = torch.tensor(state.loss_since_log, dtype=torch.float32, device=self.device)
+        loss_total = torch.tensor(state.loss_total, dtype=torch.float32, device=self.device)
+        start_time, start_step = time.perf_counter(), state.global_step
+        model.train()
+        self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        preempted = False
+        while state.global_step < state.max_steps and not self.control.should_training_stop and not preempted:
+            epoch = state.data_position.epoch
+            skip = 0 if args.ignore_data_skip else state.data_position.samples
+            batches = self._epoch_batches(dataloader, epoch, skip)
+            done = skip // samples_per_batch  # micro-batches of this epoch already consumed (per rank)
+            if done == 0:
+                self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
+            self.control.should_epoch_stop = False
+            epoch_done = False
+            while state.global_step < state.max_steps:
+                micro = list(itertools.islice(batches, ga))
+                if not micro:
+                    epoch_done = True  # the iterator ran dry (iterable dataset, or a shorter custom loader)
+                    break
+                self.control = self.callback_handler.on_step_begin(args, state, self.control)
+                step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+                for i, batch in enumerate(micro):
+                    # Gradients are synchronised on the last micro-batch only.
+                    with strategy.no_sync(i < len(micro) - 1):
+                        step_loss += self.training_step(model, batch, len(micro))
+                    if i < len(micro) - 1:
+                        self.control = self.callback_handler.on_substep_end(args, state, self.control)
+                # One collective and host sync per step: the mean loss over ranks, whether it is finite
+                # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch).
+                step_loss, finite, stop = self._reduce_step(step_loss)
+                grad_norm = None
+                if finite:
+                    grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
+                    strategy.optimizer_step()
+                    loss_since_log += step_loss
+                    loss_total += step_loss
+                    state.steps_since_log += 1
+                    state.loss_count += 1
+                else:
+                    self._handle_non_finite(step_loss)
+                    if not args.logging_nan_inf_filter:
+                        loss_since_log += step_loss
+                        state.steps_since_log += 1
+                self.lr_scheduler.step()
+                state.global_step += 1
+                done += len(micro)
+                epoch_done = plan.batches_per_epoch is not None and done >= plan.batches_per_epoch
+                state.epoch = epoch + (done / plan.batches_per_epoch if plan.batches_per_epoch else 0.0)
+                state.data_position = (DataPosition(epoch + 1, 0) if epoch_done
+                                       else DataPosition(epoch, done * samples_per_batch))
+                state.loss_since_log, state.loss_total = loss_since_log.item(), loss_total.item()
+                self.control = self.callback_handler.on_step_end(args, state, self.control)
+                loss_since_log = self._maybe_log_save_evaluate(loss_since_log, grad_norm, registry)
+                if stop:
+                    preempted = True
+                    break
+                if epoch_done or self.control.should_training_stop or self.control.should_epoch_stop:
+                    break
+            if epoch_done and not preempted:
+                if plan.batches_per_epoch is None:
+                    state.data_position = DataPosition(epoch + 1, 0)
+                self.control = self.callback_handler.on_epoch_end(args, state, self.control)
+                loss_since_log = self._maybe_log_save_evaluate(loss_since_log, None, registry)
+        if preempted:
+            self._preempt(registry)
+        return self._finish(start_time, start_step, loss_total)
+
+    # ---------------------------------------------------------------- helpers
+    def _reduce_step(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        packed = torch.stack([step_loss.float(), (~torch.isfinite(step_loss)).float(),
+                              torch.tensor(float(self._stop_requested), device=self.device)])
+        world = dist_util.world_size()
+        if world > 1:
+            torch.distributed.all_reduce(packed)
+            packed[0] /= world
+        non_finite, stop = packed[1:].tolist()
+        return packed[0], not non_finite, bool(stop)
+
+    def _handle_non_finite(self, step_loss: torch.Tensor) -> None:
+        step = self.state.global_step + 1
+        value = step_loss.item()
+        if self.args.nan_inf_policy == "stop":
+            raise NonFiniteLossError(f"step {step}: the loss is {value} on at least one rank; stopping "
+                                     "(nan_inf_policy: stop). Lower the learning rate or check the data.")
+        self.strategy.skip_step()
+        self.state.skipped_steps += 1
+        logger.warning("step %d: loss is %s on at least one rank; update skipped (nan_inf_policy: skip)", step, value)
+
+    def _maybe_log_save_evaluate(self, loss_since_log: torch.Tensor, grad_norm, registry) -> torch.Tensor:
+        control, state = self.control, self.state
+        if control.should_log and state.steps_since_log:
+            logs = {"loss": loss_since_log.item() / state.steps_since_log,
+                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+            if grad_norm is not None:
+                logs["grad_norm"] = grad_norm.item()
+            loss_since_log = torch.zeros_like(loss_since_log)
+            state.loss_since_log, state.steps_since_log = 0.0, 0
+            self.log(logs)
+        control.should_log = False
+        metrics = None
+        if control.should_evaluate:
+            control.should_evaluate = False
+            metrics = self.evaluate()
+            self._update_best(metrics)
+            if self.args.save_strategy == "best":
+                control.should_save = self._new_best
+        if control.should_save:
+            control.should_save = False
+            self._save_checkpoint(registry)
+        return loss_since_log
+
+    def _update_best(self, metrics: dict[str, float]) -> None:
+        name = self.args.metric_for_best_model
+        self._new_best = False
+        if not name:
+            return
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model {name!r} not in the eval metrics ({', '.join(metrics)}); "
+                           "fix the name or return it from compute_metrics")
+        value, best = metrics[key], self.state.best_metric
+        if best is None or (value > best if self.args.greater_is_better else value < best):
+            self.state.best_metric = value
+            self._new_best = True
+
+    def _save_checkpoint(self, registry: ckpt.ResumeRegistry) -> Path:
+        """*Collective.* Commit `checkpoint-<step>` and apply retention, then fire `on_save`."""
+        args, state = self.args, self.state
+        final = Path(args.output_dir) / ckpt.checkpoint_name(state.global_step)
+        if self._new_best:
+            state.best_model_checkpoint = str(final)
+            self._new_best = False
+        state.last_checkpoint_dir = str(final)
+        self.callback_handler.save_states(state)
+        ckpt.save_checkpoint(args.output_dir, state.global_step, registry)
+        if dist_util.is_local_main_process():
+            ckpt.rotate_checkpoints(args.output_dir, limit=args.save_total_limit, keep=[state.best_model_checkpoint])
+        self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
+        return final
+
+    def _preempt(self, registry: ckpt.ResumeRegistry) -> None:
+        """Emergency checkpoint (unless this step was just saved), then raise TrainingPreempted."""
+        state, args = self.state, self.args
+        saved = None
+        if args.save_strategy != "no":
+            already = state.last_checkpoint_dir and Path(state.last_checkpoint_dir).name == \
+                ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir()
+            saved = state.last_checkpoint_dir if already else str(self._save_checkpoint(registry))
+        logger.warning("SIGTERM: stopped after step %d; emergency checkpoint: %s", state.global_step, saved)
+        self.control = self.callback_handler.on_train_end(args, state, self.control, preempted=True)
+        raise TrainingPreempted(state.global_step, saved)
+
+    def _finish(self, start_time: float, start_step: int, loss_total: torch.Tensor) -> TrainOutput:
+        args, state = self.args, self.state
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            best = self._local_path(state.best_model_checkpoint)
+            logger.info("loading the best model from %s (%s=%s)", best, args.metric_for_best_model, state.best_metric)
+            self.strategy.load_checkpoint(best)
+        runtime = time.perf_counter() - start_time
+        steps = state.global_step - start_step
+        train_loss = loss_total.item() / state.loss_count if state.loss_count else float("nan")
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_samples_per_second": round(steps * state.train_batch_size / max(runtime, 1e-9), 3),
+                   "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
+                   "train_loss": train_loss, "epoch": state.epoch}
+        self.log(metrics)
+        self.control = self.callback_handler.on_train_end(args, state, self.control)
+        return TrainOutput(state.global_step, train_loss, metrics)
+
+    def _local_path(self, path: str) -> Path:
+        """A checkpoint path from trainer_state.json, as found under this run's output_dir (it may have moved)."""
+        local = Path(self.args.output_dir) / Path(path).name
+        return local if local.is_dir() else Path(path)
+
+    def _epoch_batches(self, dataloader: DataLoader, epoch: int, skip_samples: int):
+        """An iterator over the epoch's batches starting after `skip_samples` (global count)."""
+        if getattr(dataloader, "generator", None) is not None:
+            dataloader.generator.manual_seed(self.args.data_seed + epoch)  # same worker seeds after a resume
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, ResumableDistributedSampler):
+            sampler.set_epoch(epoch, skip_samples)  # O(1) skip: the sampler starts at the offset
+            return iter(dataloader)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        iterator = iter(dataloader)
+        skip_batches = skip_samples // (self.args.per_device_train_batch_size * dist_util.world_size())
+        if skip_batches:
+            logger.warning("this dataloader cannot seek: skipping %d batches by iterating them", skip_batches)
+            for _ in itertools.islice(iterator, skip_batches):
+                pass
+        return iterator
+
+    def _plan(self, dataloader: DataLoader) -> StepPlan:
+        args = self.args
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, ResumableDistributedSampler):
+            sampler.set_epoch(0, 0)
+            per_epoch = batches_per_epoch(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
+        elif has_length(dataloader):
+            per_epoch = len(dataloader)
+        else:
+            per_epoch = None
+        if per_epoch is None or per_epoch == 0:
+            if args.max_steps <= 0:
+                raise ConfigError("the training data has no length (or is empty): set max_steps")
+            return StepPlan(args.max_steps, 1, None)
+        steps_per_epoch = math.ceil(per_epoch / args.gradient_accumulation_steps)
+        if args.max_steps > 0:
+            return StepPlan(args.max_steps, math.ceil(args.max_steps / steps_per_epoch), per_epoch)
+        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+        return StepPlan(max_steps, math.ceil(args.num_train_epochs), per_epoch)
+
+    def _init_state(self, plan: StepPlan) -> None:
+        args = self.args
+        self.state = TrainerState(
+            max_steps=plan.max_steps, num_train_epochs=plan.num_epochs,
+            logging_steps=args.resolve_steps(args.logging_steps, plan.max_steps),
+            eval_steps=args.resolve_steps(args.eval_steps, plan.max_steps),
+            save_steps=args.resolve_steps(args.save_steps, plan.max_steps),
+            train_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * dist_util.world_size(),
+            world_size=dist_util.world_size(),
+            is_world_process_zero=dist_util.is_main_process(),
+            is_local_process_zero=dist_util.is_local_main_process(),
+        )
+        self.control = TrainerControl()
+
+    def _prepare(self, max_steps: int) -> None:
+        """*Collective.* Wrap the model and build optimizer and scheduler through the strategy (once)."""
+        if self._prepared:
+            self.lr_scheduler = None  # a second train() call plans anew
+            self.create_scheduler(max_steps, self.optimizer)
+            return
+        prepared = self.strategy.prepare(
+            self.model, args=self.args, create_optimizer=self.create_optimizer,
+            create_scheduler=functools.partial(self._scheduler_for, max_steps))
+        self.model_wrapped, self.optimizer, self.lr_scheduler = prepared.model, prepared.optimizer, prepared.lr_scheduler
+        self._prepared = True
+
+    def _scheduler_for(self, max_steps: int, optimizer):
+        return self.create_scheduler(max_steps, optimizer)
+
+    def resume_registry(self) -> ckpt.ResumeRegistry:
+        """Everything a resume needs, in load order (the trainer state goes last: it marks completion)."""
+        reg = ckpt.ResumeRegistry()
+        main = dist_util.is_main_process
+        reg.register("model+optimizer", save=self.strategy.save_checkpoint, load=self.strategy.load_checkpoint)
+
+        def save_scheduler(d: Path) -> None:
+            if main():
+                torch.save(self.lr_scheduler.state_dict(), d / "scheduler.pt")
+        reg.register("scheduler", save=save_scheduler,
+                     load=lambda d: self.lr_scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=False)))
+        reg.register("rng", save=lambda d: rng.save(d, dist_util.rank()), load=lambda d: rng.load(d, dist_util.rank()))
+
+        def save_args(d: Path) -> None:
+            if main():
+                (d / "training_args.json").write_text(self.args.to_json_string() + "\n")
+        reg.register("training_args", save=save_args, load=lambda d: None)
+
+        def save_state(d: Path) -> None:
+            if main():
+                self.state.save_to_json(d / ckpt.COMPLETE_MARKER)
+        reg.register("trainer_state", save=save_state, load=self._load_state)
+        return reg
+
+    def _load_state(self, directory: Path) -> None:
+        saved = TrainerState.load_from_json(directory / ckpt.COMPLETE_MARKER)
+        current = self.state
+        saved.is_world_process_zero, saved.is_local_process_zero = current.is_world_process_zero, current.is_local_process_zero
+        # The schedule comes from this run's arguments, the progress from the checkpoint.
+        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
+                     "train_batch_size", "world_size"):
+            setattr(saved, name, getattr(current, name))
+        self.state = saved
+        self.callback_handler.load_states(saved)
+
+    def _check_resumed_state(self, plan: StepPlan) -> None:
+        if self.state.global_step >= plan.max_steps:
+            logger.warning("the checkpoint is at step %d, max_steps is %d: nothing left to train",
+                           self.state.global_step, plan.max_steps)
+
+    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
+        if resume is None or resume is False:
+            return None
+        if resume is True:
+            found = ckpt.newest_checkpoint(self.args.output_dir)
+            if found is None:
+                logger.info("no complete checkpoint in %s: starting fresh", self.args.output_dir)
+            return found
+        path = Path(resume)
+        if not ckpt.is_checkpoint(path):
+            raise ConfigError(f"resume_from_checkpoint {str(path)!r} is not a complete checkpoint folder "
+                              f"(it needs {ckpt.COMPLETE_MARKER})")
+        return path
+
+    def _autocast_factory(self) -> Callable[[], contextlib.AbstractContextManager]:
+        if self.args.bf16:
+            return functools.partial(torch.autocast, device_type=self.device.type, dtype=torch.bfloat16)
+        if self.args.fp16:
+            return functools.partial(torch.autocast, device_type=self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext
+
+    def _neftune_hook(self):
+        """NEFTune noise on the input embeddings while training; returns a handle with `.remove()`."""
+        alpha = self.args.neftune_noise_alpha
+        if not alpha:
+            return _NoHook()
+        embeddings = self.strategy.unwrap().get_input_embeddings()
+
+        def add_noise(module, inputs, output):
+            if module.training:
+                magnitude = alpha / math.sqrt(output.size(-2) * output.size(-1))
+                output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+            return output
+        return embeddings.register_forward_hook(add_noise)
+
+    def _install_sigterm_handler(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None  # signal handlers can only be set from the main thread
+
+        def request_stop(signum, frame):
+            self._stop_requested = True
+            logger.warning("SIGTERM received: finishing the current step, then an emergency checkpoint")
+        self._stop_requested = False
+        return signal.signal(signal.SIGTERM, request_stop)
+
+    def _setup_logging(self) -> None:
+        args = self.args
+        main = dist_util.is_local_main_process() if args.log_on_each_node else dist_util.is_main_process()
+        logger.setLevel(_LOG_LEVELS[args.log_level if main else args.log_level_replica])
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist_util.rank()}] %(levelname)s %(message)s"))
+            logger.addHandler(handler)
+
+    # ------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None) -> None:
+        """*Collective.* The final model in the layout `from_pretrained` loads (config.json + model.safetensors)."""
+        out = Path(output_dir or self.args.output_dir)
+        state_dict = self.strategy.full_state_dict() if self._prepared else self.model.state_dict()
+        if dist_util.is_main_process():
+            module = self.strategy.unwrap() if self._prepared else self.model
+            save_model_files(module, state_dict, out, safe_serialization=self.args.save_safetensors,
+                             processing_class=self.processing_class)
+            (out / "training_args.json").write_text(self.args.to_json_string() + "\n")
+        dist_util.barrier()
+
+
+class _NoHook:
+    def remove(self) -> None: ...
