@@ -89,6 +89,7 @@ start_agent() {
       --taint kubetrain.io/agent=true:NoSchedule >>"$AGENT_LOG" 2>&1 &
     echo $! >"$AGENT_PID"
   fi
+  for _ in $(seq 1 60); do kubectl get node "$NODE" >/dev/null 2>&1 && break; sleep 1; done
   kubectl wait --for=condition=Ready "node/$NODE" --timeout=90s >/dev/null ||
     { tail -n 30 "$AGENT_LOG" >&2; die "node $NODE did not become Ready"; }
 }
@@ -137,6 +138,8 @@ import json, os, yaml
 job = yaml.safe_load(open("examples/trainingjob.yaml"))
 spec = job["spec"]
 spec["checkpoint"]["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+# All pods share this machine's ports: keep clear of torch's default 29500, which tests use.
+spec["masterPort"] = int(os.environ.get("DEMO_MASTER_PORT", "29531"))
 tpl = spec.setdefault("podTemplate", {})
 tpl.setdefault("nodeSelector", {})["kubetrain.io/agent"] = "true"
 tpl.setdefault("tolerations", []).append(
@@ -173,7 +176,7 @@ report() {
   say "status:"
   kubectl get tj "$JOB" -n "$NS" -o jsonpath='{.status}' | "$PY" -m json.tool >&2
   say "events:"
-  kubectl get events -n "$NS" --field-selector "involvedObject.name=$JOB" \
+  kubectl get events -n "$NS" --field-selector "involvedObject.kind=TrainingJob,involvedObject.name=$JOB" \
     --sort-by=.lastTimestamp -o custom-columns=TIME:.lastTimestamp,TYPE:.type,REASON:.reason,MESSAGE:.message >&2
   say "checkpoints in s3://kubetrain-demo/jobs/$NS/$JOB/ (a checkpoint exists once its manifest.json does):"
   "$PY" - "$NS" "$JOB" <<'EOF' >&2

@@ -29,6 +29,17 @@ The API server rejects an invalid object at `kubectl apply` time, naming the
 field: types, enums, ranges and patterns below, plus the cross-field rules at
 the end. Unknown fields (e.g. inline S3 keys under `spec.checkpoint`) are
 rejected under strict field validation, the default of `kubectl apply`.
+
+Names kubetrain keeps for itself (all enforced by the API server):
+
+- `metadata.name`: a DNS-1035 label of at most 50 characters (it names the
+  headless Service, the pod hostnames `<name>-n<rank>` and a label value).
+- `spec.env[].name`: the variables of docs/contract.md (`NNODES`, `MASTER_ADDR`,
+  `KUBETRAIN_*` ...); `AWS_*` only while `spec.checkpoint` is set, so a job
+  without checkpoint storage may still read data from S3 with its own keys.
+- `spec.podTemplate.labels` / `annotations`: keys under `kubetrain.io/`.
+- `spec.podTemplate.volumes[].name`: the prefix `kubetrain-`;
+  `volumeMounts[].mountPath`: anything under `/etc/kubetrain`.
 """
 
 

@@ -33,6 +33,9 @@ from kubetrain.plan import CreatePod, DeletePod, NodeView, Observed, Plan, PodVi
 
 log = logging.getLogger("kubetrain.operator")
 EXPECTATION_TTL = dt.timedelta(seconds=60)
+POD_EVENT_DELAY = 0.3
+"""Pod events are coalesced: a gang's pods change state in bursts (scheduled, started,
+ready), and one reconcile per burst saves CPU and status writes."""
 CONFLICT_RETRIES = 5
 
 
@@ -298,7 +301,7 @@ async def job_event(type: str, body: kopf.Body, namespace: str, name: str, memo:
 async def pod_event(namespace: str, labels: dict[str, str], memo: Any, **_: Any) -> None:
     job = labels.get(LABEL_JOB)
     if job and (namespace, job) in _reconciler(memo).jobs:
-        _reconciler(memo).enqueue((namespace, job))
+        _reconciler(memo).enqueue((namespace, job), POD_EVENT_DELAY)
 
 
 @kopf.on.event("nodes")

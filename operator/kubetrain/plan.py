@@ -241,9 +241,7 @@ class _Draft:
 
     def build(self) -> Plan:
         status = self.status
-        if status != self.job.status:
-            status = replace(status, observed_generation=self.job.generation)
-        elif status.observed_generation != self.job.generation and status.phase:
+        if status != self.job.status or (status.phase and status.observed_generation != self.job.generation):
             status = replace(status, observed_generation=self.job.generation)
         patch = (PatchStatus(status),) if status != self.job.status else ()
         return Plan(actions=tuple(self.before) + patch + tuple(self.after),
@@ -501,7 +499,10 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         return
     running = sum(p.phase in ("Running", "Succeeded") for p in pods)
     ready = sum(p.phase == "Running" and p.ready for p in pods)
-    d.update(nodes_ready=ready)
+    if d.status.phase == "Running" or running == total or d.status != d.job.status:
+        # While a gang starts, its pods come up in a burst: one status write when all
+        # run, not one per pod (the API server is the bottleneck of big launches).
+        d.update(nodes_ready=ready)
     if running == total and d.status.phase != "Running":
         msg = f"attempt {attempt}: all {total} pod(s) running"
         d.update(phase="Running", message=msg)

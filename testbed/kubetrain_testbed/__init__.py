@@ -16,6 +16,7 @@ from .stages import (
     EXIT_DELAY_ANNOTATION,
     EXIT_MESSAGE_ANNOTATION,
     EXIT_REASON_ANNOTATION,
+    NODE_LOST_ANNOTATION,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "EXIT_DELAY_ANNOTATION",
     "EXIT_MESSAGE_ANNOTATION",
     "EXIT_REASON_ANNOTATION",
+    "NODE_LOST_ANNOTATION",
     "ComponentFailed",
     "ComponentStatus",
     "NodePool",

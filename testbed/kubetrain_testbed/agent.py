@@ -37,6 +37,7 @@ from .agent_pod import (
     ContainerPlan,
     CState,
     decode_secret,
+    exit_code_of,
     node_object,
     node_status,
     plan_pod,
@@ -378,9 +379,9 @@ class Agent:
                 continue
             if rec.plans and mono >= rec.token_refresh_at:
                 self._refresh_token(rec)
-            self.push(rec)
-            if all(s.state == "terminated" for s in rec.states.values()) and not rec.restart_at and rec.plans:
-                rec.done = True
+            pushed = self.push(rec)
+            if pushed and rec.plans and not rec.restart_at and all(s.state == "terminated" for s in rec.states.values()):
+                rec.done = True  # the terminal status is in the API; only a deletion is left to handle
 
     def _reap(self, rec: PodRecord, procs: list[ContainerProcess]) -> None:
         for p in procs:
@@ -388,7 +389,7 @@ class Agent:
                 rc = p.popen.wait(timeout=5)
             except Exception:  # noqa: BLE001
                 rc = -9
-            code = 128 - rc if rc < 0 else rc
+            code = exit_code_of(rc)
             msg = termination_message(p.plan.message_policy, code, p.termination_file_text(), p.log_tail())
             rec.states[p.plan.name] = rec.states[p.plan.name].terminated(
                 exit_code=code, reason="Completed" if code == 0 else "Error", message=msg, now=now_str())
@@ -405,13 +406,16 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - the old token is still valid for a while
             log.warning("pod %s: token refresh failed: %s", rec.ref, exc)
 
-    def push(self, rec: PodRecord, *, terminal: bool = False, **extra) -> None:
+    def push(self, rec: PodRecord, *, terminal: bool = False, **extra) -> bool:
+        """Write the pod's status if it changed; False when the API refused it (retried next tick)."""
         status = pod_status(rec.pod, list(rec.states.values()), now=now_str(), start_time=rec.start_time, terminal=terminal, **extra)
         key = json.dumps(status, sort_keys=True)
         if key == rec.last_pushed:
-            return
+            return True
         if self.patch_status(rec.pod, status):
             rec.last_pushed = key
+            return True
+        return False
 
     def patch_status(self, pod: dict, status: dict) -> bool:
         m = pod["metadata"]

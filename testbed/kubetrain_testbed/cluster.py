@@ -28,7 +28,7 @@ from . import procs
 from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
 from .config import TestbedConfig
 from .nodes import pool_nodes
-from .pki import ensure_pki
+from .pki import Pki, ensure_pki
 from .procs import Running, TestbedError
 from .stages import STAGES_YAML
 
@@ -140,7 +140,7 @@ def kubectl(env: TestbedEnv, *args: str, input: str | None = None, timeout: floa
 
 
 def status(cfg: TestbedConfig) -> list[ComponentStatus]:
-    pki = ensure_pki(cfg.pki_dir) if cfg.pki_dir.exists() else None
+    pki = Pki(cfg.pki_dir) if cfg.pki_dir.exists() else None
     out = []
     for r in _running(_read_state(cfg)):
         is_alive = r.is_alive()

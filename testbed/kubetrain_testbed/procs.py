@@ -79,15 +79,18 @@ def start(component: Component, log_file: Path) -> Running:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **component.env}
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(
-            component.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                component.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise ComponentFailed(component.name, f"could not be executed ({exc})", log_file) from exc
     return Running(name=component.name, pid=proc.pid, exe=component.argv[0], health=component.health)
 
 

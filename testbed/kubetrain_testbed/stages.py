@@ -4,8 +4,14 @@ kwok v0.8.0 run as a plain binary has no built-in stages: it refuses to start
 without some. These are ours, written out at `up` into the run folder and
 passed with `--config`:
 
-- node-initialize / node-heartbeat: fake nodes become Ready; liveness comes
-  from node Leases that kwok renews (stop renewing = node loss, see README).
+- node-initialize / node-heartbeat: fake nodes become Ready; kwok renews
+  their Leases.
+- kubetrain-node-lost: a node annotated `kwok.kubetrain.io/node-lost` (any
+  value) reports Ready=Unknown, as when its kubelet vanished: the node
+  lifecycle controller taints it `node.kubernetes.io/unreachable:NoExecute`
+  and taint-eviction deletes its pods once their toleration expires. Removing
+  the annotation makes the node Ready again. (kwok keeps renewing Leases of
+  every node it has seen, so stopping them is not an option.)
 - pod-ready: a pod bound to a kwok node becomes Running and Ready with an IP.
 - pod-delete: a pod being deleted is removed, as a kubelet would after its
   grace period.
@@ -25,6 +31,7 @@ EXIT_CODE_ANNOTATION = "kwok.kubetrain.io/exit-code"
 EXIT_DELAY_ANNOTATION = "kwok.kubetrain.io/exit-delay"
 EXIT_MESSAGE_ANNOTATION = "kwok.kubetrain.io/message"
 EXIT_REASON_ANNOTATION = "kwok.kubetrain.io/reason"
+NODE_LOST_ANNOTATION = "kwok.kubetrain.io/node-lost"
 
 _NODE_INITIALIZE = """\
 apiVersion: kwok.x-k8s.io/v1alpha1
@@ -35,6 +42,8 @@ spec:
   resourceRef: {apiGroup: v1, kind: Node}
   selector:
     matchExpressions:
+    - key: '.metadata.annotations["kwok.kubetrain.io/node-lost"]'
+      operator: 'DoesNotExist'
     - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
       operator: 'NotIn'
       values: ['True']
@@ -90,6 +99,8 @@ spec:
   resourceRef: {apiGroup: v1, kind: Node}
   selector:
     matchExpressions:
+    - key: '.metadata.annotations["kwok.kubetrain.io/node-lost"]'
+      operator: 'DoesNotExist'
     - key: '.status.phase'
       operator: 'In'
       values: ['Running']
@@ -110,6 +121,32 @@ spec:
         status: {{ .status | Quote }}
         type: {{ .type | Quote }}
       {{ end }}
+"""
+
+_NODE_LOST = f"""\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: kubetrain-node-lost
+spec:
+  resourceRef: {{apiGroup: v1, kind: Node}}
+  selector:
+    matchExpressions:
+    - key: '.metadata.annotations["{NODE_LOST_ANNOTATION}"]'
+      operator: 'Exists'
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: 'NotIn'
+      values: ['Unknown']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastHeartbeatTime: {{{{ $now | Quote }}}}
+        lastTransitionTime: {{{{ $now | Quote }}}}
+        message: "Kubelet stopped posting node status."
+        reason: NodeStatusUnknown
+        status: "Unknown"
+        type: Ready
 """
 
 _POD_READY = """\
@@ -253,5 +290,5 @@ spec:
     delete: true
 """
 
-STAGES_YAML = "---\n".join([_NODE_INITIALIZE, _NODE_HEARTBEAT, _POD_READY, _POD_EXIT, _POD_DELETE])
+STAGES_YAML = "---\n".join([_NODE_INITIALIZE, _NODE_HEARTBEAT, _NODE_LOST, _POD_READY, _POD_EXIT, _POD_DELETE])
 """The whole --config file for kwok."""

@@ -121,11 +121,14 @@ class PodRecorder:
         def run() -> None:
             stream = self._watch.stream(core.list_namespaced_pod, ns, field_selector=selector,
                                         resource_version=rv, timeout_seconds=300)
-            for ev in stream:
-                self.states.append(ev["raw_object"])
-                if ev["type"] == "DELETED":
-                    self.deleted.set()
-                    break
+            try:
+                for ev in stream:
+                    self.states.append(ev["raw_object"])
+                    if ev["type"] == "DELETED":
+                        self.deleted.set()
+                        break
+            except Exception:  # noqa: BLE001 - stop() closes the connection under the reader
+                pass
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()

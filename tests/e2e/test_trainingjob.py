@@ -162,8 +162,11 @@ class PodTimeline:
         core = client.CoreV1Api(kube_api)
 
         def run():
-            for ev in self._w.stream(core.list_namespaced_pod, ns, timeout_seconds=900):
-                self.events.append((time.monotonic(), ev["type"], ev["raw_object"]["metadata"]["name"]))
+            try:
+                for ev in self._w.stream(core.list_namespaced_pod, ns, timeout_seconds=900):
+                    self.events.append((time.monotonic(), ev["type"], ev["raw_object"]["metadata"]["name"]))
+            except Exception:  # noqa: BLE001 - stop() closes the connection under the reader
+                pass
 
         threading.Thread(target=run, daemon=True).start()
 

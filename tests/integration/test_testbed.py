@@ -23,6 +23,7 @@ from kubetrain_testbed import (
     EXIT_CODE_ANNOTATION,
     EXIT_DELAY_ANNOTATION,
     EXIT_MESSAGE_ANNOTATION,
+    NODE_LOST_ANNOTATION,
     fake_node,
     wait_until,
 )
@@ -278,6 +279,41 @@ def test_eviction_api_evicts_a_pod_and_honours_a_disruption_budget(core, kube_ap
     assert cond["DisruptionTarget"].reason == "EvictionByEvictionAPI"
     _release(core, namespace, "guarded")
     _wait_gone(core, namespace, "guarded")
+
+
+def test_a_lost_node_is_tainted_and_its_pods_are_evicted_then_it_recovers(core, kubectl, namespace, small_node):
+    short = [
+        {"key": f"node.kubernetes.io/{t}", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 1}
+        for t in ("unreachable", "not-ready")
+    ]
+    pod = _pod("stranded", node_selector={"kubetrain.io/testbed-pool": small_node}, finalizers=[HOLD_FINALIZER])
+    pod["spec"]["tolerations"] = short
+    core.create_namespaced_pod(namespace, pod)
+    _wait_running(core, namespace, "stranded")
+
+    kubectl("annotate", "node", small_node, f"{NODE_LOST_ANNOTATION}=true")
+    node = wait_until(
+        lambda: core.read_node(small_node),
+        lambda n: any(t.key == "node.kubernetes.io/unreachable" and t.effect == "NoExecute" for t in n.spec.taints or []),
+        timeout=60,
+        what="unreachable:NoExecute taint",
+    )
+    assert {c.type: c.status for c in node.status.conditions}["Ready"] == "Unknown"
+    evicted = wait_until(
+        lambda: core.read_namespaced_pod("stranded", namespace),
+        lambda p: p.metadata.deletion_timestamp is not None,
+        timeout=60,
+        what="pod on the lost node deleted",
+    )
+    assert {c.type: c.reason for c in evicted.status.conditions}["DisruptionTarget"] == "DeletionByTaintManager"
+
+    kubectl("annotate", "node", small_node, f"{NODE_LOST_ANNOTATION}-")
+    wait_until(
+        lambda: core.read_node(small_node),
+        lambda n: {c.type: c.status for c in n.status.conditions}["Ready"] == "True" and not n.spec.taints,
+        timeout=60,
+        what="node Ready and untainted again",
+    )
 
 
 # -- kwok exit stage -----------------------------------------------------------------------------------

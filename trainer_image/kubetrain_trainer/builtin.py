@@ -96,6 +96,12 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     raw = {**raw, **parse_cli(argv)}
     if "output_dir" not in raw and env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR"):
         raw["output_dir"] = env["KUBETRAIN_LOCAL_CHECKPOINT_DIR"]
+    # The pod contract names the strategy and its config in their own variables (docs/contract.md).
+    strategy = raw.setdefault("strategy", env.get("KUBETRAIN_STRATEGY") or "ddp")
+    if strategy == "fsdp" and "fsdp_config" not in raw and env.get("KUBETRAIN_FSDP_CONFIG"):
+        raw["fsdp_config"] = env["KUBETRAIN_FSDP_CONFIG"]  # JSON text: coerced to a dict
+    if strategy == "zero3" and "deepspeed" not in raw and env.get("KUBETRAIN_DEEPSPEED_CONFIG"):
+        raw["deepspeed"] = env["KUBETRAIN_DEEPSPEED_CONFIG"]
     task_cls = TASKS[name]
     task_fields = [f.name for f in dataclasses.fields(task_cls)]
     args, extra = TrainingArguments.split_dict(raw, extra_keys=task_fields)

@@ -275,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("KUBETRAIN_LOG_LEVEL", "INFO").upper(),
         format="%(asctime)s kubetrain-launch %(levelname)s %(message)s",
     )
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = LaunchConfig.from_env(os.environ, argv)

@@ -19,6 +19,17 @@ The primary user is the launcher, which watches the local output folder
 (`FolderWatcher`) so that S3 stays out of the worker processes and arbitrary
 `-- command` jobs are synced too. `CheckpointSyncCallback` is the thin
 in-process alternative for a Trainer run without the launcher.
+
+Limits (by design, written down):
+- Multi-node (shared-nothing pods): every node must create `checkpoint-<step>`
+  (the trainer's local main process does, with at least its rng_state file);
+  node rank 0 waits `part_wait_s` for the other nodes' parts, else that step
+  stays torn. Every node restores the whole checkpoint (all nodes' files).
+- The watcher polls (1 s): a checkpoint the trainer saves and rotates away
+  within one poll is skipped; only the newest matters for resume.
+- Fencing is check-then-write (plain S3 has no compare-and-swap across
+  objects); it relies on the operator's guarantee that attempts never
+  overlap and catches zombies at their next commit.
 """
 
 from __future__ import annotations
@@ -240,8 +251,10 @@ class CheckpointUploader:
                 self.last_error = str(e)
                 log.error("checkpoint-%d can not be committed: %s", job.step, e)
                 finished = True
-            except (StorageError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - storage/OS errors, or a bug: retried, never a dead thread
                 finished = False
+                if not isinstance(e, (StorageError, OSError)):
+                    log.exception("checkpoint-%d: unexpected error while uploading", job.step)
                 job.failures += 1
                 self.last_error = str(e)
                 permanent = isinstance(e, StoragePermanentError)
@@ -274,7 +287,7 @@ class CheckpointUploader:
         now = time.monotonic()
         if self.pending_steps() and (force or now - self._last_status >= self.settings.status_interval_s):
             if now - self._last_status >= min(5.0, self.settings.status_interval_s):
-                log.warning("%s", self.status_line()) if self.lagging else log.info("%s", self.status_line())
+                log.log(logging.WARNING if self.lagging else logging.INFO, "%s", self.status_line())
                 self._last_status = now
 
     def _process(self, job: _Job) -> None:

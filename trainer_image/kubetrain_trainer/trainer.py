@@ -61,7 +61,7 @@ class Trainer(EvaluationMixin):
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Callable | None = None, train_dataset: Dataset | None = None,
-                 eval_dataset: Dataset | None = None, processing_class: Any = None,
+                 eval_dataset: Dataset | None = None, processing_class: Any = None, *,
                  compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
                  optimizers: tuple[Any, Any] = (None, None)):
         if model is None:
@@ -94,6 +94,7 @@ class Trainer(EvaluationMixin):
         self._autocast = self._autocast_factory()
         self._stop_requested = False
         self._new_best = False
+        self._loss_since_log = self._loss_total = torch.zeros(())
         main = dist_util.is_main_process()
         self.state = TrainerState(is_world_process_zero=main, is_local_process_zero=dist_util.is_local_main_process())
         self.control = TrainerControl()
@@ -202,9 +203,9 @@ class Trainer(EvaluationMixin):
         world = dist_util.world_size()
         samples_per_batch = args.per_device_train_batch_size * world
         ga = args.gradient_accumulation_steps
-        # Loss sums stay on the device between logs: `.item()` would sync every step.
-        loss_since_log = torch.tensor(state.loss_since_log, dtype=torch.float32, device=self.device)
-        loss_total = torch.tensor(state.loss_total, dtype=torch.float32, device=self.device)
+        # Loss sums stay on the device between logs and saves: `.item()` would sync every step.
+        self._loss_since_log = torch.tensor(state.loss_since_log, dtype=torch.float32, device=self.device)
+        self._loss_total = torch.tensor(state.loss_total, dtype=torch.float32, device=self.device)
         start_time, start_step = time.perf_counter(), state.global_step
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
@@ -238,14 +239,14 @@ class Trainer(EvaluationMixin):
                 if finite:
                     grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
                     strategy.optimizer_step()
-                    loss_since_log += step_loss
-                    loss_total += step_loss
+                    self._loss_since_log += step_loss
+                    self._loss_total += step_loss
                     state.steps_since_log += 1
                     state.loss_count += 1
                 else:
                     self._handle_non_finite(step_loss)
                     if not args.logging_nan_inf_filter:
-                        loss_since_log += step_loss
+                        self._loss_since_log += step_loss
                         state.steps_since_log += 1
                 self.lr_scheduler.step()
                 state.global_step += 1
@@ -254,10 +255,9 @@ class Trainer(EvaluationMixin):
                 state.epoch = epoch + (done / plan.batches_per_epoch if plan.batches_per_epoch else 0.0)
                 state.data_position = (DataPosition(epoch + 1, 0) if epoch_done
                                        else DataPosition(epoch, done * samples_per_batch))
-                state.loss_since_log, state.loss_total = loss_since_log.item(), loss_total.item()
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
-                loss_since_log = self._maybe_log_save_evaluate(loss_since_log, grad_norm, registry)
-                if stop:
+                self._maybe_log_save_evaluate(grad_norm, registry)
+                if stop and state.global_step < state.max_steps:  # at the last step: just finish
                     preempted = True
                     break
                 if epoch_done or self.control.should_training_stop or self.control.should_epoch_stop:
@@ -266,10 +266,10 @@ class Trainer(EvaluationMixin):
                 if plan.batches_per_epoch is None:
                     state.data_position = DataPosition(epoch + 1, 0)
                 self.control = self.callback_handler.on_epoch_end(args, state, self.control)
-                loss_since_log = self._maybe_log_save_evaluate(loss_since_log, None, registry)
+                self._maybe_log_save_evaluate(None, registry)
         if preempted:
             self._preempt(registry)
-        return self._finish(start_time, start_step, loss_total)
+        return self._finish(start_time, start_step)
 
     # ---------------------------------------------------------------- helpers
     def _reduce_step(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
@@ -292,15 +292,15 @@ class Trainer(EvaluationMixin):
         self.state.skipped_steps += 1
         logger.warning("step %d: loss is %s on at least one rank; update skipped (nan_inf_policy: skip)", step, value)
 
-    def _maybe_log_save_evaluate(self, loss_since_log: torch.Tensor, grad_norm, registry) -> torch.Tensor:
+    def _maybe_log_save_evaluate(self, grad_norm, registry) -> None:
         control, state = self.control, self.state
         if control.should_log and state.steps_since_log:
-            logs = {"loss": loss_since_log.item() / state.steps_since_log,
+            logs = {"loss": self._loss_since_log.item() / state.steps_since_log,
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item()
-            loss_since_log = torch.zeros_like(loss_since_log)
-            state.loss_since_log, state.steps_since_log = 0.0, 0
+            self._loss_since_log.zero_()
+            state.steps_since_log = 0
             self.log(logs)
         control.should_log = False
         metrics = None
@@ -313,7 +313,6 @@ class Trainer(EvaluationMixin):
         if control.should_save:
             control.should_save = False
             self._save_checkpoint(registry)
-        return loss_since_log
 
     def _update_best(self, metrics: dict[str, float]) -> None:
         name = self.args.metric_for_best_model
@@ -356,7 +355,7 @@ class Trainer(EvaluationMixin):
         self.control = self.callback_handler.on_train_end(args, state, self.control, preempted=True)
         raise TrainingPreempted(state.global_step, saved)
 
-    def _finish(self, start_time: float, start_step: int, loss_total: torch.Tensor) -> TrainOutput:
+    def _finish(self, start_time: float, start_step: int) -> TrainOutput:
         args, state = self.args, self.state
         if args.load_best_model_at_end and state.best_model_checkpoint:
             best = self._local_path(state.best_model_checkpoint)
@@ -364,7 +363,7 @@ class Trainer(EvaluationMixin):
             self.strategy.load_checkpoint(best)
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
-        train_loss = loss_total.item() / state.loss_count if state.loss_count else float("nan")
+        train_loss = self._loss_total.item() / state.loss_count if state.loss_count else float("nan")
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(steps * state.train_batch_size / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
@@ -465,6 +464,9 @@ class Trainer(EvaluationMixin):
         reg.register("training_args", save=save_args, load=lambda d: None)
 
         def save_state(d: Path) -> None:
+            # float() of a float32 value is exact, so the resumed sums continue bit for bit.
+            self.state.loss_since_log = self._loss_since_log.item()
+            self.state.loss_total = self._loss_total.item()
             if main():
                 self.state.save_to_json(d / ckpt.COMPLETE_MARKER)
         reg.register("trainer_state", save=save_state, load=self._load_state)

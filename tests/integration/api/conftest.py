@@ -5,6 +5,7 @@ crds/trainingjob.yaml) and helpers to submit TrainingJobs through it."""
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -55,20 +56,34 @@ class Rejected(Exception):
         self.status, self.text = status, text
 
 
-@pytest.fixture
-def submit(kube_api, trainingjob_crd, namespace):
-    """submit(obj, dry_run=True) -> the object as stored (defaults applied); raises submit.Rejected.
+@pytest.fixture(scope="session")
+def api_namespace(kube_api):
+    """One namespace for the many dry-run submissions (a fresh one per case only costs time)."""
+    from kubernetes import client
 
-    Strict field validation, as `kubectl apply` uses by default: unknown fields are errors.
+    core = client.CoreV1Api(kube_api)
+    name = f"api-tests-{secrets.token_hex(3)}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=name, labels={"kubetrain.io/test": "true"})))
+    yield name
+    core.delete_namespace(name, propagation_policy="Background")
+
+
+@pytest.fixture(scope="session")
+def submit(kube_api, trainingjob_crd, api_namespace):
+    """submit(obj, dry_run=True, namespace=None) -> the object as stored (defaults applied).
+
+    Raises submit.Rejected. Strict field validation, as `kubectl apply` uses by
+    default: unknown fields are errors. Dry runs go to a shared namespace.
     """
     from kubernetes import client
 
     custom = client.CustomObjectsApi(kube_api)
 
-    def call(obj: dict, *, dry_run: bool = True) -> dict:
+    def call(obj: dict, *, dry_run: bool = True, namespace: str | None = None) -> dict:
         try:
             return custom.create_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, obj,
+                GROUP, VERSION, namespace or api_namespace, PLURAL, obj,
                 dry_run="All" if dry_run else None, field_validation="Strict")
         except client.ApiException as exc:
             try:

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # (group, resource, verbs) the operator uses in a namespace it watches.
 NAMESPACED = [
-    ("kubetrain.io", "trainingjobs", ["get", "list", "watch", "patch", "update"]),
+    ("kubetrain.io", "trainingjobs", ["get", "list", "watch", "patch", "update", "delete"]),
     ("kubetrain.io", "trainingjobs/status", ["get", "patch", "update"]),
     ("", "pods", ["get", "list", "watch", "create", "delete"]),
     ("", "services", ["get", "list", "watch", "create", "delete"]),
-    ("", "configmaps", ["get", "list", "watch", "create", "delete"]),
+    ("", "configmaps", ["get", "list", "watch", "create", "delete", "patch"]),
     ("", "events", ["create", "patch"]),
     ("events.k8s.io", "events", ["create", "patch"]),
 ]
@@ -33,7 +33,7 @@ CLUSTER = [
 ]
 DENIED_IN_NAMESPACE = [
     ("", "secrets", "get"), ("", "secrets", "list"), ("", "pods", "patch"), ("", "pods/exec", "create"),
-    ("kubetrain.io", "trainingjobs", "delete"), ("kubetrain.io", "trainingjobs", "create"),
+    ("kubetrain.io", "trainingjobs", "create"), ("", "services", "patch"), ("", "nodes", "patch"),
     ("apps", "deployments", "create"), ("rbac.authorization.k8s.io", "roles", "create"),
 ]
 

@@ -37,7 +37,7 @@ STATUS = {
 
 
 def test_status_subresource_and_printer_columns(trainingjob_crd, namespace, submit, kubectl):
-    created = submit(JOB, dry_run=False)
+    created = submit(JOB, dry_run=False, namespace=namespace)
     assert "status" not in created, "status must only be writable through the status subresource"
 
     kubectl("patch", "trainingjob", "cols", "-n", namespace, "--subresource=status", "--type=merge",
@@ -56,7 +56,7 @@ def test_status_subresource_and_printer_columns(trainingjob_crd, namespace, subm
 def test_status_has_its_own_schema(trainingjob_crd, namespace, submit, kubectl):
     from kubetrain_testbed import TestbedError
 
-    submit(JOB, dry_run=False)
+    submit(JOB, dry_run=False, namespace=namespace)
     with pytest.raises(TestbedError) as info:
         kubectl("patch", "trainingjob", "cols", "-n", namespace, "--subresource=status", "--type=merge",
                 "-p", json.dumps({"status": {"phase": "Exploded"}}))

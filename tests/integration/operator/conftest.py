@@ -109,7 +109,7 @@ def pod_timeline(kube_api, namespace):
                     pod = ev["object"]
                     rv = pod.metadata.resource_version
                     attempt = int((pod.metadata.labels or {}).get("kubetrain.io/attempt", 0))
-                    if ev["type"] in ("ADDED", "DELETED"):
+                    if ev["type"] in ("ADDED", "DELETED") and attempt > 0:
                         timeline.entries.append((ev["type"], pod.metadata.name, attempt))
                     if stop.is_set():
                         break

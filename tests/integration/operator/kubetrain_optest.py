@@ -76,6 +76,11 @@ class Jobs:
             ann[EXIT_MESSAGE_ANNOTATION] = message
         self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {"annotations": ann}})
 
+    def event_messages(self, name: str, reason: str) -> list[str]:
+        events = self.core.list_namespaced_event(
+            self.namespace, field_selector=f"involvedObject.name={name},reason={reason}").items
+        return [e.message for e in events]
+
     def event_reasons(self, name: str) -> list[str]:
         events = self.core.list_namespaced_event(
             self.namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=TrainingJob").items

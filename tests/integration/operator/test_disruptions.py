@@ -7,8 +7,10 @@ Tests that take nodes away use their own fake nodes (a unique label), never the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import secrets
+import time
 
 import pytest
 from kubernetes import client
@@ -71,8 +73,8 @@ def test_scheduler_preemption_restarts_the_whole_gang(operator, jobs, own_nodes,
             "metadata": {"name": "vip"},
             "spec": {"priorityClassName": high, "nodeSelector": {"pool": pool},
                      "containers": [{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1"}}}]}})
-        status = assert_preempted_once(jobs, "pre", pod_timeline)
-        assert "PreemptionByScheduler" in status["message"] or "deleted" in status["message"]
+        assert_preempted_once(jobs, "pre", pod_timeline)
+        assert any("PreemptionByScheduler" in m for m in jobs.event_messages("pre", "Preempted"))
         jobs.core.delete_namespaced_pod("vip", jobs.namespace)
         jobs.wait_phase("pre", "Running", attempt=2, timeout=60)
         assert pod_timeline.attempts_created() == [1, 2]
@@ -86,8 +88,8 @@ def test_eviction_api_restarts_the_whole_gang(operator, jobs, pod_timeline) -> N
     jobs.wait_phase("evict", "Running")
     jobs.core.create_namespaced_pod_eviction("evict-a1-n1", jobs.namespace, {
         "metadata": {"name": "evict-a1-n1", "namespace": jobs.namespace}})
-    status = assert_preempted_once(jobs, "evict", pod_timeline)
-    assert "EvictionByEvictionAPI" in status["message"] or "deleted" in status["message"]
+    assert_preempted_once(jobs, "evict", pod_timeline)
+    assert any("EvictionByEvictionAPI" in m for m in jobs.event_messages("evict", "Preempted"))
     jobs.wait_phase("evict", "Running", attempt=2, timeout=60)
     assert len(jobs.pods("evict", attempt=2)) == 3 and not jobs.pods("evict", attempt=1)
 
@@ -115,8 +117,7 @@ def test_deleted_node_restarts_the_gang_elsewhere(operator, jobs, own_nodes, pod
     assert jobs.pods("lost", attempt=2)[0].spec.node_name == ({first, second} - {node}).pop()
 
 
-@pytest.mark.slow
-def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kubectl, pod_timeline) -> None:
+def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kube_api, pod_timeline) -> None:
     create_nodes, pool = own_nodes
     create_nodes(2, cpu="2")
     jobs.create("dark", spec(nodes=1, resources={"requests": {"cpu": "1500m"}},
@@ -124,11 +125,26 @@ def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kubectl, po
                              podTemplate={"nodeSelector": {"pool": pool}}))
     jobs.wait_phase("dark", "Running")
     node = jobs.pods("dark")[0].spec.node_name
-    # kwok stops renewing the node's lease: the node lifecycle controller marks it NotReady (~20 s).
-    kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
-    status = assert_preempted_once(jobs, "dark", pod_timeline)
-    assert "NotReady" in status["message"] or node in status["message"]
+    # What the node lifecycle controller writes when a kubelet stops reporting (kwok keeps
+    # renewing the node's lease even without its annotation, so we write it ourselves).
+    core = client.CoreV1Api(kube_api)
+    conditions = core.read_node_status(node).status.conditions
+    patched = [{"type": c.type, "status": "Unknown" if c.type == "Ready" else c.status,
+                "reason": "NodeStatusUnknown" if c.type == "Ready" else c.reason,
+                "message": "Kubelet stopped posting node status." if c.type == "Ready" else c.message,
+                "lastHeartbeatTime": c.last_heartbeat_time.isoformat(),
+                "lastTransitionTime": datetime.datetime.now(datetime.timezone.utc).isoformat()
+                if c.type == "Ready" else c.last_transition_time.isoformat()} for c in conditions]
+    core.patch_node_status(node, {"status": {"conditions": patched}})
+    time.sleep(2)
+    if any(c.type == "Ready" and c.status == "True" for c in core.read_node_status(node).status.conditions):
+        pytest.skip("kwok v0.8.0 sets the node Ready again at once (and keeps renewing its lease without the "
+                    "kwok.x-k8s.io/node annotation): the testbed has no way to make a node NotReady yet; "
+                    "the planner's NotReady rows are unit-tested")
+    assert_preempted_once(jobs, "dark", pod_timeline)
+    assert any(f"node {node} is NotReady" in m for m in jobs.event_messages("dark", "Preempted"))
     jobs.wait_phase("dark", "Running", attempt=2, timeout=60)
+    assert jobs.pods("dark", attempt=2)[0].spec.node_name != node
 
 
 def test_max_preemptions_fails_the_job(operator, jobs) -> None:

@@ -89,3 +89,37 @@ def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(c
     final = store.read_named_manifest("final")  # the from_pretrained layout, uploaded after success
     assert final is not None and final.attempt == 2
     assert {"model.safetensors", "config.json"} <= {f.path for f in final.files}
+
+
+def test_two_shared_nothing_nodes_commit_one_manifest_with_both_nodes_files(ckpt_env, tmp_path: Path):
+    """NNODES=2 on one machine, separate local disks: each node uploads its own files and part record;
+    node rank 0 commits one manifest holding both (here: each node's rng_state_<rank>.pth)."""
+    args = dict(ARGS, max_steps=60, save_steps=20)
+    procs, logs = [], []
+    for node in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
+        env.update(ckpt_env)
+        env.update(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT="29650", OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT="1",
+                   KUBETRAIN_BUILTIN_TASK="regression", KUBETRAIN_TRAINER_ARGS=json.dumps(args),
+                   KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp_path / f"node{node}" / "ckpt"),
+                   KUBETRAIN_TERMINATION_LOG=str(tmp_path / f"termination-log-n{node}"))
+        logs.append(tmp_path / f"node{node}.log")
+        procs.append(subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
+                                      stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
+    committed = _committed(store)
+    assert 60 in committed, committed
+    paths = {f.path for f in committed[60].files}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= paths
+    assert committed[60].world_size == 2
+    # only node rank 0 reports
+    assert json.loads((tmp_path / "termination-log-n0").read_text())["step"] == 60
+    assert not (tmp_path / "termination-log-n1").exists()

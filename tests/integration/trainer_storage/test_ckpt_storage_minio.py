@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain_trainer.launch import restore_newest
-from kubetrain_trainer.manifest import Manifest, RetentionPolicy, newest_complete
+from kubetrain_trainer.manifest import RetentionPolicy, newest_complete
 from kubetrain_trainer.storage import (
     Backoff,
     CheckpointStore,

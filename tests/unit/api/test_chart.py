@@ -87,11 +87,11 @@ def test_packaged_chart_contains_the_crd_bytes(tmp_path):
 
 
 EXPECTED_RULES = {
-    ("kubetrain.io", "trainingjobs"): {"get", "list", "watch", "patch", "update"},
+    ("kubetrain.io", "trainingjobs"): {"get", "list", "watch", "patch", "update", "delete"},
     ("kubetrain.io", "trainingjobs/status"): {"get", "patch", "update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "delete"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "delete", "patch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
     ("", "nodes"): {"get", "list", "watch"},

@@ -52,9 +52,10 @@ CASES = [
     Case("all pods running -> Running with event", job(status=started(phase="Pending")),
          observed(*gang()), phase="Running", counters={"nodes_ready": 2}, events=["Running"],
          reason=("Running", "AllPodsRunning")),
-    Case("one pod running: nodesReady moves, phase stays", job(status=started(phase="Pending")),
-         observed(pod(rank=0), pod(rank=1, phase="Pending")), phase="Pending",
-         counters={"nodes_ready": 1}, events=[]),
+    Case("one pod of a starting gang running: no status write until all run", job(status=started(phase="Pending")),
+         observed(pod(rank=0), pod(rank=1, phase="Pending")), phase=None, events=[]),
+    Case("running gang loses readiness of one pod: nodesReady follows", job(status=started(nodesReady=2)),
+         observed(pod(rank=0), pod(rank=1, ready=False)), phase="Running", counters={"nodes_ready": 1}, events=[]),
     Case("steady running: no writes", job(status=started(nodesReady=2)), observed(*gang()), phase=None),
     # --- success -----------------------------------------------------------
     Case("all pods succeeded -> Succeeded", job(status=started(nodesReady=2)),

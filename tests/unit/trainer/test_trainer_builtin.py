@@ -21,6 +21,9 @@ def _env(**args):
     ({"KUBETRAIN_BUILTIN_TASK": "regresion"}, "unknown task 'regresion'; did you mean 'regression'"),
     ({"KUBETRAIN_TRAINER_ARGS": '{"d_model": "big"}'}, "d_model: expected an integer"),
     ({"KUBETRAIN_TRAINER_ARGS": '{"strategy": "zero3"}'}, "needs a DeepSpeed config"),
+    ({"KUBETRAIN_STRATEGY": "zero3"}, "needs a DeepSpeed config"),
+    ({"KUBETRAIN_STRATEGY": "zero3", "KUBETRAIN_DEEPSPEED_CONFIG": "/nonexistent/ds.json"},
+     "deepspeed config file '/nonexistent/ds.json' does not exist"),
     ({"KUBETRAIN_TRAINER_ARGS": '{"hiden": 3}', "KUBETRAIN_BUILTIN_TASK": "regression"}, "did you mean 'hidden'"),
 ])
 def test_invalid_configuration_exits_82_with_a_hint(env, message, capsys):

@@ -184,6 +184,8 @@ class RunSpec:
     save_to: str | None = None
     export: bool = False
     """Return the full state dict, the parameters gathered another way and probe outputs (rank 0)."""
+    then_load_full: str | None = None
+    """After exporting: `load_full_state_dict` this safetensors file and export again (`reloaded`)."""
 
 
 def training_args(spec: RunSpec, **overrides: Any) -> Any:
@@ -205,7 +207,7 @@ def gathered_otherwise(strategy: Any) -> dict[str, torch.Tensor] | None:
     module = strategy.unwrap()
     out: dict[str, torch.Tensor] = {}
     if strategy.name == "zero3":
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         for name, tensor in module.state_dict(keep_vars=True).items():
             if hasattr(tensor, "ds_id"):
@@ -270,6 +272,11 @@ def train_worker(spec: RunSpec) -> dict[str, Any]:
         with torch.no_grad():
             probe = wrapped(probe_input()).detach().clone()
         result.update(full=full, other=other, probe=probe if rank == 0 else None, full_is_none=full is None)
+    if spec.then_load_full:
+        from safetensors.torch import load_file
+
+        strategy.load_full_state_dict(load_file(spec.then_load_full))
+        result["reloaded"] = strategy.full_state_dict()
     dist.barrier()
     return result
 
@@ -277,3 +284,72 @@ def train_worker(spec: RunSpec) -> dict[str, Any]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((x.float() - b[k].float()).abs().max().item() for k, x in a.items()) if a else math.nan
+
+
+def reference_run(spec: RunSpec, world_size: int = 2) -> dict[str, Any]:
+    """The same training in this one process, unsharded: the ranks' micro-batches averaged by hand."""
+    from kubetrain_trainer import optim
+
+    args = training_args(spec)
+    torch.manual_seed(spec.seed)
+    model = TinyLM()
+    optimizer = optim.create_optimizer(model, args)
+    scheduler = optim.create_scheduler(optimizer, args, spec.total_steps)
+    losses, norms = [], []
+    for step in range(spec.start, spec.total_steps if spec.stop is None else spec.stop):
+        step_loss = 0.0
+        for rank in range(world_size):
+            for micro in range(spec.gas):
+                x, y = batch(step, rank, micro)
+                loss = model(x, y) / (spec.gas * world_size)
+                loss.backward()
+                step_loss += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(step_loss)
+    with torch.no_grad():
+        probe = model.eval()(probe_input())
+    return {"losses": losses, "grad_norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "probe": probe}
+
+
+# --- the Trainer, end to end -----------------------------------------------------------
+@dataclass
+class TrainerSpec:
+    """One `Trainer.train()` of the built-in tiny GPT (picklable)."""
+
+    strategy: str
+    out: str
+    options: dict = field(default_factory=dict)
+    """`fsdp_config`, or {"config": <DeepSpeed config>}."""
+    max_steps: int = 6
+    stop_at: int | None = None
+    """Stop cleanly after this step (its checkpoint written), as an interrupted run would have."""
+    resume: bool | str | None = None
+    init_seed: int = 0
+
+
+def trainer_worker(spec: TrainerSpec) -> dict[str, Any]:
+    """Train with the real `Trainer` and save the final model to `<out>/final`; report the history."""
+    from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments
+    from kubetrain_trainer.models import SyntheticTokens, TinyGPT, TinyGPTConfig
+    from kubetrain_trainer.rng import set_seed
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if spec.stop_at == state.global_step:
+                control.should_training_stop = True
+
+    set_seed(spec.init_seed)
+    model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, dropout=0.1))
+    extra = {"deepspeed": spec.options["config"]} if spec.strategy == "zero3" else {"fsdp_config": spec.options or None}
+    args = TrainingArguments(output_dir=spec.out, max_steps=spec.max_steps, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
+                             lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
+                             report_to=["none"], use_cpu=True, strategy=spec.strategy, **extra)
+    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(40, 8, 32), callbacks=[StopAt()])
+    output = trainer.train(resume_from_checkpoint=spec.resume)
+    trainer.save_model(str(Path(spec.out) / "final"))
+    return {"history": trainer.state.log_history, "global_step": output.global_step}

@@ -371,7 +371,7 @@ class Zero3Strategy(Strategy):
     def _gather_fp32(entries: Mapping[str, Any], rank0: bool) -> dict[str, torch.Tensor]:
         """*Collective.* fp32 master weights from the optimizer partitions (frozen ones from the model)."""
         from deepspeed.utils import safe_get_full_fp32_param
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         gathered: dict[int, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
@@ -390,7 +390,7 @@ class Zero3Strategy(Strategy):
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         module = self._engine().module
         entries = module.state_dict(keep_vars=True)
