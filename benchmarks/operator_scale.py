@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import socket
-import statistics
 import subprocess
 import sys
 import threading

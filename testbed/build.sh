@@ -19,6 +19,13 @@ cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
 bin="$cache/bin"
 if [[ "${1:-}" == "--print" ]]; then echo "$bin"; exit 0; fi
 mkdir -p "$bin" "$cache/src" "$cache/logs"
+# One build per cache folder at a time: a second caller (another shell, a
+# pytest session) waits here and then finds the binaries already built.
+exec 9>"$cache/build.lock"
+if ! flock -n 9; then
+  printf '[testbed-build] another build of %s is running; waiting for it\n' "$cache" >&2
+  flock 9
+fi
 
 export GOFLAGS="-buildvcs=false -trimpath"
 export CGO_ENABLED=0
@@ -74,6 +81,18 @@ build() {
   log "built $name in $((SECONDS - start)) s"
 }
 
+# verify NAME EXPECTED ARGS...: the built binary must report the pinned version
+# (a stray `go get` upgrade would otherwise go unnoticed); removed if not.
+verify() {
+  local name=$1 expected=$2 said; shift 2
+  said=$("$bin/$name" "$@" 2>&1 || true)
+  if [[ "$said" != *"$expected"* ]]; then
+    log "$name does not report '$expected' (it says: ${said%%$'\n'*}); removing it"
+    rm -f "$bin/$name"
+    return 1
+  fi
+}
+
 k8s_ldflags() {
   local p=k8s.io/component-base/version
   echo "-X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean" \
@@ -85,7 +104,8 @@ want=${TESTBED_COMPONENTS:-"etcd kube-apiserver kube-controller-manager kube-sch
 for c in $want; do
   case $c in
     etcd)
-      build etcd go.etcd.io/etcd/server/v3 "$(wrapper etcd x)" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" ;;
+      build etcd go.etcd.io/etcd/server/v3 "$(wrapper etcd x)" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+      verify etcd "etcd Version: ${ETCD_VERSION#v}" --version ;;
     kube-apiserver|kube-controller-manager|kube-scheduler|kubectl)
       build "$c" "k8s.io/kubernetes/cmd/$c" "$(k8s_module)" "k8s.io/kubernetes@$K8S_VERSION" "$(k8s_ldflags)" ;;
     kwok)

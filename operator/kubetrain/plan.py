@@ -147,6 +147,8 @@ class Observed:
     pods: tuple[PodView, ...] = ()
     nodes: Mapping[str, NodeView] = field(default_factory=dict)
     """Nodes the pods are bound to; a pod's node absent here is assumed healthy."""
+    gone: Mapping[str, str] = field(default_factory=dict)
+    """Why pods that no longer exist went away (their last DisruptionTarget reason), by name."""
 
 
 # -------------------------------------------------------------------- actions
@@ -463,7 +465,9 @@ def _supervise(d: _Draft, observed: Observed) -> None:
     for rank in range(total):
         pod = current.get(rank)
         if pod is None:
-            disruptions.append(f"pod {pod_name(d.job.name, attempt, rank)} was deleted by someone else")
+            name = pod_name(d.job.name, attempt, rank)
+            why = observed.gone.get(name)
+            disruptions.append(f"pod {name}: {why} (deleted)" if why else f"pod {name} was deleted by someone else")
             continue
         if pod.phase == "Failed" and pod.exit_code == EXIT_INVALID_CONFIG:
             fatal = fatal or ("InvalidConfiguration",

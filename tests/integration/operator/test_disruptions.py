@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import secrets
-import time
 
 import pytest
 from kubernetes import client
@@ -117,34 +116,43 @@ def test_deleted_node_restarts_the_gang_elsewhere(operator, jobs, own_nodes, pod
     assert jobs.pods("lost", attempt=2)[0].spec.node_name == ({first, second} - {node}).pop()
 
 
+@pytest.mark.slow
 def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kube_api, pod_timeline) -> None:
+    """A node whose kubelet stops reporting: the real node lifecycle controller marks it
+    NotReady (its Lease is never renewed) and the gang restarts on another node.
+
+    The node is not managed by kwok: this test plays its kubelet (Ready, pods Running)
+    and then simply stops, exactly what a dead kubelet does."""
     create_nodes, pool = own_nodes
-    create_nodes(2, cpu="2")
-    jobs.create("dark", spec(nodes=1, resources={"requests": {"cpu": "1500m"}},
-                             runPolicy={"nodeLostGraceSeconds": 2},
-                             podTemplate={"nodeSelector": {"pool": pool}}))
-    jobs.wait_phase("dark", "Running")
-    node = jobs.pods("dark")[0].spec.node_name
-    # What the node lifecycle controller writes when a kubelet stops reporting (kwok keeps
-    # renewing the node's lease even without its annotation, so we write it ourselves).
     core = client.CoreV1Api(kube_api)
-    conditions = core.read_node_status(node).status.conditions
-    patched = [{"type": c.type, "status": "Unknown" if c.type == "Ready" else c.status,
-                "reason": "NodeStatusUnknown" if c.type == "Ready" else c.reason,
-                "message": "Kubelet stopped posting node status." if c.type == "Ready" else c.message,
-                "lastHeartbeatTime": c.last_heartbeat_time.isoformat(),
-                "lastTransitionTime": datetime.datetime.now(datetime.timezone.utc).isoformat()
-                if c.type == "Ready" else c.last_transition_time.isoformat()} for c in conditions]
-    core.patch_node_status(node, {"status": {"conditions": patched}})
-    time.sleep(2)
-    if any(c.type == "Ready" and c.status == "True" for c in core.read_node_status(node).status.conditions):
-        pytest.skip("kwok v0.8.0 sets the node Ready again at once (and keeps renewing its lease without the "
-                    "kwok.x-k8s.io/node annotation): the testbed has no way to make a node NotReady yet; "
-                    "the planner's NotReady rows are unit-tested")
-    assert_preempted_once(jobs, "dark", pod_timeline)
-    assert any(f"node {node} is NotReady" in m for m in jobs.event_messages("dark", "Preempted"))
-    jobs.wait_phase("dark", "Running", attempt=2, timeout=60)
-    assert jobs.pods("dark", attempt=2)[0].spec.node_name != node
+    dead = f"{pool}-dead"
+    node = fake_node(name=dead, cpu="2", memory="8Gi", gpus="0", labels={"pool": pool})
+    del node["metadata"]["annotations"]["kwok.x-k8s.io/node"]
+    core.create_node(node)
+    try:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        core.patch_node_status(dead, {"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "played by the test",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        jobs.create("dark", spec(nodes=1, resources={"requests": {"cpu": "1500m"}},
+                                 runPolicy={"nodeLostGraceSeconds": 2},
+                                 podTemplate={"nodeSelector": {"pool": pool}}))
+        pod = wait_until(lambda: jobs.pods("dark"), lambda p: p and p[0].spec.node_name == dead, timeout=30,
+                         what="pod bound to the node the test plays")[0]
+        core.patch_namespaced_pod_status(pod.metadata.name, jobs.namespace, {"status": {
+            "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "trainer", "image": "x", "imageID": "", "ready": True,
+                                   "restartCount": 0, "state": {"running": {"startedAt": now}}}]}})
+        jobs.wait_phase("dark", "Running")
+        create_nodes(1, cpu="2")  # somewhere for attempt 2 to go
+        # The test (the "kubelet") stops here: after node-monitor-grace-period the node is NotReady.
+        assert_preempted_once(jobs, "dark", pod_timeline)
+        assert any(f"node {dead} is NotReady" in m for m in jobs.event_messages("dark", "Preempted"))
+        jobs.wait_phase("dark", "Running", attempt=2, timeout=60)
+        assert jobs.pods("dark", attempt=2)[0].spec.node_name != dead
+        assert not jobs.pods("dark", attempt=1), "the pod on the dead node was force-deleted"
+    finally:
+        core.delete_node(dead)
 
 
 def test_max_preemptions_fails_the_job(operator, jobs) -> None:

@@ -138,6 +138,7 @@ def test_operator_killed_mid_gang_creation_makes_no_duplicates(operator, jobs, p
                what="first pod of the gang")
     operator.kill()
     created_before = len(jobs.pods("big"))
+    assert created_before < nodes, "the operator was not killed in the middle of creating the gang"
     time.sleep(1)
     operator.start()
     status = jobs.wait_phase("big", "Running", timeout=90)

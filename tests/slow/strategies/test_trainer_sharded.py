@@ -31,9 +31,11 @@ def _losses(history: list[dict]) -> list[float]:
 
 @pytest.mark.parametrize("strategy, options, layout", [
     ("fsdp", {"reshard_after_forward": True}, ["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"]),
-    ("zero3", {"config": ZERO3}, ["latest", "global_step3/mp_rank_00_model_states.pt"]),
+    ("zero3", {"config": ZERO3}, ["latest", "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
 ])
-def test_trainer_resume_equals_uninterrupted(strategy, options, layout, tmp_path):
+def test_trainer_resume_equals_uninterrupted(strategy, options, layout, tmp_path, request):
+    if strategy == "zero3":
+        request.getfixturevalue("zero3_ready")
     straight = run_distributed(trainer_worker, TrainerSpec(strategy, str(tmp_path / "a"), options))[0]
     stopped = run_distributed(trainer_worker, TrainerSpec(strategy, str(tmp_path / "b"), options, stop_at=3))[0]
     assert stopped["global_step"] == 3

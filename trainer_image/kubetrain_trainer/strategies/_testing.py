@@ -176,6 +176,8 @@ class RunSpec:
     """Train steps [start, stop) (stop None: total_steps)."""
     gas: int = 1
     """Micro-batches per step."""
+    skip_at: int | None = None
+    """At this step call `skip_step` instead of clip + `optimizer_step` (the NaN-loss path)."""
     learning_rate: float = 1e-2
     max_grad_norm: float = 1.0
     seed: int = 0
@@ -184,6 +186,8 @@ class RunSpec:
     save_to: str | None = None
     export: bool = False
     """Return the full state dict, the parameters gathered another way and probe outputs (rank 0)."""
+    bf16: bool = False
+    """`TrainingArguments.bf16` (what a DeepSpeed config's `bf16.enabled: auto` follows)."""
     then_load_full: str | None = None
     """After exporting: `load_full_state_dict` this safetensors file and export again (`reloaded`)."""
 
@@ -193,7 +197,8 @@ def training_args(spec: RunSpec, **overrides: Any) -> Any:
 
     values = dict(output_dir=spec.out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=spec.gas,
                   learning_rate=spec.learning_rate, max_steps=spec.total_steps, max_grad_norm=spec.max_grad_norm,
-                  warmup_steps=1, use_cpu=True, report_to=["none"], save_strategy="no", strategy=spec.strategy)
+                  warmup_steps=1, use_cpu=True, report_to=["none"], save_strategy="no", strategy=spec.strategy,
+                  bf16=spec.bf16)
     if spec.strategy == "zero3":
         values["deepspeed"] = spec.options["config"]
     elif spec.strategy == "fsdp" and spec.options:
@@ -251,8 +256,12 @@ def train_worker(spec: RunSpec) -> dict[str, Any]:
                 loss = wrapped(x, y) / spec.gas
                 strategy.backward(loss)
             step_loss += loss.detach().float()
-        norm = strategy.clip_grad_norm(spec.max_grad_norm)
-        strategy.optimizer_step()
+        if step == spec.skip_at:
+            strategy.skip_step()
+            norm = torch.tensor(float("nan"))
+        else:
+            norm = strategy.clip_grad_norm(spec.max_grad_norm)
+            strategy.optimizer_step()
         lrs.append(scheduler.get_last_lr()[0])
         scheduler.step()
         dist.all_reduce(step_loss)
@@ -304,8 +313,11 @@ def reference_run(spec: RunSpec, world_size: int = 2) -> dict[str, Any]:
                 loss = model(x, y) / (spec.gas * world_size)
                 loss.backward()
                 step_loss += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)))
-        optimizer.step()
+        if step == spec.skip_at:
+            norms.append(float("nan"))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)))
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(step_loss)

@@ -253,10 +253,12 @@ class FSDPStrategy(Strategy):
 
     def skip_step(self) -> None:
         assert self.optimizer is not None, "prepare() first"
+        if self.scaler is not None:
+            # Let the scaler see this step's gradients: an fp16 overflow lowers the scale.
+            self.scaler.unscale_(self.optimizer)
+            self.scaler.update()
         # Called after the synced (last) micro-batch: every gradient is in the sharded .grad.
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.update()  # forget this step's inf checks
 
     # --- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:
