@@ -247,7 +247,8 @@ def _reconciler(memo: Any) -> Reconciler:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, pods_by_job: kopf.Index,
                   nodes_by_name: kopf.Index, **_: Any) -> None:
-    config: Settings = memo.settings
+    config: Settings = getattr(memo, "settings", None) or Settings.from_env()  # also under plain `kopf run`
+    memo.settings = config
     settings.posting.enabled = False      # our own events only, with our reasons
     settings.watching.server_timeout = 270
     settings.networking.connect_timeout = 10

@@ -241,10 +241,13 @@ def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
     procs.wait_healthy([started["kube-apiserver"]], pki=pki, timeout=t.apiserver, log_dir=cfg.run_dir)
     say(f"kube-apiserver ready after {time.monotonic() - t0:.1f} s")
     wave2 = launch(2)
-    procs.wait_healthy(wave2, pki=pki, timeout=t.controllers, log_dir=cfg.run_dir)
+    # While the controllers start: register the fake nodes, make the bucket.
+    nodes = _apply_nodes(cfg, env)
     procs.wait_healthy([r for r in wave0 if r.name == "minio"], pki=pki, timeout=t.minio, log_dir=cfg.run_dir)
     _create_bucket(env)
-    _create_nodes(cfg, env)
+    procs.wait_healthy(wave2, pki=pki, timeout=t.controllers, log_dir=cfg.run_dir)
+    say(f"controllers healthy after {time.monotonic() - t0:.1f} s")
+    _wait_nodes_ready(cfg, env, nodes)
     _wait_default_service_account(env, timeout=t.controllers, log_dir=cfg.run_dir)
     _write_env_file(cfg, env)
     state["complete"] = True
@@ -262,12 +265,17 @@ def _create_bucket(env: TestbedEnv) -> None:
     s3.create_bucket(Bucket=env.bucket)
 
 
-def _create_nodes(cfg: TestbedConfig, env: TestbedEnv) -> None:
+def _apply_nodes(cfg: TestbedConfig, env: TestbedEnv) -> list[str]:
     nodes = [n for pool in cfg.node_pools for n in pool_nodes(pool)]
+    if nodes:
+        kubectl(env, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    return [n["metadata"]["name"] for n in nodes]
+
+
+def _wait_nodes_ready(cfg: TestbedConfig, env: TestbedEnv, nodes: list[str]) -> None:
     if not nodes:
         return
-    kubectl(env, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
-    names = [f"node/{n['metadata']['name']}" for n in nodes]
+    names = [f"node/{n}" for n in nodes]
     timeout = int(cfg.timeouts.nodes_ready)
     try:
         kubectl(env, "wait", "--for=condition=Ready", f"--timeout={timeout}s", *names, timeout=timeout + 10)

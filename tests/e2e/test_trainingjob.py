@@ -105,12 +105,13 @@ def _wait_finished(kube_api, agent, core, ns: str, name: str, timeout: float) ->
     return job
 
 
-def _manifests(s3, bucket: str, prefix: str) -> dict[int, dict]:
-    """step -> manifest.json of every committed checkpoint under prefix."""
+def _manifests(s3, bucket: str, prefix: str, *, folder: str = "checkpoint-") -> dict[int, dict]:
+    """step -> manifest.json of every committed `checkpoint-<step>/` (or other ``folder``) under prefix."""
     out = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            if obj["Key"].endswith("/manifest.json"):
+            rel = obj["Key"][len(prefix):]
+            if rel.startswith(folder) and rel.endswith("/manifest.json") and rel.count("/") == 1:
                 m = json.loads(s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
                 out[int(m["step"])] = m
     return out
@@ -141,6 +142,8 @@ def test_trainingjob_succeeds_with_checkpoints_in_s3(operator, agent, kube_api, 
     assert (final["attempt"], final["world_size"], final["strategy"]) == (1, 2, "ddp"), final
     files = {f["path"]: f["size"] for f in final["files"]}
     assert "trainer_state.json" in files and any(p.endswith(".safetensors") for p in files), files
+    final_model = _manifests(s3, testbed.bucket, f"{s3_prefix}{jobs_ns}/{name}/", folder="final/")
+    assert {f["path"] for f in final_model[20]["files"]} >= {"config.json", "model.safetensors"}, final_model
     key = f"{s3_prefix}{jobs_ns}/{name}/checkpoint-20/trainer_state.json"
     state = json.loads(s3.get_object(Bucket=testbed.bucket, Key=key)["Body"].read())
     assert state["global_step"] == 20
