@@ -19,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -265,38 +267,61 @@ def _create_bucket(env: TestbedEnv) -> None:
     s3.create_bucket(Bucket=env.bucket)
 
 
+def _api(env: TestbedEnv, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """One request to the API server as admin, without kubectl's discovery round-trips."""
+    pki = Pki(Path(env.ca_file).parent)
+    req = urllib.request.Request(
+        env.api_server + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Accept": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=procs.ssl_context("admin", pki)) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
 def _apply_nodes(cfg: TestbedConfig, env: TestbedEnv) -> list[str]:
-    nodes = [n for pool in cfg.node_pools for n in pool_nodes(pool)]
-    if nodes:
-        kubectl(env, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
-    return [n["metadata"]["name"] for n in nodes]
+    names = []
+    for node in (n for pool in cfg.node_pools for n in pool_nodes(pool)):
+        code, body = _api(env, "POST", "/api/v1/nodes", node)
+        if code not in (201, 409):
+            raise TestbedError(f"creating node {node['metadata']['name']} failed: HTTP {code} {body.get('message')}")
+        names.append(node["metadata"]["name"])
+    return names
+
+
+def _node_ready(node: dict) -> bool:
+    conds = node.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
 def _wait_nodes_ready(cfg: TestbedConfig, env: TestbedEnv, nodes: list[str]) -> None:
-    if not nodes:
-        return
-    names = [f"node/{n}" for n in nodes]
-    timeout = int(cfg.timeouts.nodes_ready)
-    try:
-        kubectl(env, "wait", "--for=condition=Ready", f"--timeout={timeout}s", *names, timeout=timeout + 10)
-    except TestbedError as exc:
-        raise procs.ComponentFailed("kwok", f"did not make the fake nodes Ready ({exc})", cfg.log_file("kwok"))
+    deadline = time.monotonic() + cfg.timeouts.nodes_ready
+    pending = set(nodes)
+    while pending:
+        _, body = _api(env, "GET", "/api/v1/nodes?labelSelector=type%3Dkwok")
+        pending -= {n["metadata"]["name"] for n in body.get("items", []) if _node_ready(n)}
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise procs.ComponentFailed(
+                "kwok", f"did not make nodes Ready: {', '.join(sorted(pending))}", cfg.log_file("kwok")
+            )
+        time.sleep(0.25)
 
 
 def _wait_default_service_account(env: TestbedEnv, *, timeout: float, log_dir: Path) -> None:
     """The serviceaccount controller works once `default` exists in namespace default."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kubectl(env, "get", "serviceaccount", "default", "-n", "default", "-o", "name")
-            return
-        except TestbedError:
-            if time.monotonic() > deadline:
-                raise procs.ComponentFailed(
-                    "kube-controller-manager", "created no default ServiceAccount",
-                    log_dir / "kube-controller-manager.log",
-                ) from None  # fmt: skip
-            time.sleep(0.5)
+    while _api(env, "GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] != 200:
+        if time.monotonic() > deadline:
+            raise procs.ComponentFailed(
+                "kube-controller-manager", "created no default ServiceAccount", log_dir / "kube-controller-manager.log"
+            )
+        time.sleep(0.25)
 
 
 def _write_env_file(cfg: TestbedConfig, env: TestbedEnv) -> None:

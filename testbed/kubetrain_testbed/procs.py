@@ -104,7 +104,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _ssl_context(mode: str, pki: Pki | None) -> ssl.SSLContext | None:
+def ssl_context(mode: str, pki: Pki | None) -> ssl.SSLContext | None:
     if mode == "none":
         return None
     if mode == "insecure":
@@ -122,7 +122,7 @@ def _ssl_context(mode: str, pki: Pki | None) -> ssl.SSLContext | None:
 def probe(health: Health, pki: Pki | None, timeout: float = 2.0) -> tuple[bool, str]:
     """One health request: (healthy, short detail)."""
     try:
-        ctx = _ssl_context(health.tls, pki)
+        ctx = ssl_context(health.tls, pki)
         with urllib.request.urlopen(health.url, timeout=timeout, context=ctx) as resp:
             return resp.status == 200, f"HTTP {resp.status}"
     except urllib.error.HTTPError as exc:
