@@ -36,6 +36,8 @@ LABEL_RANK = "kubetrain.io/node-rank"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kubetrain"
 ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
+ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
+"""Set by node rank 0 while checkpoint uploads lag behind (S3 unreachable)."""
 CONTAINER_NAME = "trainer"
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
@@ -390,7 +392,7 @@ class Status:
 
 
 _CONDITION_ORDER = {t: i for i, t in enumerate(
-    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"))}
+    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging"))}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
 DEEPSPEED_VOLUME = "kubetrain-deepspeed"
 DEEPSPEED_KEY = "ds_config.json"
 LAUNCHER = ("python", "-m", "kubetrain_trainer.launch")
+TERMINATION_GRACE_SECONDS = 30
+"""The pod's terminationGracePeriodSeconds, also exported to the launcher: it splits it
+between stopping the workers and uploading the emergency checkpoint."""
 
 
 def get_owner_reference(job: Job) -> dict[str, Any]:
@@ -104,8 +107,9 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
         key = DEEPSPEED_KEY if spec.strategy.deepspeed_config is not None else spec.strategy.deepspeed_configmap_key
         env.append(_var("KUBETRAIN_DEEPSPEED_CONFIG", f"{DEEPSPEED_DIR}/{key}"))
     if spec.trainer.builtin_task is not None and not spec.trainer.command:
+        env.append(_var("KUBETRAIN_BUILTIN_TASK", spec.trainer.builtin_task))
         env.append(_var("KUBETRAIN_TRAINER_ARGS", json.dumps(dict(spec.trainer.builtin_args), sort_keys=True)))
-        env.append(_var("KUBETRAIN_TRAINER_TASK", spec.trainer.builtin_task))
+    env.append(_var("KUBETRAIN_TERMINATION_GRACE_SECONDS", TERMINATION_GRACE_SECONDS))
     return env + [dict(e) for e in spec.env]
 
 
@@ -141,6 +145,7 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         container["workingDir"] = spec.trainer.working_dir
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "hostname": get_hostname(job.name, rank),
         "subdomain": job.name,
         "containers": [container],

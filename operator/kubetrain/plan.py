@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 from kubetrain.api import (
-    ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
+    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
     LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
     format_time, parse_time, pod_name,
 )
@@ -66,6 +66,8 @@ class PodView:
     ready: bool = False
     ready_changed: dt.datetime | None = None
     checkpoint: LastCheckpoint | None = None
+    checkpoint_sync: str = ""
+    """Why checkpoint uploads lag behind (annotation kubetrain.io/checkpoint-sync), if they do."""
 
     @property
     def terminating(self) -> bool:
@@ -117,6 +119,7 @@ class PodView:
             waiting_reason=waiting, waiting_message=waiting_message,
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
+            checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
         )
 
 
@@ -493,6 +496,11 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         return
     _delete_pods(d, observed, stale)
     pods = [current[r] for r in range(total)]
+    lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
+    if lagging:
+        d.cond("CheckpointsLagging", "True", "UploadsLagging", lagging)
+    elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True":
+        d.cond("CheckpointsLagging", "False", "UploadsCaughtUp", "checkpoint uploads caught up")
     if all(p.phase == "Succeeded" for p in pods):
         msg = f"attempt {attempt}: all {total} pod(s) succeeded"
         d.update(phase="Succeeded", message=msg, completion_time=format_time(d.now), nodes_ready=0)

@@ -161,16 +161,28 @@ class PodTimeline:
         from kubernetes import client, watch
 
         self.events: list[tuple[float, str, str]] = []
-        self._w = watch.Watch()
+        self.errors: list[str] = []
+        self._stopped = threading.Event()
         core = client.CoreV1Api(kube_api)
+        rv = core.list_namespaced_pod(ns).metadata.resource_version
 
         def run():
-            try:
-                for ev in self._w.stream(core.list_namespaced_pod, ns, timeout_seconds=900):
-                    self.events.append((time.monotonic(), ev["type"], ev["raw_object"]["metadata"]["name"]))
-            except Exception:  # noqa: BLE001 - stop() closes the connection under the reader
-                pass
+            nonlocal rv
+            while not self._stopped.is_set():
+                self._w = watch.Watch()
+                try:
+                    for ev in self._w.stream(core.list_namespaced_pod, ns, resource_version=rv, timeout_seconds=120):
+                        obj = ev["raw_object"]
+                        if ev["type"] == "ERROR":
+                            raise RuntimeError(f"watch error: {obj}")
+                        rv = obj["metadata"]["resourceVersion"]
+                        self.events.append((time.monotonic(), ev["type"], obj["metadata"]["name"]))
+                except Exception as exc:  # noqa: BLE001 - reconnect from the last resourceVersion
+                    if not self._stopped.is_set():
+                        self.errors.append(repr(exc))
+                        time.sleep(0.5)
 
+        self._w = watch.Watch()
         threading.Thread(target=run, daemon=True).start()
 
     def first(self, type_: str, prefix: str) -> float | None:
@@ -182,6 +194,7 @@ class PodTimeline:
         return max(times) if times else None
 
     def stop(self) -> None:
+        self._stopped.set()
         self._w.stop()
 
 
@@ -228,7 +241,7 @@ def test_evicted_worker_restarts_the_gang_and_resumes(operator, agent, kube_api,
     # Attempts never overlap: every attempt-1 pod was gone before the first attempt-2 pod existed.
     gone = timeline.last("DELETED", f"{name}-a1-")
     born = timeline.first("ADDED", f"{name}-a2-")
-    assert gone is not None and born is not None and gone <= born, timeline.events
+    assert gone is not None and born is not None and gone <= born, (timeline.events, timeline.errors)
     reasons = [e.reason for e in core.list_namespaced_event(jobs_ns, field_selector=f"involvedObject.name={name}").items]
     assert "Preempted" in reasons, reasons
     print(f"\n[e2e] preempted at checkpoint {max(first_attempt)}; restart took {born - evicted_at:.1f}s;"

@@ -42,7 +42,7 @@ def test_pod_names_labels_owner_and_dns() -> None:
                                         "name": "gpt-small", "uid": "u-1", "controller": True,
                                         "blockOwnerDeletion": True}]
     assert spec["hostname"] == "gpt-small-n2" and spec["subdomain"] == "gpt-small"
-    assert spec["restartPolicy"] == "Never"
+    assert spec["restartPolicy"] == "Never" and spec["terminationGracePeriodSeconds"] == 30
     assert spec["priorityClassName"] == "low" and spec["nodeSelector"] == {"pool": "gpu"}
     container = spec["containers"][0]
     assert container["command"] == ["python", "-m", "kubetrain_trainer.launch"]
@@ -66,6 +66,8 @@ def test_env_contract() -> None:
     assert "value" not in env["AWS_ACCESS_KEY_ID"] and "value" not in env["AWS_SECRET_ACCESS_KEY"]
     assert values["KUBETRAIN_STRATEGY"] == "ddp"
     assert json.loads(values["KUBETRAIN_TRAINER_ARGS"]) == {"max_steps": 100}
+    assert values["KUBETRAIN_BUILTIN_TASK"] == "causal-lm"
+    assert values["KUBETRAIN_TERMINATION_GRACE_SECONDS"] == "30"
     assert "KUBETRAIN_FSDP_CONFIG" not in env and "KUBETRAIN_DEEPSPEED_CONFIG" not in env
     names = [e["name"] for e in builders.get_pod(job=Job.from_storage(BODY), attempt=1, rank=0)
              ["spec"]["containers"][0]["env"]]

@@ -219,6 +219,12 @@ CASES = [
     Case("termination message checkpoint (higher step) wins", job(status=started(nodesReady=2, lastCheckpoint={"step": 50, "uri": "u"})),
          observed(pod(rank=0, phase="Succeeded", exit_code=0, message='{"step": 90, "uri": "s3://b/c-90"}'), pod(rank=1)),
          phase="Running", extra={"last_checkpoint.step": 90}),
+    Case("lagging uploads show as a condition", job(status=started(nodesReady=2)),
+         observed(pod(rank=0, annotations={"kubetrain.io/checkpoint-sync": "3 checkpoints waiting: S3 unreachable"}),
+                  pod(rank=1)), phase="Running", reason=("CheckpointsLagging", "UploadsLagging")),
+    Case("caught-up uploads clear the condition", job(status=started(nodesReady=2, conditions=[
+        {"type": "CheckpointsLagging", "status": "True", "reason": "UploadsLagging", "message": "x"}])),
+         observed(*gang()), phase="Running", reason=("CheckpointsLagging", "UploadsCaughtUp")),
     Case("older checkpoint never replaces a newer one", job(status=started(nodesReady=2, lastCheckpoint={"step": 500, "uri": "u"})),
          observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": '{"step": 100, "uri": "x"}'}), pod(rank=1)),
          phase=None),
