@@ -9,8 +9,10 @@ from the exported safetensors.
 Tolerances (measured on the 2-core CPU machine, stated with margin):
 - sharded vs one process: loss and grad norm rel 1e-5, parameters 1e-4 abs
   (only the order of float sums differs: reduce-scatter vs local backward);
-- stop/restore/continue vs uninterrupted: bitwise equal losses and parameters
-  are what we measured; asserted at 1e-6 abs (see the test for the figures);
+- stop/restore/continue vs uninterrupted: measured bitwise equal (max |param
+  diff| 0, max |loss diff| 0) for both strategies; asserted at 1e-6 abs;
+- bf16 / fp16 / CPU offload vs the fp32 one-process run: measured losses within
+  2e-3 relative, parameters within 0.023 after 4 steps; asserted 5e-3 and 0.05;
 - full_state_dict vs gathered otherwise, and reloaded: exactly equal.
 """
 
@@ -74,6 +76,9 @@ def test_trains_like_one_process_and_exports_a_complete_model(case, tmp_path, re
     assert ranks[1]["full_is_none"]
     assert {k: tuple(v.shape) for k, v in full.items()} == _expected_shapes()
     assert max_abs_diff(full, other) == 0.0
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], ref["losses"]))
+    print(f"{case}: vs one process: max |param diff| = {max_abs_diff(full, ref['state']):.3g}, "
+          f"max rel loss diff = {loss_rel:.3g}")
     assert max_abs_diff(full, ref["state"]) < 1e-4
 
     # Saved as safetensors, it loads strictly into a plain model that answers like the sharded one.
