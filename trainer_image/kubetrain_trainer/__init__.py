@@ -8,7 +8,18 @@ from .args import ConfigError, TrainingArguments
 from .callbacks import EarlyStoppingCallback, TrainerCallback, TrainerControl
 from .state import (EvalPrediction, NonFiniteLossError, PredictionOutput, TrainerState, TrainingPreempted,
                     TrainOutput)
-from .trainer import Trainer
+
+
+def __getattr__(name: str):
+    # The Trainer pulls in torch (seconds to import). Loading it lazily keeps
+    # `python -m kubetrain_trainer.launch` light: the launcher must install its
+    # SIGTERM handler at once and never needs torch itself.
+    if name == "Trainer":
+        from .trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",
