@@ -20,7 +20,7 @@ OP_NS=${DEMO_OPERATOR_NAMESPACE:-kubetrain-system}
 RELEASE=kubetrain
 NODE=kubetrain-agent-0
 JOB=demo
-STATE=$root/.testbed
+STATE=${KUBETRAIN_TESTBED_DIR:-$root/.testbed}  # the testbed's state folder (scripts/testbed.sh honours it too)
 AGENT_PID=$STATE/agent.pid
 AGENT_LOG=$STATE/agent.log
 TIMEOUT=${DEMO_TIMEOUT:-900}
@@ -85,7 +85,7 @@ start_agent() {
   else
     say "starting the test node agent '$NODE' (log: $AGENT_LOG)"
     PYTHONPATH="$root/testbed${PYTHONPATH:+:$PYTHONPATH}" nohup "$PY" -m kubetrain_testbed.agent \
-      --kubeconfig "$KUBECONFIG" --node-name "$NODE" \
+      --kubeconfig "$KUBECONFIG" --node-name "$NODE" --state-dir "$STATE/agent/$NODE" \
       --taint kubetrain.io/agent=true:NoSchedule >>"$AGENT_LOG" 2>&1 &
     echo $! >"$AGENT_PID"
   fi

@@ -170,8 +170,8 @@ def _down_unlocked(cfg: TestbedConfig) -> list[str]:
     running = [r for r in _running(_read_state(cfg)) if r.is_alive()]
     # Reverse start order: clients before the API server, the API server before etcd.
     survivors = procs.stop([r.pid for r in reversed(running)])
-    if cfg.state_file.exists():
-        cfg.state_file.unlink()
+    for stale in (cfg.state_file, cfg.env_file):
+        stale.unlink(missing_ok=True)
     return [r.name for r in running if r.pid in survivors]
 
 

@@ -190,7 +190,7 @@ def test_pod_is_scheduled_onto_a_kwok_node_runs_and_is_garbage_collected_with_it
     assert any(e.reason == "Scheduled" for e in events), [e.reason for e in events]
 
     core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
-    _wait_gone(core, namespace, "owned", timeout=60)
+    _wait_gone(core, namespace, "owned", timeout=120)  # the GC queues behind other tests' churn
 
 
 # -- preemption and eviction ------------------------------------------------------------------------------
