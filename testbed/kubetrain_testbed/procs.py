@@ -68,11 +68,12 @@ class Running:
         if not alive(self.pid):
             return False
         try:
-            argv0 = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
+            argv = Path(f"/proc/{self.pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             return False
         # Empty while the kernel is still inside execve(): ours, not yet labelled.
-        return argv0 in (self.exe, "")
+        # A script runs as "<interpreter> <script>": its path is argv[1].
+        return argv[0] == "" or self.exe in argv[:2]
 
 
 def start(component: Component, log_file: Path) -> Running:
