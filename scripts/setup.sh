@@ -8,7 +8,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
 pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-key=$(sha256sum pyproject.toml | cut -c1-12)
+# Only the dependency part of pyproject.toml keys the environment: tool
+# settings (pytest, import-linter) can change without a reinstall.
+key=$(sed -n '1,/^\[tool/p' pyproject.toml | sha256sum | cut -c1-12)
 venv="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/venv/py$pyver-$key"
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.complete" ]]; then
   echo "[setup] creating $venv (first run on this machine: installs torch, deepspeed, kopf... a few minutes)" >&2

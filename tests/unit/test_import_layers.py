@@ -1,0 +1,13 @@
+"""The layer rules of design.md §5, enforced by import-linter (pyproject.toml)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_import_contracts_hold():
+    root = Path(__file__).resolve().parents[2]
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--no-cache"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "broken" in result.stdout and " 0 broken" in result.stdout
