@@ -22,6 +22,10 @@ case "$tier" in
   fast)
     exec python -m pytest -q -m "not integration and not slow and not e2e" "$@" ;;
   all)
+    # Build whatever testbed binary is missing first (cached by version: a
+    # no-op when warm; about an hour cold on 2 cores, see testbed/README.md),
+    # so no test's timeout ever covers a compile.
+    testbed/build.sh >/dev/null
     was_up=0
     python -m kubetrain_testbed status >/dev/null 2>&1 && was_up=1
     cleanup() { [[ $was_up == 1 ]] || python -m kubetrain_testbed down || true; }

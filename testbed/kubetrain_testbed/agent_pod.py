@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
 
