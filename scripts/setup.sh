@@ -12,16 +12,22 @@ pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # settings (pytest, import-linter) can change without a reinstall.
 key=$(sed -n '1,/^\[tool/p' pyproject.toml | sha256sum | cut -c1-12)
 venv="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/venv/py$pyver-$key"
+log="${venv}.log"
+# Run a pip step with its chatter in a log; show the tail when it fails.
+quiet() {
+  mkdir -p "$(dirname "$log")"
+  "$@" >>"$log" 2>&1 || { echo "[setup] FAILED: $* (last lines of $log):" >&2; tail -n 40 "$log" >&2; return 1; }
+}
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.complete" ]]; then
   echo "[setup] creating $venv (first run on this machine: installs torch, deepspeed, kopf... a few minutes)" >&2
   rm -rf "$venv"
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q -e ".[dev]"
+  quiet "$venv/bin/pip" install --upgrade pip
+  quiet "$venv/bin/pip" install -e ".[dev]"
   touch "$venv/.complete"
 else
   # The dependency set is unchanged; only point the editable install here.
-  "$venv/bin/pip" install -q --no-deps -e .
+  quiet "$venv/bin/pip" install --no-deps -e .
 fi
 if [[ -L .venv || ! -e .venv ]]; then ln -sfn "$venv" .venv; fi
 echo "[setup] ready: source .venv/bin/activate" >&2
