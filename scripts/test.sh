@@ -18,6 +18,9 @@ scripts/setup.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The cached environment is shared by every clone on the machine; this
+# clone's sources win over whichever clone installed itself last.
+export PYTHONPATH="$root/operator:$root/trainer_image:$root/testbed${PYTHONPATH:+:$PYTHONPATH}"
 case "$tier" in
   fast)
     exec python -m pytest -q -m "not integration and not slow and not e2e" "$@" ;;
