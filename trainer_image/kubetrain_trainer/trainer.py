@@ -38,7 +38,7 @@ from .evaluation import EvaluationMixin, call_model, extract_loss
 from .modelio import save_model_files
 from .reporting import reporters_for
 from .state import DataPosition, NonFiniteLossError, TrainerState, TrainingPreempted, TrainOutput
-from .strategies.base import Strategy, get_strategy
+from .strategies import Strategy, get_strategy, strategy_options
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -88,7 +88,12 @@ class Trainer(EvaluationMixin):
         self.processing_class = processing_class
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.strategy: Strategy = get_strategy(args.strategy)
+        if self.optimizer is not None and args.strategy in ("fsdp", "zero3"):
+            # Sharding replaces the parameters: an optimizer built before would update stale tensors.
+            raise ConfigError(f"optimizers: a ready-made optimizer cannot be used with strategy={args.strategy!r}; "
+                              "override create_optimizer() instead (it is called on the sharded model)")
+        # Options are validated here, so a bad fsdp_config / DeepSpeed config fails before training.
+        self.strategy: Strategy = get_strategy(args.strategy, **strategy_options(args))
         self._prepared = False
         self._pin_memory = args.dataloader_pin_memory and self.device.type == "cuda"
         self._autocast = self._autocast_factory()

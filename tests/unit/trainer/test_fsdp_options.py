@@ -50,3 +50,15 @@ def test_named_classes_are_sharded_deepest_first():
     gpt = TinyGPT(TinyGPTConfig(n_layers=2))
     picked = modules_to_shard(gpt, ("Block", "Sequential"))
     assert picked[:2] == [gpt.blocks[0].mlp, gpt.blocks[1].mlp] and picked[2:] == list(gpt.blocks)
+
+
+def test_trainer_rejects_a_prebuilt_optimizer_with_sharding(tmp_path):
+    import torch
+
+    from kubetrain_trainer import ConfigError, Trainer, TrainingArguments
+
+    model = torch.nn.Linear(2, 1)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, strategy="fsdp")
+    with pytest.raises(ConfigError, match="optimizers: .*create_optimizer"):
+        Trainer(model, args, train_dataset=[{"x": torch.zeros(2)}],
+                optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
