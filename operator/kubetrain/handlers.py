@@ -244,12 +244,33 @@ def _reconciler(memo: Any) -> Reconciler:
     return memo.reconciler
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """A diff-base that stores and builds nothing.
+
+    kopf deep-copies every watched body into an "essence" on every event, for
+    change-detecting handlers (on.create/update/field). kubetrain registers
+    none (only event watchers and indexes: the planner compares observed state
+    itself), so that copy was pure overhead: a quarter of the operator's CPU
+    with 200 jobs x 4 pods in flight (py-spy).
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, pods_by_job: kopf.Index,
                   nodes_by_name: kopf.Index, **_: Any) -> None:
     config: Settings = getattr(memo, "settings", None) or Settings.from_env()  # also under plain `kopf run`
     memo.settings = config
     settings.posting.enabled = False      # our own events only, with our reasons
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 270
     settings.networking.connect_timeout = 10
     api = k8s.Api(k8s.load_client_config(threads=config.api_threads), threads=config.api_threads)
