@@ -68,14 +68,8 @@ cmd_status() {
 }
 
 ensure_venv() {
-  if [[ ! -x $PY ]]; then
-    say "creating .venv and installing kubetrain with its dev extras (first time only: several minutes)"
-    python3 -m venv .venv
-    .venv/bin/pip install -e '.[dev]'
-  elif ! "$PY" -c 'import kubetrain, kubetrain_trainer, kubetrain_testbed, kubernetes, torch' 2>/dev/null; then
-    say "completing the .venv installation"
-    .venv/bin/pip install -e '.[dev]'
-  fi
+  # One environment recipe for every entry point (cached by dependency set).
+  scripts/setup.sh
   export PATH="$root/.venv/bin:$PATH"
 }
 
