@@ -242,30 +242,35 @@ def _volume_files(
         else:
             out.extend(Materialized(target / k, v.encode(), secret) for k, v in data.items())
 
-    if "configMap" in volume:
-        cm = volume["configMap"]
-        from_source(configmaps, "ConfigMap", cm["name"], cm.get("items"), cm.get("optional", False), False)
-    elif "secret" in volume:
-        s = volume["secret"]
-        from_source(secrets, "Secret", s["secretName"], s.get("items"), s.get("optional", False), True)
-    elif "projected" in volume:
-        for src in volume["projected"].get("sources") or []:
-            if "configMap" in src:
-                cm = src["configMap"]
-                from_source(configmaps, "ConfigMap", cm["name"], cm.get("items"), cm.get("optional", False), False)
-            elif "secret" in src:
-                s = src["secret"]
-                from_source(secrets, "Secret", s["name"], s.get("items"), s.get("optional", False), True)
-            elif "serviceAccountToken" in src:
-                out.append(Materialized(target / src["serviceAccountToken"].get("path", "token"), sa_files["token"], True))
-            elif "downwardAPI" in src:
-                for it in src["downwardAPI"].get("items") or []:
-                    if "fieldRef" in it:
-                        out.append(Materialized(target / it["path"], _field_ref(pod, it["fieldRef"]["fieldPath"]).encode()))
-    elif "downwardAPI" in volume:
-        for it in volume["downwardAPI"].get("items") or []:
+    def from_key_source(src: dict, secret_name_key: str) -> bool:
+        """A configMap or secret source (a volume's or a projection's); False if `src` is neither."""
+        if "configMap" in src:
+            cm = src["configMap"]
+            from_source(configmaps, "ConfigMap", cm["name"], cm.get("items"), cm.get("optional", False), False)
+        elif "secret" in src:
+            s = src["secret"]
+            from_source(secrets, "Secret", s[secret_name_key], s.get("items"), s.get("optional", False), True)
+        else:
+            return False
+        return True
+
+    def from_downward(items: list | None) -> None:
+        for it in items or []:
             if "fieldRef" in it:
                 out.append(Materialized(target / it["path"], _field_ref(pod, it["fieldRef"]["fieldPath"]).encode()))
+
+    # A secret volume names its Secret `secretName`; a projected secret source says `name`.
+    if from_key_source(volume, "secretName"):
+        return out
+    if "downwardAPI" in volume:
+        from_downward(volume["downwardAPI"].get("items"))
+    for src in (volume.get("projected") or {}).get("sources") or []:
+        if from_key_source(src, "name"):
+            continue
+        if "serviceAccountToken" in src:
+            out.append(Materialized(target / src["serviceAccountToken"].get("path", "token"), sa_files["token"], True))
+        elif "downwardAPI" in src:
+            from_downward(src["downwardAPI"].get("items"))
     # emptyDir, hostPath, PVCs...: an empty private folder.
     return out
 

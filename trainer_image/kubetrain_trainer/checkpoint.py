@@ -111,12 +111,13 @@ def _fsync_tree(directory: Path) -> None:
     """Flush file contents and the folder entries, so the commit rename never precedes the data."""
     for path in directory.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
+            _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    """Flush one file or directory entry (a directory's fsync makes its renames durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -145,11 +146,7 @@ def save_checkpoint(output_dir: str | Path, step: int, registry: ResumeRegistry)
             shutil.rmtree(stale, ignore_errors=True)
         else:
             tmp.rename(final)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(root)
     dist_util.barrier()
     return final
 
