@@ -291,13 +291,18 @@ class Agent:
             return
         self.try_start(rec)
 
+    def _materialize(self, rec: PodRecord):
+        """Plan the pod's processes with fresh credentials and write its files (volumes, token, kubeconfig)."""
+        kubeconfig, sa_files = self._credentials(rec.pod)
+        plan = plan_pod(rec.pod, pod_dir=self.pod_dir(rec.pod), node_name=self.node_name, python_bin=self.python_bin,
+                        secrets=self._secret, configmaps=self._configmap, kubeconfig=kubeconfig, sa_files=sa_files,
+                        extra_env=self.pod_env)
+        write_files(plan.files, plan.dirs)
+        return plan
+
     def try_start(self, rec: PodRecord) -> None:
         try:
-            kubeconfig, sa_files = self._credentials(rec.pod)
-            plan = plan_pod(rec.pod, pod_dir=self.pod_dir(rec.pod), node_name=self.node_name, python_bin=self.python_bin,
-                            secrets=self._secret, configmaps=self._configmap, kubeconfig=kubeconfig, sa_files=sa_files,
-                            extra_env=self.pod_env)
-            write_files(plan.files, plan.dirs)
+            plan = self._materialize(rec)
         except ContainerConfigError as exc:
             log.info("pod %s cannot start yet: %s", rec.ref, exc)
             rec.states = {n: s.waiting("CreateContainerConfigError", str(exc)) for n, s in rec.states.items()}
@@ -398,11 +403,7 @@ class Agent:
     def _refresh_token(self, rec: PodRecord) -> None:
         rec.token_refresh_at = time.monotonic() + TOKEN_SECONDS * 0.8
         try:
-            kubeconfig, sa_files = self._credentials(rec.pod)
-            plan = plan_pod(rec.pod, pod_dir=self.pod_dir(rec.pod), node_name=self.node_name, python_bin=self.python_bin,
-                            secrets=self._secret, configmaps=self._configmap, kubeconfig=kubeconfig, sa_files=sa_files,
-                            extra_env=self.pod_env)
-            write_files(plan.files, plan.dirs)
+            self._materialize(rec)
         except Exception as exc:  # noqa: BLE001 - the old token is still valid for a while
             log.warning("pod %s: token refresh failed: %s", rec.ref, exc)
 
