@@ -164,7 +164,9 @@ class CheckpointUploader:
             return False
         with self._lock:
             self._queue.append(_Job(step=step, folder=snap))
-            while len(self._queue) > self.settings.max_queued:
+            # Only node rank 0 (or a single node) may skip a step: rank 0 commits a step only after
+            # every other node's part of it exists, so a part skipped elsewhere would stall it.
+            while len(self._queue) > self.settings.max_queued and self.settings.node_rank == 0:
                 old = self._queue.popleft()
                 self.dropped.append(old.step)
                 shutil.rmtree(old.folder, ignore_errors=True)
