@@ -33,8 +33,10 @@ class Settings:
     """KUBETRAIN_LOG_LEVEL: DEBUG, INFO, WARNING or ERROR."""
     default_image: str | None = None
     """KUBETRAIN_DEFAULT_IMAGE: image for jobs that do not set spec.image."""
-    max_concurrent_reconciles: int = 128
-    """KUBETRAIN_MAX_CONCURRENT_RECONCILES: jobs reconciled at the same time (1..1024)."""
+    max_concurrent_reconciles: int = 1024
+    """KUBETRAIN_MAX_CONCURRENT_RECONCILES: jobs reconciled at the same time (1..8192). A reconcile
+    mostly waits for API calls, which KUBETRAIN_API_THREADS bounds; a low cap here queues jobs
+    behind others' status writes (with 128, the last of 200 jobs applied at once waited 4.5 s)."""
     api_threads: int = 32
     """KUBETRAIN_API_THREADS: threads (and HTTP connections) for API writes (1..256)."""
     resync_seconds: float = 60.0
@@ -63,7 +65,7 @@ class Settings:
             raise ConfigError("KUBETRAIN_DEFAULT_IMAGE", image, "an image reference has no whitespace")
         return cls(
             namespaces=namespaces, log_level=level, default_image=image,  # type: ignore[arg-type]
-            max_concurrent_reconciles=int(_number(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 128, 1, 1024)),
+            max_concurrent_reconciles=int(_number(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 1024, 1, 8192)),
             api_threads=int(_number(env, "KUBETRAIN_API_THREADS", 32, 1, 256)),
             resync_seconds=_number(env, "KUBETRAIN_RESYNC_SECONDS", 60.0, 1, 3600),
         )

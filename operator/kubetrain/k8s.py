@@ -26,6 +26,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -86,6 +87,8 @@ class Api:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kubetrain-api")
         self._background: set[asyncio.Task[None]] = set()
         self._low = asyncio.Semaphore(max(2, self.threads // 4))
+        self._urgent = 0
+        self._urgent_idle: asyncio.Event | None = None
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
         """Run one blocking client call in the pool; map errors to our error types.
@@ -95,9 +98,29 @@ class Api:
         if write:
             self.writes[what] += 1
         if what in _URGENT:
+            self._urgent += 1
+            self._idle().clear()
+            try:
+                return await self._call(fn, args, kwargs)
+            finally:
+                self._urgent -= 1
+                if not self._urgent:
+                    self._idle().set()
+        # Bookkeeping (status, events, services) yields to pod writes: on a big launch the
+        # API server's time goes to pods first, so apply -> pods created stays short. The
+        # wait is bounded so that a long burst cannot starve the status.
+        try:
+            await asyncio.wait_for(self._idle().wait(), LOW_PRIORITY_MAX_WAIT)
+        except asyncio.TimeoutError:
+            pass
+        async with self._low:
             return await self._call(fn, args, kwargs)
-        async with self._low:  # bookkeeping yields to pods: apply -> pods created stays short
-            return await self._call(fn, args, kwargs)
+
+    def _idle(self) -> asyncio.Event:
+        if self._urgent_idle is None:
+            self._urgent_idle = asyncio.Event()
+            self._urgent_idle.set()
+        return self._urgent_idle
 
     async def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         what = getattr(fn, "__name__", "call")
@@ -109,7 +132,7 @@ class Api:
                 data = resp.data
             finally:
                 resp.release_conn()
-            return json.loads(data) if data else None
+            return orjson.loads(data) if data else None
 
         try:
             return await loop.run_in_executor(self.pool, blocking)
@@ -151,14 +174,19 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
     actions = list(plan.actions)
     i = 0
     while i < len(actions):
-        # Runs of creations (service, configmap, pods) or of deletions go out in parallel.
+        # Runs of creations or of deletions go out in parallel. In a run of creations the
+        # configmap (mounted by the pods) goes first, then the pods, then the headless
+        # service: the pods' DNS names are needed only once their containers run, and on a
+        # big launch the API server's time is better spent on the next job's pods.
         kind = _CREATE if isinstance(actions[i], _CREATE) else DeletePod if isinstance(actions[i], DeletePod) else None
         if kind is not None:
             batch = []
             while i < len(actions) and isinstance(actions[i], kind):
                 batch.append(actions[i])
                 i += 1
-            await asyncio.gather(*(_do(api, job, a) for a in batch))
+            stages = [[a for a in batch if isinstance(a, t)] for t in _CREATION_ORDER] if kind is _CREATE else [batch]
+            for stage in stages:
+                await asyncio.gather(*(_do(api, job, a) for a in stage))
             continue
         action = actions[i]
         if isinstance(action, PatchStatus):
@@ -174,8 +202,11 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
 
 
 _CREATE = (CreateService, EnsureDeepSpeedConfigMap, CreatePod)
+_CREATION_ORDER = (EnsureDeepSpeedConfigMap, CreatePod, CreateService)
 _URGENT = frozenset({"create pod", "delete pod"})
 """Writes that may use every API thread; the others share a quarter of them."""
+LOW_PRIORITY_MAX_WAIT = 5.0
+"""Longest a bookkeeping write waits for pod writes to pause."""
 
 
 async def _do(api: Api, job: Job, action: Any) -> None:
