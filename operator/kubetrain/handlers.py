@@ -1,15 +1,17 @@
 """Thin kopf glue: watch jobs, pods and nodes, and run plan -> apply per job.
 
-kopf keeps the observed world in memory: an index of our pods by job and an
-index of node health, so a reconcile never lists anything. Every event that
+The observed world is kept in memory: our pods by job (fed by `informer.py`,
+a plain list+watch: pods are most of the events, and kopf's per-event cost
+dominated the operator's CPU on big launches) and node health (a kopf index),
+so a reconcile never lists anything. Every event that
 concerns a job (the job itself, one of its pods, the node under one of its
 pods) puts the job on a queue; one reconcile per job runs at a time and a
 burst of events collapses into one more run. Timers the planner asks for
 (backoff, deadlines, grace periods) are `call_later` wake-ups, and a slow
 resync re-plans every job anyway, so nothing depends on a single event.
 
-kopf itself writes nothing to our objects here: only event watchers and
-indexes are used (no finalizers, no progress annotations); all writes go
+kopf itself writes nothing to our objects here: only event watchers and an
+index are used (no finalizers, no progress annotations); all writes go
 through `k8s.py`.
 """
 
@@ -25,6 +27,7 @@ import kopf
 from kubernetes.client.rest import ApiException
 
 from kubetrain import k8s
+from kubetrain.informer import PodInformer
 from kubetrain.api import (
     GROUP, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, Job, parse_time, pod_name,
 )
@@ -69,13 +72,40 @@ class Expectations:
         return out + [view for _, view in self.created.values()]
 
 
+class PodIndex:
+    """Our pods by (namespace, job): pod name -> (controller uid, view)."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[tuple[str, str], dict[str, tuple[str, PodView]]] = {}
+
+    def put(self, key: tuple[str, str], name: str, entry: tuple[str, PodView]) -> None:
+        self._by_job.setdefault(key, {})[name] = entry
+
+    def discard(self, key: tuple[str, str], name: str) -> None:
+        pods = self._by_job.get(key)
+        if pods is not None:
+            pods.pop(name, None)
+            if not pods:
+                del self._by_job[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_job
+
+    def __getitem__(self, key: tuple[str, str]) -> list[tuple[str, PodView]]:
+        return list(self._by_job.get(key, {}).values())
+
+    def __iter__(self) -> Any:
+        return iter(list(self._by_job))
+
+
 class Reconciler:
     """One serialized, coalescing reconcile loop per job."""
 
     def __init__(self, *, api: k8s.Api, settings: Settings) -> None:
         self.api, self.settings = api, settings
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
-        self.pods_index: Any = None
+        self.pods_index = PodIndex()
+        self.pods_synced = asyncio.Event()
         self.nodes_index: Any = None
         self.missing_nodes: dict[str, dt.datetime] = {}
         self.gone: dict[tuple[str, str], dict[str, str]] = {}
@@ -127,6 +157,7 @@ class Reconciler:
 
     async def _run(self, key: tuple[str, str]) -> None:
         try:
+            await self.pods_synced.wait()  # until the pod list is in, a missing pod proves nothing
             while True:
                 self._dirty.discard(key)
                 async with self._sem:
@@ -155,9 +186,7 @@ class Reconciler:
     # ------------------------------------------------------------ observing
 
     def observe(self, job: Job, now: dt.datetime) -> Observed:
-        pods: list[PodView] = []
-        if self.pods_index is not None and (job.namespace, job.name) in self.pods_index:
-            pods = [view for uid, view in self.pods_index[(job.namespace, job.name)] if uid == job.uid]
+        pods = [view for uid, view in self.pods_index[(job.namespace, job.name)] if uid == job.uid]
         exp = self.expectations.setdefault((job.namespace, job.name), Expectations())
         pods = exp.overlay(pods, now)
         nodes: dict[str, NodeView] = {}
@@ -176,6 +205,32 @@ class Reconciler:
                 return view
         since = self.missing_nodes.setdefault(name, now)
         return NodeView(name=name, exists=False, ready=False, since=since)
+
+    def pod_event(self, kind: str, body: dict[str, Any]) -> None:
+        """One pod event from the informer: update the index, remember why a pod was
+        taken away, and wake its job up (after POD_EVENT_DELAY: a gang's pods change
+        state in bursts, and one reconcile per burst saves CPU and status writes)."""
+        meta = body.get("metadata") or {}
+        job = (meta.get("labels") or {}).get(LABEL_JOB)
+        if not job:
+            return
+        key, name = (meta.get("namespace") or "", job), meta.get("name") or ""
+        if kind == "DELETED":
+            self.pods_index.discard(key, name)
+            if key in self.jobs:
+                reason = next((c.get("reason") or "DisruptionTarget"
+                               for c in (body.get("status") or {}).get("conditions") or ()
+                               if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
+                if reason:
+                    self.gone.setdefault(key, {})[name] = reason
+        else:
+            view = PodView.from_storage(body)
+            if view is None:
+                return
+            owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
+            self.pods_index.put(key, name, (owner or "", view))
+        if key in self.jobs:
+            self.enqueue(key, POD_EVENT_DELAY)
 
     # ------------------------------------------------------------ reconciling
 
@@ -265,8 +320,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: Any, pods_by_job: kopf.Index,
-                  nodes_by_name: kopf.Index, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kopf.Index, **_: Any) -> None:
     config: Settings = getattr(memo, "settings", None) or Settings.from_env()  # also under plain `kopf run`
     memo.settings = config
     settings.posting.enabled = False      # our own events only, with our reasons
@@ -275,14 +329,26 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, pods_by_job: kopf.
     settings.networking.connect_timeout = 10
     api = k8s.Api(k8s.load_client_config(threads=config.api_threads), threads=config.api_threads)
     memo.api = api
-    memo.reconciler = Reconciler(api=api, settings=config)
-    memo.reconciler.pods_index, memo.reconciler.nodes_index = pods_by_job, nodes_by_name
-    memo.resync_task = asyncio.get_running_loop().create_task(memo.reconciler.resync())
+    rec = memo.reconciler = Reconciler(api=api, settings=config)
+    rec.nodes_index = nodes_by_name
+    memo.informer = PodInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+                                namespaces=config.namespaces, label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}",
+                                on_event=rec.pod_event)
+    memo.informer.start()
+    memo.pods_synced_task = asyncio.get_running_loop().create_task(_mark_synced(memo.informer, rec))
+    memo.resync_task = asyncio.get_running_loop().create_task(rec.resync())
     log.info("kubetrain operator started (namespaces: %s)", ",".join(config.namespaces) or "all")
+
+
+async def _mark_synced(informer: PodInformer, rec: Reconciler) -> None:
+    await informer.synced.wait()
+    rec.pods_synced.set()
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
+    memo.informer.stop()
+    memo.pods_synced_task.cancel()
     memo.resync_task.cancel()
     await memo.reconciler.stop()
     log.info("API writes: %s", dict(memo.api.writes))
@@ -292,25 +358,6 @@ async def cleanup(memo: Any, **_: Any) -> None:
 @kopf.on.probe(id="api_writes")
 async def api_writes(memo: Any, **_: Any) -> dict[str, int]:
     return dict(memo.api.writes)
-
-
-@kopf.index("pods", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def pods_by_job(namespace: str, labels: dict[str, str], body: kopf.Body, meta: kopf.Meta, memo: Any,
-                **_: Any) -> dict[tuple[str, str], tuple[str, PodView]] | None:
-    """Pods by (namespace, job), each with its controller's uid.
-
-    It also wakes the job up (after POD_EVENT_DELAY, by when the index holds this very
-    event): one kopf handler per pod event instead of two halves the operator's CPU
-    time on big launches, where pod events outnumber everything else."""
-    job = labels.get(LABEL_JOB)
-    view = PodView.from_storage(body) if job else None
-    if view is None:
-        return None
-    rec = getattr(memo, "reconciler", None)
-    if rec is not None and (namespace, job) in rec.jobs:
-        rec.enqueue((namespace, job), POD_EVENT_DELAY)
-    owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
-    return {(namespace, job): (owner, view)}
 
 
 @kopf.index("nodes")
@@ -332,21 +379,6 @@ async def job_event(type: str, body: kopf.Body, namespace: str, name: str, memo:
     rec.enqueue(key)
 
 
-@kopf.on.event("pods", labels={LABEL_MANAGED_BY: MANAGED_BY}, when=lambda type, **_: type == "DELETED")
-async def pod_deleted(namespace: str, name: str, labels: dict[str, str], status: kopf.Status, memo: Any,
-                      **_: Any) -> None:
-    """Indexers do not run for deletions: a gone pod wakes its job up here, and the
-    reason it was disrupted is kept for the Preempted event."""
-    job = labels.get(LABEL_JOB)
-    rec = _reconciler(memo)
-    if job and (namespace, job) in rec.jobs:
-        reason = next((c.get("reason") or "DisruptionTarget" for c in status.get("conditions") or ()
-                       if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
-        if reason:
-            rec.gone.setdefault((namespace, job), {})[name] = reason
-        rec.enqueue((namespace, job), POD_EVENT_DELAY)
-
-
 @kopf.on.event("nodes")
 async def node_event(type: str, name: str, status: kopf.Status, memo: Any, **_: Any) -> None:
     rec = _reconciler(memo)
@@ -357,8 +389,6 @@ async def node_event(type: str, name: str, status: kopf.Status, memo: Any, **_: 
     if rec.node_ready.get(name) == ready and type != "DELETED":
         return  # a heartbeat, not a change
     rec.node_ready[name] = ready
-    if rec.pods_index is None:
-        return
-    for key in list(rec.pods_index):
+    for key in rec.pods_index:
         if any(view.node_name == name for _, view in rec.pods_index[key]) and key in rec.jobs:
             rec.enqueue(key)
