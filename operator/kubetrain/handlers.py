@@ -225,7 +225,8 @@ class Reconciler:
                     self.gone.setdefault(key, {})[name] = reason
         else:
             view = PodView.from_storage(body)
-            if view is None:
+            if view is None:  # no longer labelled as ours
+                self.pods_index.discard(key, name)
                 return
             owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
             self.pods_index.put(key, name, (owner or "", view))
@@ -334,21 +335,15 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     memo.informer = PodInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
                                 namespaces=config.namespaces, label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}",
                                 on_event=rec.pod_event)
+    rec.pods_synced = memo.informer.synced
     memo.informer.start()
-    memo.pods_synced_task = asyncio.get_running_loop().create_task(_mark_synced(memo.informer, rec))
     memo.resync_task = asyncio.get_running_loop().create_task(rec.resync())
     log.info("kubetrain operator started (namespaces: %s)", ",".join(config.namespaces) or "all")
-
-
-async def _mark_synced(informer: PodInformer, rec: Reconciler) -> None:
-    await informer.synced.wait()
-    rec.pods_synced.set()
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
     memo.informer.stop()
-    memo.pods_synced_task.cancel()
     memo.resync_task.cancel()
     await memo.reconciler.stop()
     log.info("API writes: %s", dict(memo.api.writes))
