@@ -130,6 +130,11 @@ def test_deleting_a_job_removes_everything_it_owns(operator, jobs) -> None:
 @pytest.mark.slow
 def test_operator_killed_mid_gang_creation_makes_no_duplicates(operator, jobs, pod_timeline) -> None:
     nodes = 24
+    # One API thread: the gang's pods are created one after another (in parallel, 24 pods
+    # can all exist before the kill lands), so the SIGKILL falls in the middle.
+    operator.stop()
+    operator.env["KUBETRAIN_API_THREADS"] = "1"
+    operator.start()
     # Let the operator finish starting (it lists CRDs, pods and nodes first).
     jobs.create("warmup", spec(nodes=1))
     jobs.wait_phase("warmup", "Running", timeout=60)
