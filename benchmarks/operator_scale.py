@@ -121,7 +121,7 @@ def job_spec(nodes: int, pool: str) -> dict:
 
 
 def run_baseline(core: client.CoreV1Api, namespace: str, jobs: int, nodes: int, pool: str,
-                 threads: int, pods: PodWatch, prefix: str) -> dict:
+                 threads: int, pods: PodWatch, prefix: str, raw: bool) -> dict:
     pods_to_make = []
     for j in range(jobs):
         body = {"metadata": {"name": f"{prefix}-{j}", "namespace": namespace, "uid": ""},
@@ -133,7 +133,11 @@ def run_baseline(core: client.CoreV1Api, namespace: str, jobs: int, nodes: int, 
             pods_to_make.append(pod)
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool_:
-        list(pool_.map(lambda p: core.create_namespaced_pod(namespace, p), pods_to_make))
+        if raw:  # skip the client's response models, as the operator does
+            list(pool_.map(lambda p: core.create_namespaced_pod(namespace, p, _preload_content=False).data,
+                           pods_to_make))
+        else:
+            list(pool_.map(lambda p: core.create_namespaced_pod(namespace, p), pods_to_make))
     created = time.monotonic() - start
     names = {p["metadata"]["name"] for p in pods_to_make}
     ok = pods.wait(names, timeout=600)
@@ -231,6 +235,8 @@ def main() -> int:
                     help="baseline + operator rounds; the summary gives the median round (the machine is noisy)")
     ap.add_argument("--fake-nodes", type=int, default=8, help="private kwok nodes to schedule onto")
     ap.add_argument("--threads", type=int, default=32, help="API threads of both the operator and the baseline")
+    ap.add_argument("--raw-baseline", action="store_true",
+                    help="the baseline client skips response models (a stricter baseline than the default client)")
     ap.add_argument("--keep", action="store_true", help="leave the namespace and nodes behind")
     args = ap.parse_args()
 
@@ -258,7 +264,8 @@ def main() -> int:
         for k in range(args.rounds):
             print(f"round {k + 1}/{args.rounds}: plain client creates {n_pods} pods with {args.threads} "
                   f"threads ...", flush=True)
-            base = run_baseline(core, namespace, args.jobs, args.nodes, pool, args.threads, pods, f"base{k}")
+            base = run_baseline(core, namespace, args.jobs, args.nodes, pool, args.threads, pods, f"base{k}",
+                                args.raw_baseline)
             print(f"  created in {base['created_s']:.2f}s, all Running after {base['running_s']:.2f}s", flush=True)
             print(f"round {k + 1}/{args.rounds}: operator gets {args.jobs} TrainingJobs x {args.nodes} nodes "
                   f"applied at once ...", flush=True)
