@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 from kubernetes import client
 
 from kubetrain.informer import PodInformer
@@ -28,3 +32,51 @@ def test_relist_reports_vanished_pods_as_deleted_with_their_labels_and_sets_sync
     assert events == [("DELETED", "p0", "j"), ("DELETED", "p1", "j"), ("MODIFIED", "p2", "j")]
     informer._replace("b", [])
     assert events[-1] == ("DELETED", "q0", "k")
+
+
+class _Response:
+    """What the client returns with _preload_content=False: `.data` for a list, lines for a watch."""
+
+    def __init__(self, *, data: bytes = b"", lines: tuple[bytes, ...] = ()) -> None:
+        self.data, self._lines = data, lines
+
+    def __iter__(self):
+        return iter(self._lines)
+
+    def release_conn(self) -> None:
+        pass
+
+
+def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished():
+    def listing(rv: str, *names: str) -> _Response:
+        return _Response(data=json.dumps({"metadata": {"resourceVersion": rv},
+                                          "items": [_pod("a", n, "j") for n in names]}).encode())
+
+    expired = json.dumps({"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}).encode()
+    events: list[tuple[str, str]] = []
+    calls: list[dict] = []
+
+    async def main() -> None:
+        informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y",
+                               on_event=lambda kind, obj: events.append((kind, obj["metadata"]["name"])))
+        responses = [listing("10", "p0", "p1"), _Response(lines=(expired + b"\n",)), listing("20", "p1"),
+                     _Response()]
+
+        def fake_call(scope, **kwargs):
+            calls.append(kwargs)
+            if len(responses) == 1:
+                informer.stop()  # the reader ends after the last response
+            return responses.pop(0)
+
+        informer._call = fake_call
+        informer.start()
+        deadline = time.monotonic() + 10
+        while ("DELETED", "p0") not in events:
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert events == [("MODIFIED", "p0"), ("MODIFIED", "p1"), ("DELETED", "p0"), ("MODIFIED", "p1")]
+    assert calls[1]["resource_version"] == "10" and calls[1]["watch"] is True
+    assert "watch" not in calls[2]  # a list again, not a watch from the expired version
+    assert calls[3]["resource_version"] == "20"
