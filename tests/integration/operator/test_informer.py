@@ -32,16 +32,21 @@ async def _until(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_lists_what_exists_then_streams_adds_changes_and_deletions(kube_api, namespace):
+@pytest.mark.parametrize("clusterwide", [False, True], ids=["one-namespace", "cluster-wide"])
+def test_lists_what_exists_then_streams_adds_changes_and_deletions(kube_api, namespace, clusterwide):
     core = client.CoreV1Api(kube_api)
     core.create_namespaced_pod(namespace, _pod("before", OURS))
     core.create_namespaced_pod(namespace, _pod("not-ours", {"app": "other"}))
     events: list[tuple[str, str, str]] = []
 
     async def main() -> None:
-        informer = PodInformer(kube_api, namespaces=(namespace,), label_selector=SELECTOR,
-                               on_event=lambda kind, obj: events.append(
-                                   (kind, obj["metadata"]["name"], obj["metadata"]["labels"].get("kubetrain.io/job-name", ""))))
+        def record(kind: str, obj: dict) -> None:
+            meta = obj["metadata"]
+            if meta["namespace"] == namespace:  # cluster-wide, other tests' pods may show up too
+                events.append((kind, meta["name"], meta["labels"].get("kubetrain.io/job-name", "")))
+
+        informer = PodInformer(kube_api, namespaces=() if clusterwide else (namespace,), label_selector=SELECTOR,
+                               on_event=record)
         informer.start()
         try:
             await asyncio.wait_for(informer.synced.wait(), 30)
