@@ -215,16 +215,12 @@ class Reconciler:
         if not job:
             return
         key, name = (meta.get("namespace") or "", job), meta.get("name") or ""
+        view = PodView.from_storage(body)
         if kind == "DELETED":
             self.pods_index.discard(key, name)
-            if key in self.jobs:
-                reason = next((c.get("reason") or "DisruptionTarget"
-                               for c in (body.get("status") or {}).get("conditions") or ()
-                               if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
-                if reason:
-                    self.gone.setdefault(key, {})[name] = reason
+            if key in self.jobs and view is not None and view.disruption:
+                self.gone.setdefault(key, {})[name] = view.disruption  # kept for the Preempted event
         else:
-            view = PodView.from_storage(body)
             if view is None:  # no longer labelled as ours
                 self.pods_index.discard(key, name)
                 return

@@ -10,7 +10,8 @@ benchmarks/README.md). kopf still watches TrainingJobs and nodes.
 Semantics, per watched scope (one namespace, or the whole cluster):
 - LIST (paginated), then WATCH from the list's resourceVersion with bookmarks;
   a watch that ends is resumed from the last resourceVersion seen;
-- 410 Gone (the resourceVersion is too old) means LIST again: objects that
+- 410 Gone (the resourceVersion is too old, as an HTTP status or an ERROR
+  event in the stream) means LIST again: objects that
   vanished meanwhile are delivered as DELETED, so nothing is missed;
 - other errors back off (1 s doubling to 30 s) and resume.
 `synced` is set once every scope has listed: until then the store is
@@ -39,17 +40,12 @@ MAX_BACKOFF = 30.0
 OnEvent = Callable[[str, dict[str, Any]], None]
 
 
-class Gone(Exception):
-    """The resourceVersion we resume from is too old: list again."""
-
-
 class PodInformer:
     """Pods matching `label_selector` in `namespaces` (empty: cluster-wide)."""
 
     def __init__(self, api_client: client.ApiClient, *, namespaces: tuple[str, ...], label_selector: str,
                  on_event: OnEvent) -> None:
         self.core = client.CoreV1Api(api_client)
-        self.api_client = api_client
         self.scopes: tuple[str | None, ...] = tuple(namespaces) or (None,)
         self.label_selector = label_selector
         self.on_event = on_event
@@ -60,17 +56,14 @@ class PodInformer:
         self._scheduled = False
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         for scope in self.scopes:
-            thread = threading.Thread(target=self._run, args=(scope,), daemon=True,
-                                      name=f"kubetrain-watch-pods-{scope or 'all'}")
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=self._run, args=(scope,), daemon=True,
+                             name=f"kubetrain-watch-pods-{scope or 'all'}").start()
 
     def stop(self) -> None:
         """Readers notice at their next event or watch timeout; they are daemon threads."""
@@ -87,10 +80,8 @@ class PodInformer:
                     rv = self._list(scope)
                 rv = self._watch(scope, rv)
                 backoff = 1.0
-            except Gone:
-                rv = None
             except ApiException as exc:
-                if exc.status == 410:
+                if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
                     rv = None
                     continue
                 log.warning("pod watch (%s): HTTP %s %s; retrying in %.0fs", scope or "all namespaces",
@@ -141,9 +132,7 @@ class PodInformer:
                     continue
                 event = orjson.loads(line)
                 kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
+                if kind == "ERROR":  # a Status object; 410 means the resourceVersion expired
                     raise ApiException(status=obj.get("code") or 500, reason=obj.get("message") or "watch error")
                 rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
@@ -177,18 +166,15 @@ class PodInformer:
                 log.exception("pod event %s could not be handled", kind)
 
     def _deliver(self, kind: str, scope: str | None, obj: dict[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        key = (meta.get("namespace") or "", meta.get("name") or "")
         if kind == "DELETED":
-            self._known[scope].pop(key, None)
+            self._known[scope].pop(_key(obj), None)
         else:
-            self._known[scope][key] = meta.get("labels") or {}
+            self._known[scope][_key(obj)] = (obj.get("metadata") or {}).get("labels") or {}
         self.on_event(kind, obj)
 
     def _replace(self, scope: str | None, items: list[dict[str, Any]]) -> None:
         """A (re)list: what is listed is ADDED/MODIFIED, what vanished since is DELETED."""
-        listed = {((i.get("metadata") or {}).get("namespace") or "", (i.get("metadata") or {}).get("name") or "")
-                  for i in items}
+        listed = {_key(item) for item in items}
         for (namespace, name), labels in list(self._known[scope].items()):
             if (namespace, name) not in listed:
                 self._deliver("DELETED", scope, {"metadata": {"namespace": namespace, "name": name,
@@ -200,3 +186,7 @@ class PodInformer:
             self.synced.set()
             log.info("pod informer synced (%d pods)", sum(len(k) for k in self._known.values()))
 
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or ""

@@ -88,7 +88,8 @@ class Api:
         self._background: set[asyncio.Task[None]] = set()
         self._low = asyncio.Semaphore(max(2, self.threads // 4))
         self._urgent = 0
-        self._urgent_idle: asyncio.Event | None = None
+        self._urgent_idle = asyncio.Event()  # no pod write in flight
+        self._urgent_idle.set()
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
         """Run one blocking client call in the pool; map errors to our error types.
@@ -99,28 +100,22 @@ class Api:
             self.writes[what] += 1
         if what in _URGENT:
             self._urgent += 1
-            self._idle().clear()
+            self._urgent_idle.clear()
             try:
                 return await self._call(fn, args, kwargs)
             finally:
                 self._urgent -= 1
                 if not self._urgent:
-                    self._idle().set()
+                    self._urgent_idle.set()
         # Bookkeeping (status, events, services) yields to pod writes: on a big launch the
         # API server's time goes to pods first, so apply -> pods created stays short. The
         # wait is bounded so that a long burst cannot starve the status.
         try:
-            await asyncio.wait_for(self._idle().wait(), LOW_PRIORITY_MAX_WAIT)
+            await asyncio.wait_for(self._urgent_idle.wait(), LOW_PRIORITY_MAX_WAIT)
         except asyncio.TimeoutError:
             pass
         async with self._low:
             return await self._call(fn, args, kwargs)
-
-    def _idle(self) -> asyncio.Event:
-        if self._urgent_idle is None:
-            self._urgent_idle = asyncio.Event()
-            self._urgent_idle.set()
-        return self._urgent_idle
 
     async def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         what = getattr(fn, "__name__", "call")
