@@ -5,6 +5,9 @@ Not a test: it prints figures and ratios. On a running testbed
 
 1. baseline: a plain client (the same number of threads as the operator's API
    pool) creates the same pods directly; time to all created and all Running;
+   then the ceiling: the same client creates the pods while a second one
+   creates the TrainingJobs, with no operator running: all the work a zero-cost
+   operator would leave to the control plane;
 2. the operator (a subprocess, measured with psutil) gets JOBS TrainingJobs of
    NODES nodes applied at once; per job, apply -> all pods created and
    apply -> all pods Running (p50/p99, from the pod watch stream); API writes
@@ -107,6 +110,10 @@ class PodWatch:
         return False
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def ratio(base: dict, op: dict) -> float:
     """Throughput of the operator over the plain client's: pods created per second."""
     return base["created_s"] / op["created_s"]
@@ -125,9 +132,13 @@ def job_spec(nodes: int, pool: str) -> dict:
             "podTemplate": {"nodeSelector": {"pool": pool}}}
 
 
-def run_baseline(core: client.CoreV1Api, namespace: str, jobs: int, nodes: int, pool: str,
-                 threads: int, pods: PodWatch, prefix: str, raw: bool) -> dict:
-    pods_to_make = []
+def run_baseline(core: client.CoreV1Api, custom: client.CustomObjectsApi, namespace: str, jobs: int, nodes: int,
+                 pool: str, threads: int, pods: PodWatch, prefix: str, raw: bool, with_jobs: bool = False) -> dict:
+    """A plain client creates the pods. with_jobs: while it does, a second pool of as many threads creates the
+    TrainingJobs (no operator runs), as the benchmark's applies do in the operator's round. That is all the
+    work an operator with zero cost and zero delay would leave to the control plane: the ceiling of the
+    operator's throughput ratio on this machine."""
+    pods_to_make, crs = [], []
     for j in range(jobs):
         body = {"metadata": {"name": f"{prefix}-{j}", "namespace": namespace, "uid": ""},
                 "spec": job_spec(nodes, pool)}
@@ -136,14 +147,23 @@ def run_baseline(core: client.CoreV1Api, namespace: str, jobs: int, nodes: int, 
             pod = builders.get_pod(job=job, attempt=1, rank=r)
             pod["metadata"].pop("ownerReferences")
             pods_to_make.append(pod)
+        crs.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+                    "metadata": {"name": body["metadata"]["name"]}, "spec": job_spec(nodes, pool)})
+    kwargs = {"_preload_content": False} if raw else {}  # raw: skip the response models, as the operator does
     start = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool_:
-        kwargs = {"_preload_content": False} if raw else {}  # raw: skip the response models, as the operator does
-        list(pool_.map(lambda p: core.create_namespaced_pod(namespace, p, **kwargs), pods_to_make))
+    with (concurrent.futures.ThreadPoolExecutor(threads) as pod_pool,
+          concurrent.futures.ThreadPoolExecutor(threads) as cr_pool):
+        cr_done = [cr_pool.submit(custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, cr,
+                                  _preload_content=False) for cr in (crs if with_jobs else [])]
+        list(pod_pool.map(lambda p: core.create_namespaced_pod(namespace, p, **kwargs), pods_to_make))
+        for f in cr_done:
+            f.result()
     created = time.monotonic() - start
     names = {p["metadata"]["name"] for p in pods_to_make}
     ok = pods.wait(names, timeout=600)
     running = max(pods.running[n] for n in names) - start if ok else float("nan")
+    if with_jobs:
+        custom.delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
     core.delete_collection_namespaced_pod(namespace, label_selector="kubetrain.io/job-name", grace_period_seconds=0)
     deadline = time.monotonic() + 300
     while core.list_namespaced_pod(namespace, label_selector="kubetrain.io/job-name").items and time.monotonic() < deadline:
@@ -266,9 +286,15 @@ def main() -> int:
         for k in range(args.rounds):
             print(f"round {k + 1}/{args.rounds}: plain client creates {n_pods} pods with {args.threads} "
                   f"threads ...", flush=True)
-            base = run_baseline(core, namespace, args.jobs, args.nodes, pool, args.threads, pods, f"base{k}",
-                                args.raw_baseline)
+            base = run_baseline(core, custom, namespace, args.jobs, args.nodes, pool, args.threads, pods,
+                                f"base{k}", args.raw_baseline)
             print(f"  created in {base['created_s']:.2f}s, all Running after {base['running_s']:.2f}s", flush=True)
+            print(f"round {k + 1}/{args.rounds}: plain client creates the pods while a second one creates "
+                  f"the {args.jobs} TrainingJobs (no operator: the ceiling) ...", flush=True)
+            ceil = run_baseline(core, custom, namespace, args.jobs, args.nodes, pool, args.threads, pods,
+                                f"ceil{k}", args.raw_baseline, with_jobs=True)
+            base["ceiling_s"] = ceil["created_s"]
+            print(f"  created in {ceil['created_s']:.2f}s ({ratio(base, ceil):.2f}x the pods alone)", flush=True)
             print(f"round {k + 1}/{args.rounds}: operator gets {args.jobs} TrainingJobs x {args.nodes} nodes "
                   f"applied at once ...", flush=True)
             op = run_operator(env, custom, core, namespace, pool, args, pods, f"job{k}", log_path)
@@ -287,6 +313,13 @@ def main() -> int:
         print(f"throughput ratio (pods created/s, operator / plain client): "
               f"{ratio(base, op):.2f}x (goal >= 0.8x; rounds: {all_ratios}); to Running: "
               f"{base['running_s'] / op['running_s']:.2f}x")
+        ceilings = [b["created_s"] / b["ceiling_s"] for b, _ in rounds]
+        of_ceiling = [b["ceiling_s"] / o["created_s"] for b, o in rounds]
+        print(f"  ceiling on this machine: the plain client's pods while a second client creates the TrainingJobs "
+              f"(what a zero-cost operator leaves to the control plane) reach {median(ceilings):.2f}x "
+              f"(rounds: {', '.join(f'{c:.2f}x' for c in ceilings)})")
+        print(f"  operator / ceiling: {median(of_ceiling):.2f}x median (rounds: "
+              f"{', '.join(f'{c:.2f}x' for c in of_ceiling)})")
         print(f"all {n_pods} pods created after {op['created_s']:.2f}s (baseline {base['created_s']:.2f}s); "
               f"all Running after {op['running_s']:.2f}s (baseline {base['running_s']:.2f}s)")
         print(f"apply -> all pods created: p50 {pct(op['to_created'], 50):.2f}s  "
