@@ -8,10 +8,18 @@ value exits with status 2 and a message naming the setting.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.server
+import json
 import logging
 import os
+import signal
+import socket
 import sys
-from typing import Sequence
+import threading
+import urllib.parse
+import uuid
+from typing import Any, Iterator, Sequence
 
 from kubetrain.config import ConfigError, Settings
 
@@ -26,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="watch this namespace (repeatable); overrides KUBETRAIN_NAMESPACES")
     run.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--log-level", default=None, help="overrides KUBETRAIN_LOG_LEVEL")
+    run.add_argument("--leader-elect", action="store_true",
+                     help="stand by until this replica holds the Lease (KUBETRAIN_LEADER_ELECTION=true)")
     run.add_argument("--liveness", default=None, metavar="URL",
                      help="serve kopf's health endpoint, e.g. http://0.0.0.0:8080/healthz")
     return parser
@@ -40,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["KUBETRAIN_NAMESPACES"] = ""
     if args.log_level:
         env["KUBETRAIN_LOG_LEVEL"] = args.log_level
+    if args.leader_elect:
+        env["KUBETRAIN_LEADER_ELECTION"] = "true"
     try:
         settings = Settings.from_env(env)
     except ConfigError as exc:
@@ -51,14 +63,83 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
     import kopf
 
-    import kubetrain.handlers  # noqa: F401  (registers the handlers)
-
     kopf.configure(debug=settings.log_level == "DEBUG", verbose=settings.log_level == "DEBUG",
                    quiet=settings.log_level in ("WARNING", "ERROR"))
     logging.getLogger().setLevel(settings.log_level)
     logging.getLogger("kubetrain").setLevel(settings.log_level)
     if settings.log_level != "DEBUG":  # "Handler 'pod_event' succeeded." on every watch event
         logging.getLogger("kopf.objects").setLevel("WARNING")
+    if not settings.leader_election:
+        return _run_kopf(settings, liveness=liveness)
+    from kubetrain import k8s
+    from kubetrain.leader import LeaderElector, LeaseTiming
+
+    identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+
+    def lost(reason: str) -> None:
+        # Exit at once, the way client-go's controllers do: the next leader starts from the cluster's
+        # state (the operator is level-triggered), and no write of ours may land after the Lease expires.
+        print(f"kubetrain: lost leadership ({reason}); exiting so that only one operator reconciles",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    elector = LeaderElector(
+        k8s.load_client_config(threads=2), namespace=settings.leader_election_namespace,
+        name=settings.leader_election_id, identity=identity, on_lost=lost,
+        timing=LeaseTiming(lease_duration=settings.lease_duration_seconds,
+                           renew_deadline=settings.renew_deadline_seconds,
+                           retry_period=settings.retry_period_seconds))
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a standby stops at once
+    with _standby_health(liveness, elector):
+        leading = elector.acquire(stop)
+    signal.signal(signal.SIGTERM, previous)
+    if not leading:
+        return 0
+    elector.start_renewing()
+    try:
+        return _run_kopf(settings, liveness=liveness)
+    finally:
+        elector.release()
+
+
+@contextlib.contextmanager
+def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
+    """While a replica stands by, its liveness endpoint answers (kopf serves it once leading)."""
+    if not liveness:
+        yield
+        return
+    url = urllib.parse.urlsplit(liveness)
+    path = url.path or "/"
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"leader": False, "lease": elector.lease_ref, "holder": elector.holder}).encode()
+            self.send_response(200 if self.path.split("?")[0] == path else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), Health)
+    thread = threading.Thread(target=server.serve_forever, name="kubetrain-standby-health", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _run_kopf(settings: Settings, *, liveness: str | None) -> int:
+    import kopf
+
+    import kubetrain.handlers  # noqa: F401  (registers the handlers)
+
     kopf.run(
         standalone=True,
         clusterwide=settings.clusterwide,

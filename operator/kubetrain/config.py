@@ -13,6 +13,9 @@ from typing import Literal, Mapping
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 _NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_BOOLEANS = {"": False, "false": False, "0": False, "no": False, "off": False,
+             "true": True, "1": True, "yes": True, "on": True}
 
 
 class ConfigError(ValueError):
@@ -41,6 +44,24 @@ class Settings:
     """KUBETRAIN_API_THREADS: threads (and HTTP connections) for API writes (1..256)."""
     resync_seconds: float = 60.0
     """KUBETRAIN_RESYNC_SECONDS: every job is re-planned at least this often (1..3600)."""
+    leader_election: bool = False
+    """KUBETRAIN_LEADER_ELECTION: true to run as one of several replicas; only the holder of the Lease
+    reconciles, the others stand by (true/false)."""
+    leader_election_namespace: str = "default"
+    """KUBETRAIN_LEADER_ELECTION_NAMESPACE: namespace of the Lease (the chart: the operator's own)."""
+    leader_election_id: str = "kubetrain-operator"
+    """KUBETRAIN_LEADER_ELECTION_ID: name of the Lease; replicas with the same name exclude each other."""
+    leader_election_identity: str = ""
+    """KUBETRAIN_LEADER_ELECTION_IDENTITY: this replica's name in the Lease (the chart: the pod name);
+    empty: host name plus a random suffix."""
+    lease_duration_seconds: float = 15.0
+    """KUBETRAIN_LEASE_DURATION_SECONDS: how long a Lease nobody renews stays taken (2..300)."""
+    renew_deadline_seconds: float = 10.0
+    """KUBETRAIN_RENEW_DEADLINE_SECONDS: the leader exits if it cannot renew for this long
+    (1..299, below the lease duration)."""
+    retry_period_seconds: float = 2.0
+    """KUBETRAIN_RETRY_PERIOD_SECONDS: time between tries to acquire or renew (0.1..60, below the
+    renew deadline)."""
 
     @property
     def clusterwide(self) -> bool:
@@ -63,11 +84,38 @@ class Settings:
         image = env.get("KUBETRAIN_DEFAULT_IMAGE", "").strip() or None
         if image is not None and any(c.isspace() for c in image):
             raise ConfigError("KUBETRAIN_DEFAULT_IMAGE", image, "an image reference has no whitespace")
+        raw_le = env.get("KUBETRAIN_LEADER_ELECTION", "").strip().lower()
+        if raw_le not in _BOOLEANS:
+            raise ConfigError("KUBETRAIN_LEADER_ELECTION", env["KUBETRAIN_LEADER_ELECTION"],
+                              "must be true or false (also 1/0, yes/no, on/off)")
+        le_namespace = env.get("KUBETRAIN_LEADER_ELECTION_NAMESPACE", "").strip() or "default"
+        if not _NAMESPACE_RE.match(le_namespace) or len(le_namespace) > 63:
+            raise ConfigError("KUBETRAIN_LEADER_ELECTION_NAMESPACE", le_namespace, "is not a namespace name")
+        le_id = env.get("KUBETRAIN_LEADER_ELECTION_ID", "").strip() or "kubetrain-operator"
+        if not _SUBDOMAIN_RE.match(le_id) or len(le_id) > 253:
+            raise ConfigError("KUBETRAIN_LEADER_ELECTION_ID", le_id,
+                              "a Lease name is lower-case letters, digits, '-' and '.' (a DNS subdomain)")
+        identity = env.get("KUBETRAIN_LEADER_ELECTION_IDENTITY", "").strip()
+        if len(identity) > 128 or any(c.isspace() for c in identity):
+            raise ConfigError("KUBETRAIN_LEADER_ELECTION_IDENTITY", identity,
+                              "at most 128 characters, no whitespace")
+        lease = _number(env, "KUBETRAIN_LEASE_DURATION_SECONDS", 15.0, 2, 300)
+        renew = _number(env, "KUBETRAIN_RENEW_DEADLINE_SECONDS", 10.0, 1, 299)
+        retry = _number(env, "KUBETRAIN_RETRY_PERIOD_SECONDS", 2.0, 0.1, 60)
+        if renew >= lease:
+            raise ConfigError("KUBETRAIN_RENEW_DEADLINE_SECONDS", str(renew),
+                              f"must be below KUBETRAIN_LEASE_DURATION_SECONDS ({lease:g})")
+        if retry >= renew:
+            raise ConfigError("KUBETRAIN_RETRY_PERIOD_SECONDS", str(retry),
+                              f"must be below KUBETRAIN_RENEW_DEADLINE_SECONDS ({renew:g})")
         return cls(
             namespaces=namespaces, log_level=level, default_image=image,  # type: ignore[arg-type]
             max_concurrent_reconciles=int(_number(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 1024, 1, 8192)),
             api_threads=int(_number(env, "KUBETRAIN_API_THREADS", 32, 1, 256)),
             resync_seconds=_number(env, "KUBETRAIN_RESYNC_SECONDS", 60.0, 1, 3600),
+            leader_election=_BOOLEANS[raw_le], leader_election_namespace=le_namespace,
+            leader_election_id=le_id, leader_election_identity=identity,
+            lease_duration_seconds=lease, renew_deadline_seconds=renew, retry_period_seconds=retry,
         )
 
 

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -33,15 +34,16 @@ def trainingjob_crd(kubectl) -> None:
 class OperatorProcess:
     """The operator as a child process; its log goes to a file shown when a test fails."""
 
-    def __init__(self, env: dict[str, str], namespace: str, log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], namespace: str, log_path: Path, args: Sequence[str] = ()) -> None:
         self.env = {**env, "KUBETRAIN_NAMESPACES": namespace, "KUBETRAIN_LOG_LEVEL": "INFO",
                     "PYTHONPATH": str(ROOT / "operator") + os.pathsep + env.get("PYTHONPATH", "")}
         self.log_path = log_path
+        self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain", "operator", "run"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain", "operator", "run", *self.args],
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         log.close()
 
@@ -75,6 +77,21 @@ def operator(trainingjob_crd, testbed_env, namespace, tmp_path, request):
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print(f"\n--- operator log tail ---\n{proc.log_tail()}")
+
+
+@pytest.fixture
+def make_operator(trainingjob_crd, testbed_env, namespace, tmp_path):
+    """More operators for the test's namespace: make(name, env, args), not started; stopped afterwards."""
+    made: list[OperatorProcess] = []
+
+    def make(name: str, env: dict[str, str] | None = None, args: Sequence[str] = ()) -> OperatorProcess:
+        proc = OperatorProcess({**testbed_env, **(env or {})}, namespace, tmp_path / f"operator-{name}.log", args)
+        made.append(proc)
+        return proc
+
+    yield make
+    for proc in made:
+        proc.stop()
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -94,10 +94,13 @@ class PodTimeline:
     entries: list[tuple[str, str, int]] = field(default_factory=list)
     """(ADDED|DELETED, pod name, attempt)."""
 
-    def check_no_overlap(self) -> None:
-        """Every pod of attempt N is DELETED before the first pod of attempt N+1 is ADDED."""
+    def check_no_overlap(self, job: str | None = None) -> None:
+        """Every pod of attempt N is DELETED before the first pod of attempt N+1 is ADDED
+        (among all the namespace's pods, or the pods of `job`)."""
         alive: dict[str, int] = {}
         for kind, name, attempt in self.entries:
+            if job is not None and not name.startswith(f"{job}-a"):
+                continue
             if kind == "ADDED":
                 older = {n: a for n, a in alive.items() if a < attempt}
                 assert not older, f"{name} (attempt {attempt}) created while {older} still existed"
@@ -130,6 +133,14 @@ def kwok_exit(code: int, delay: str = "1s", message: str | None = None) -> dict[
     if message is not None:
         ann[EXIT_MESSAGE_ANNOTATION] = message
     return ann
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def dump(obj: Any) -> str:

@@ -159,6 +159,14 @@ def test_backoff_is_exponential_and_capped() -> None:
     ({"KUBETRAIN_DEFAULT_IMAGE": "a b"}, "KUBETRAIN_DEFAULT_IMAGE"),
     ({"KUBETRAIN_MAX_CONCURRENT_RECONCILES": "0"}, "KUBETRAIN_MAX_CONCURRENT_RECONCILES"),
     ({"KUBETRAIN_RESYNC_SECONDS": "soon"}, "KUBETRAIN_RESYNC_SECONDS"),
+    ({"KUBETRAIN_LEADER_ELECTION": "maybe"}, "KUBETRAIN_LEADER_ELECTION"),
+    ({"KUBETRAIN_LEADER_ELECTION_NAMESPACE": "Kube_System"}, "KUBETRAIN_LEADER_ELECTION_NAMESPACE"),
+    ({"KUBETRAIN_LEADER_ELECTION_ID": "My Lease"}, "KUBETRAIN_LEADER_ELECTION_ID"),
+    ({"KUBETRAIN_LEADER_ELECTION_IDENTITY": "pod a"}, "KUBETRAIN_LEADER_ELECTION_IDENTITY"),
+    ({"KUBETRAIN_LEASE_DURATION_SECONDS": "1"}, "KUBETRAIN_LEASE_DURATION_SECONDS"),
+    ({"KUBETRAIN_RENEW_DEADLINE_SECONDS": "15"}, "KUBETRAIN_RENEW_DEADLINE_SECONDS"),
+    ({"KUBETRAIN_LEASE_DURATION_SECONDS": "8", "KUBETRAIN_RETRY_PERIOD_SECONDS": "7",
+      "KUBETRAIN_RENEW_DEADLINE_SECONDS": "6"}, "KUBETRAIN_RETRY_PERIOD_SECONDS"),
 ])
 def test_bad_setting_is_named(env: dict, setting: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -172,6 +180,23 @@ def test_settings_defaults_and_namespaces() -> None:
                            "KUBETRAIN_DEFAULT_IMAGE": "img:1"})
     assert s.namespaces == ("a", "b") and s.log_level == "DEBUG" and s.default_image == "img:1"
     assert Spec.from_storage({}, default_image=s.default_image).image == "img:1"
+
+
+def test_leader_election_settings() -> None:
+    s = Settings.from_env({})
+    assert not s.leader_election and s.leader_election_id == "kubetrain-operator"
+    assert (s.lease_duration_seconds, s.renew_deadline_seconds, s.retry_period_seconds) == (15, 10, 2)
+    s = Settings.from_env({"KUBETRAIN_LEADER_ELECTION": "Yes", "KUBETRAIN_LEADER_ELECTION_NAMESPACE": "ops",
+                           "KUBETRAIN_LEADER_ELECTION_ID": "kt.operator", "KUBETRAIN_LEASE_DURATION_SECONDS": "30"})
+    assert s.leader_election and s.leader_election_namespace == "ops" and s.leader_election_id == "kt.operator"
+    assert s.lease_duration_seconds == 30
+
+
+def test_lease_timing_must_be_ordered() -> None:
+    from kubetrain.leader import LeaseTiming
+
+    with pytest.raises(ValueError, match="retry_period < renew_deadline < lease_duration"):
+        LeaseTiming(lease_duration=5, renew_deadline=5, retry_period=1)
 
 
 def test_cli_refuses_a_bad_setting(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

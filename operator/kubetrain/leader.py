@@ -1,0 +1,203 @@
+"""Leader election on a coordination.k8s.io Lease: one operator replica reconciles, the others wait.
+
+The protocol is client-go's (`tools/leaderelection`), so `kubectl get lease`
+reads the same way as for kube-controller-manager:
+- a candidate reads the Lease; it may take it when nobody holds it, when it
+  already holds it, or when the holder has not renewed it for
+  `leaseDurationSeconds` as measured on the candidate's own clock (the time it
+  last saw the record change, never the holder's timestamps, so clock skew
+  between machines does not matter);
+- every write carries the resourceVersion it read, so of two candidates racing
+  for an expired Lease exactly one wins (the other gets 409 Conflict);
+- the leader renews every `retry_period`; if it cannot renew for
+  `renew_deadline` (shorter than the lease duration), or it reads that someone
+  else holds the Lease, it has lost and `on_lost` runs. The operator exits
+  there: it is level-triggered, so the next leader picks up where it stopped;
+- a leader that stops cleanly releases the Lease (empty holder, duration 1 s)
+  so a standby takes over at once instead of after a lease duration.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger("kubetrain.leader")
+
+
+@dataclass(frozen=True)
+class LeaseTiming:
+    lease_duration: float = 15.0
+    """How long a Lease that is not renewed stays valid for the others."""
+    renew_deadline: float = 10.0
+    """How long the leader keeps trying to renew before it gives up (< lease_duration)."""
+    retry_period: float = 2.0
+    """Time between tries, both to acquire and to renew (< renew_deadline)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
+            raise ValueError("lease timings need 0 < retry_period < renew_deadline < lease_duration, "
+                             f"got {self.retry_period}, {self.renew_deadline}, {self.lease_duration}")
+
+
+def _micro_time(now: dt.datetime) -> str:
+    return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    """Acquire, renew and release one Lease for one identity."""
+
+    def __init__(self, api_client: client.ApiClient, *, namespace: str, name: str, identity: str,
+                 timing: LeaseTiming = LeaseTiming(), on_lost: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.api = client.CoordinationV1Api(api_client)
+        self.namespace, self.name, self.identity = namespace, name, identity
+        self.timing, self.on_lost, self.clock = timing, on_lost, clock
+        self._observed: tuple[Any, ...] | None = None   # the record as last read
+        self._observed_at = 0.0                         # our clock when that record last changed
+        self._observed_duration = timing.lease_duration
+        self.holder: str | None = None                  # who holds it, as last read
+        self._leading = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leading.is_set()
+
+    @property
+    def lease_ref(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+    def _observe(self, spec: Any) -> None:
+        record = (spec.holder_identity, spec.renew_time, spec.acquire_time, spec.lease_transitions,
+                  spec.lease_duration_seconds)
+        if record != self._observed:
+            self._observed, self._observed_at = record, self.clock()
+            self._observed_duration = float(spec.lease_duration_seconds or self.timing.lease_duration)
+        self.holder = spec.holder_identity or None
+
+    def try_acquire_or_renew(self) -> bool:
+        """One round: True when this identity holds the Lease afterwards."""
+        now = dt.datetime.now(dt.timezone.utc)
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.lease_duration)),
+                "acquireTime": _micro_time(now), "renewTime": _micro_time(now), "leaseTransitions": 0}
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            try:
+                self.api.create_namespaced_lease(self.namespace, {
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec})
+            except ApiException as exc2:
+                if exc2.status == 409:   # another candidate created it first
+                    return False
+                raise
+            self.holder = self.identity
+            self._observed = None
+            return True
+        current = lease.spec
+        self._observe(current)
+        mine = current.holder_identity == self.identity
+        expired = self.clock() >= self._observed_at + self._observed_duration
+        if current.holder_identity and not mine and not expired:
+            return False
+        transitions = int(current.lease_transitions or 0)
+        if mine:  # keep when it was acquired
+            spec["acquireTime"] = _micro_time(current.acquire_time) if current.acquire_time else spec["acquireTime"]
+            spec["leaseTransitions"] = transitions
+        else:
+            spec["leaseTransitions"] = transitions + 1
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace,
+                             "resourceVersion": lease.metadata.resource_version},
+                "spec": spec}
+        try:
+            self.api.replace_namespaced_lease(self.name, self.namespace, body)
+        except ApiException as exc:
+            if exc.status == 409:   # someone wrote it since we read it
+                return False
+            raise
+        if not mine:
+            log.info("took %s over from %s", self.lease_ref, current.holder_identity or "nobody")
+        self.holder = self.identity
+        return True
+
+    def acquire(self, stop: threading.Event | None = None) -> bool:
+        """Block until this identity leads (True) or `stop` is set (False)."""
+        stop = stop or self._stop
+        announced = None
+        while not stop.is_set():
+            try:
+                if self.try_acquire_or_renew():
+                    self._leading.set()
+                    log.info("leading: %s held by %s", self.lease_ref, self.identity)
+                    return True
+            except Exception as exc:  # noqa: BLE001  (the API server may be briefly unreachable)
+                log.warning("cannot read or write %s: %s", self.lease_ref, exc)
+            if self.holder != announced:
+                log.info("standing by: %s is held by %s", self.lease_ref, self.holder)
+                announced = self.holder
+            stop.wait(self.timing.retry_period)
+        return False
+
+    def start_renewing(self) -> None:
+        """Renew from a daemon thread; `on_lost` runs once if leadership is lost."""
+        self._thread = threading.Thread(target=self._renew_loop, name="kubetrain-leader", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        last_renewed = self.clock()
+        while not self._stop.wait(self.timing.retry_period):
+            try:
+                if self.try_acquire_or_renew():
+                    last_renewed = self.clock()
+                    continue
+                if self.holder not in (None, self.identity):
+                    reason = f"{self.lease_ref} is now held by {self.holder}"
+                else:  # a write conflict on our own Lease: read it again next round
+                    raise RuntimeError("write conflict")
+            except Exception as exc:  # noqa: BLE001
+                if self.clock() - last_renewed < self.timing.renew_deadline:
+                    log.warning("cannot renew %s (will retry): %s", self.lease_ref, exc)
+                    continue
+                reason = f"could not renew {self.lease_ref} for {self.timing.renew_deadline:g}s: {exc}"
+            if self._stop.is_set():
+                return
+            self._leading.clear()
+            log.error("lost leadership: %s", reason)
+            if self.on_lost is not None:
+                self.on_lost(reason)
+            return
+
+    def release(self) -> None:
+        """Stop renewing and, if still leading, hand the Lease back so a standby takes over now."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timing.retry_period + 5)
+        if not self._leading.is_set():
+            return
+        self._leading.clear()
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+            if lease.spec.holder_identity != self.identity:
+                return
+            now = _micro_time(dt.datetime.now(dt.timezone.utc))
+            self.api.replace_namespaced_lease(self.name, self.namespace, {
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace,
+                             "resourceVersion": lease.metadata.resource_version},
+                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
+                         "leaseTransitions": int(lease.spec.lease_transitions or 0)}})
+            log.info("released %s", self.lease_ref)
+        except Exception as exc:  # noqa: BLE001  (the Lease then expires on its own)
+            log.warning("could not release %s (it expires by itself): %s", self.lease_ref, exc)

@@ -1,0 +1,153 @@
+"""Leader election against the real API server: one Lease, one leader.
+
+The elector is driven directly first (handover on release, takeover after a dead
+leader's lease expires, a leader that loses its Lease is told), then two real
+operator processes share a Lease: the standby answers its liveness probe,
+creates nothing while the leader lives, and takes the job over when the leader
+is SIGKILLed, with no duplicate pods."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import urllib.request
+
+import pytest
+from kubernetes import client
+
+from kubetrain.leader import LeaderElector, LeaseTiming
+from kubetrain_optest import free_port, spec
+from kubetrain_testbed import wait_until
+
+pytestmark = pytest.mark.integration
+
+FAST = LeaseTiming(lease_duration=3.0, renew_deadline=2.0, retry_period=0.2)
+
+
+def elector(kube_api, namespace: str, lease: str, identity: str, **kw) -> LeaderElector:
+    return LeaderElector(kube_api, namespace=namespace, name=lease, identity=identity, timing=FAST, **kw)
+
+
+def read_lease(kube_api, namespace: str, name: str):
+    return client.CoordinationV1Api(kube_api).read_namespaced_lease(name, namespace).spec
+
+
+def test_clean_release_hands_the_lease_over_at_once(kube_api, namespace) -> None:
+    a, b = (elector(kube_api, namespace, "ops", who) for who in ("a", "b"))
+    assert a.acquire() and a.is_leader
+    a.start_renewing()
+    assert not b.try_acquire_or_renew() and b.holder == "a"
+    got = threading.Event()
+    threading.Thread(target=lambda: b.acquire() and got.set(), daemon=True).start()
+    time.sleep(FAST.lease_duration + 1)   # a renews, so b must keep standing by past a lease duration
+    assert not got.is_set() and read_lease(kube_api, namespace, "ops").holder_identity == "a"
+    released = time.monotonic()
+    a.release()
+    assert got.wait(FAST.lease_duration), "b did not take over after a released the Lease"
+    assert time.monotonic() - released < FAST.lease_duration, "b waited for expiry instead of taking the release"
+    lease = read_lease(kube_api, namespace, "ops")
+    assert lease.holder_identity == "b" and lease.lease_transitions == 1
+    b.release()
+
+
+def test_a_dead_leader_is_replaced_once_its_lease_expires(kube_api, namespace) -> None:
+    a, b = (elector(kube_api, namespace, "ops", who) for who in ("a", "b"))
+    assert a.acquire()          # and then never renews: a crashed leader
+    start = time.monotonic()
+    assert b.acquire()
+    waited = time.monotonic() - start
+    assert FAST.lease_duration - 0.5 <= waited <= FAST.lease_duration + 2, waited
+    assert read_lease(kube_api, namespace, "ops").holder_identity == "b"
+    b.release()
+
+
+def test_two_candidates_racing_for_a_free_lease_get_one_leader(kube_api, namespace) -> None:
+    candidates = [elector(kube_api, namespace, "race", f"c{i}") for i in range(4)]
+    results: list[bool] = [False] * len(candidates)
+    barrier = threading.Barrier(len(candidates))
+
+    def go(i: int) -> None:
+        barrier.wait()
+        results[i] = candidates[i].try_acquire_or_renew()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(candidates))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results.count(True) == 1, results
+    winner = candidates[results.index(True)].identity
+    assert read_lease(kube_api, namespace, "race").holder_identity == winner
+
+
+def test_a_leader_whose_lease_is_taken_is_told(kube_api, namespace) -> None:
+    reasons: list[str] = []
+    lost = threading.Event()
+    a = elector(kube_api, namespace, "ops", "a", on_lost=lambda r: (reasons.append(r), lost.set()))
+    assert a.acquire()
+    a.start_renewing()
+    coord = client.CoordinationV1Api(kube_api)
+    lease = coord.read_namespaced_lease("ops", namespace)
+    lease.spec.holder_identity = "intruder"
+    coord.replace_namespaced_lease("ops", namespace, lease)
+    assert lost.wait(5), "the leader did not notice that its Lease was taken"
+    assert not a.is_leader and "intruder" in reasons[0]
+    a.release()   # not the holder any more: must leave the intruder's Lease alone
+    assert read_lease(kube_api, namespace, "ops").holder_identity == "intruder"
+
+
+@pytest.mark.slow
+def test_standby_operator_takes_over_when_the_leader_dies(make_operator, namespace, kube_api, jobs,
+                                                         pod_timeline) -> None:
+    lease = f"kubetrain-{secrets.token_hex(3)}"
+    election = {"KUBETRAIN_LEADER_ELECTION": "true", "KUBETRAIN_LEADER_ELECTION_NAMESPACE": namespace,
+                "KUBETRAIN_LEADER_ELECTION_ID": lease, "KUBETRAIN_LEASE_DURATION_SECONDS": "4",
+                "KUBETRAIN_RENEW_DEADLINE_SECONDS": "3", "KUBETRAIN_RETRY_PERIOD_SECONDS": "0.5"}
+    ops = {who: make_operator(who, {**election, "KUBETRAIN_LEADER_ELECTION_IDENTITY": f"op-{who}"},
+                              [f"--liveness=http://127.0.0.1:{free_port()}/healthz"]) for who in ("a", "b")}
+    try:
+        ops["a"].start()
+        wait_until(lambda: _holder(kube_api, namespace, lease), lambda h: h == "op-a", timeout=60,
+                   what="op-a holds the Lease")
+        ops["b"].start()
+        health = wait_until(lambda: _get_json(ops["b"].args[0].split("=", 1)[1]), lambda h: h is not None,
+                            timeout=60, what="the standby's liveness endpoint")
+        assert health == {"leader": False, "lease": f"Lease {namespace}/{lease}", "holder": "op-a"}
+
+        jobs.create("first", spec(nodes=2))
+        jobs.wait_phase("first", "Running", nodesReady=2, timeout=60)
+        ops["a"].kill()
+        killed = time.monotonic()
+        wait_until(lambda: _holder(kube_api, namespace, lease), lambda h: h == "op-b", timeout=30,
+                   what="op-b takes the Lease over")
+        took_over = time.monotonic() - killed
+        # the new leader reconciles: a job created now runs, and a preempted pod of the old one restarts its gang
+        jobs.create("second", spec(nodes=2))
+        jobs.wait_phase("second", "Running", nodesReady=2, timeout=60)
+        jobs.core.delete_namespaced_pod("first-a1-n1", namespace)
+        status = jobs.wait_phase("first", "Running", attempt=2, timeout=60)
+        assert status["preemptions"] == 1 and status["restarts"] == 1
+        added = [name for kind, name, _ in pod_timeline.entries if kind == "ADDED"]
+        assert sorted(added) == ["first-a1-n0", "first-a1-n1", "first-a2-n0", "first-a2-n1",
+                                 "second-a1-n0", "second-a1-n1"], "each pod created once, by one leader"
+        pod_timeline.check_no_overlap("first")
+        print(f"standby took over {took_over:.1f}s after the leader was killed (lease 4 s)")
+    finally:
+        for who, op in ops.items():
+            print(f"--- operator {who} log tail ---\n{op.log_tail(20)}")
+
+
+def _holder(kube_api, namespace: str, name: str) -> str | None:
+    try:
+        return read_lease(kube_api, namespace, name).holder_identity
+    except client.ApiException:
+        return None
+
+
+def _get_json(url: str):
+    try:
+        return json.loads(urllib.request.urlopen(url, timeout=2).read())
+    except OSError:
+        return None
