@@ -97,6 +97,7 @@ EXPECTED_RULES = {
     ("", "nodes"): {"get", "list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("coordination.k8s.io", "leases"): {"get", "create", "update"},
 }
 
 
@@ -119,24 +120,30 @@ def test_rbac_is_exactly_what_the_operator_needs():
     assert len(subjects) == 2  # cluster reads + jobs, cluster-wide by default
     assert all(s == {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                      "namespace": "kubetrain-system"} for s in subjects)
-    assert by_kind(docs, "RoleBinding") == []
+    (lease_rb,) = by_kind(docs, "RoleBinding")  # Leases, in the release namespace only
+    assert lease_rb["metadata"]["namespace"] == "kubetrain-system"
+    assert lease_rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                   "name": "kt-kubetrain-leader-election"}
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "kubetrain-system"
 
 
 @needs_helm
 def test_watched_namespaces_get_rolebindings_not_cluster_wide_jobs_access():
     docs = render('namespaces=["ml","research"]')
-    rbs = by_kind(docs, "RoleBinding")
+    rbs = [rb for rb in by_kind(docs, "RoleBinding") if rb["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(rb["metadata"]["namespace"] for rb in rbs) == ["ml", "research"]
     assert all(rb["roleRef"]["name"].endswith("-jobs") for rb in rbs)
     crbs = by_kind(docs, "ClusterRoleBinding")
     assert [b["roleRef"]["name"] for b in crbs] == ["kt-kubetrain-cluster"]
-    env = {e["name"]: e["value"] for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KUBETRAIN_NAMESPACES"] == "ml,research"
 
 
 @needs_helm
 def test_deployment_runs_the_operator_non_root_with_liveness():
-    (dep,) = by_kind(render('logLevel="debug"', 'defaultTrainerImage="reg.local/trainer:9"'), "Deployment")
+    (dep,) = by_kind(render('logLevel="debug"', 'defaultTrainerImage="reg.local/trainer:9"',
+                            'leaderElection={"enabled":false}'), "Deployment")
     spec = dep["spec"]
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
     pod = spec["template"]["spec"]
@@ -155,13 +162,45 @@ def test_deployment_runs_the_operator_non_root_with_liveness():
 
 
 @needs_helm
+def test_replicas_with_leader_election_stand_by_on_a_lease():
+    docs = render("replicaCount=2", 'leaderElection={"enabled":true,"leaseDurationSeconds":20}')
+    (dep,) = by_kind(docs, "Deployment")
+    spec = dep["spec"]
+    assert spec["replicas"] == 2
+    # a rolling update starts the new pod as a standby before the old one hands the Lease over
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBETRAIN_LEADER_ELECTION"]["value"] == "true"
+    assert env["KUBETRAIN_LEADER_ELECTION_ID"]["value"] == "kt-kubetrain"
+    assert env["KUBETRAIN_LEASE_DURATION_SECONDS"]["value"] == "20"
+    assert env["KUBETRAIN_LEADER_ELECTION_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["KUBETRAIN_LEADER_ELECTION_IDENTITY"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # what the chart renders, the operator accepts
+    from kubetrain.config import Settings
+
+    settings = Settings.from_env({k: e["value"] for k, e in env.items() if "value" in e})
+    assert settings.leader_election and settings.lease_duration_seconds == 20
+
+
+@needs_helm
+def test_several_replicas_without_leader_election_are_refused():
+    proc = helm("template", "kt", str(CHART), "--set-json", "replicaCount=2",
+                "--set-json", 'leaderElection={"enabled":false}', check=False)
+    assert proc.returncode != 0
+    assert "replicaCount > 1 needs leaderElection.enabled=true" in proc.stderr, proc.stderr
+
+
+@needs_helm
 @pytest.mark.parametrize("value, named", [
     ('logLevel="verbose"', "logLevel"),
     ('namespaces="ml"', "namespaces"),
     ('namespaces=["Not_A_Namespace"]', "namespaces"),
     ('image={"repository":"x","pullPolicy":"Sometimes"}', "pullPolicy"),
     ('healthPort=80', "healthPort"),
-    ('replicaCount=3', "replicaCount"),
+    ('replicaCount=0', "replicaCount"),
+    ('replicas=3', "replicas"),
+    ('leaderElection={"enabled":"yes"}', "enabled"),
+    ('leaderElection={"leaseDurationSeconds":1}', "leaseDurationSeconds"),
     ('serviceAccount={"create":"yes"}', "create"),
     ('defaultTrainerImage=""', "defaultTrainerImage"),
 ])
