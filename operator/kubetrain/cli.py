@@ -124,7 +124,14 @@ def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), Health)
+    try:
+        server = http.server.ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), Health)
+    except OSError as exc:
+        # Not fatal: in a pod the port is ours, but where replicas share a network (processes on one
+        # host, as on the test node agent) the leader holds it, and kopf binds it once this one leads.
+        logging.getLogger("kubetrain.leader").warning("standby liveness endpoint %s not served: %s", liveness, exc)
+        yield
+        return
     thread = threading.Thread(target=server.serve_forever, name="kubetrain-standby-health", daemon=True)
     thread.start()
     try:
