@@ -12,8 +12,11 @@ resume could half-read. So:
   overwrites or runs beside a higher one, see `manifest.check_fence`);
 - after a commit, node rank 0 applies remote retention (`plan_retention`);
 - when S3 is down, uploads retry with backoff, at most `max_queued` snapshots
-  wait (older waiting ones are superseded by newer), and a status line says
-  checkpoints are lagging. Training goes on regardless.
+  wait on every node (older waiting ones are superseded by newer), and a
+  status line says checkpoints are lagging. Training goes on regardless.
+  Multi-node, node rank 0 gives a step up once a node that lacks a part of it
+  has written its part of a newer step (it skipped the step, and uploads in
+  step order), so a skip on one node never stalls the commit of the next.
 
 The primary user is the launcher, which watches the local output folder
 (`FolderWatcher`) so that S3 stays out of the worker processes and arbitrary
@@ -56,6 +59,7 @@ from kubetrain_trainer.manifest import (
     check_fence,
     checkpoint_dirname,
     merge_parts,
+    node_part_name,
     parse_checkpoint_dirname,
     plan_retention,
     scan_folder,
@@ -68,6 +72,10 @@ log = logging.getLogger(__name__)
 
 class FencedError(StorageError):
     """A newer attempt owns the checkpoint location: this process must not commit."""
+
+
+class SupersededError(Exception):
+    """Another node skipped this checkpoint for a newer one: node rank 0 gives it up too."""
 
 
 @dataclass(frozen=True)
@@ -164,9 +172,10 @@ class CheckpointUploader:
             return False
         with self._lock:
             self._queue.append(_Job(step=step, folder=snap))
-            # Only node rank 0 (or a single node) may skip a step: rank 0 commits a step only after
-            # every other node's part of it exists, so a part skipped elsewhere would stall it.
-            while len(self._queue) > self.settings.max_queued and self.settings.node_rank == 0:
+            # Every node may skip a waiting step for a newer one (the disk holds at most max_queued
+            # snapshots). Node rank 0, waiting for a part some node skipped, gives that step up once
+            # the node's part of a newer step exists (`_wait_for_parts`).
+            while len(self._queue) > self.settings.max_queued:
                 old = self._queue.popleft()
                 self.dropped.append(old.step)
                 shutil.rmtree(old.folder, ignore_errors=True)
@@ -248,6 +257,10 @@ class CheckpointUploader:
                 log.error("checkpoint-%d not committed: %s; no further uploads from this attempt", job.step, e)
                 finished = True
                 self._drop_all()
+            except SupersededError as e:
+                self.dropped.append(job.step)
+                log.warning("%s", e)
+                finished = True
             except ManifestError as e:
                 # Inconsistent parts can not be fixed by retrying; the folder stays torn.
                 self.last_error = str(e)
@@ -334,16 +347,38 @@ class CheckpointUploader:
         self._apply_retention()
 
     def _wait_for_parts(self, step: int) -> tuple[FileEntry, ...]:
-        deadline = time.monotonic() + self.settings.part_wait_s
+        s = self.settings
+        deadline = time.monotonic() + s.part_wait_s
         while True:
             parts = self.store.read_node_parts(step)
             try:
-                return merge_parts(parts, step=step, attempt=self.settings.attempt, nnodes=self.settings.nnodes)
+                return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes)
             except ManifestError as e:
                 if "missing" not in str(e) or time.monotonic() > deadline:
                     raise
+            have = {p.node_rank for p in parts if p.step == step and p.attempt == s.attempt}
+            moved_on = self._moved_past(step, set(range(s.nnodes)) - have)
+            if moved_on:
+                raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
+                                      "checkpoint (their uploads lagged); it stays torn and the newer one is committed")
             if self._stop.wait(2.0):
                 raise ManifestError(f"checkpoint-{step}: stopped while waiting for other nodes' parts")
+
+    def _moved_past(self, step: int, missing: set[int]) -> set[int]:
+        """The missing ranks if every one of them wrote a part of a newer step in this attempt (so it will
+        never write one for `step`: each node uploads in step order), else the empty set."""
+        if not missing:
+            return set()
+        seen: set[int] = set()
+        for remote in self.store.list_checkpoints():
+            if remote.step <= step or not any(node_part_name(r) in remote.listing for r in missing - seen):
+                continue
+            for part in self.store.read_node_parts(remote.step):
+                if part.attempt == self.settings.attempt and part.node_rank in missing:
+                    seen.add(part.node_rank)
+            if seen == missing:
+                return missing
+        return set()
 
     def _committed(self, step: int) -> None:
         self.last_error = None

@@ -225,6 +225,29 @@ def test_multi_node_commit_waits_for_every_nodes_part(tmp_path: Path):
     assert [f.path for f in m.files] == ["rng_state_0.pth", "rng_state_1.pth"]
 
 
+def test_a_step_another_node_skipped_does_not_stall_node0(tmp_path: Path):
+    """S3 is down; node 1 may hold one waiting snapshot and drops older ones, node 0 keeps all.
+    Node 0 must give up the steps node 1 skipped (once node 1's part of a newer step exists)
+    instead of waiting part_wait_s for parts that will never come, and commit the newest."""
+    store = MemoryStore()
+    store.fail_next = 10**9
+    node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=60, max_queued=5)
+    node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1, max_queued=1)
+    for step in (1, 2, 3):
+        node0.submit(_local_checkpoint(tmp_path / "o0", step), step)
+        node1.submit(_local_checkpoint(tmp_path / "o1", step), step)
+    assert node1.dropped, "node 1 should have skipped a step while S3 was down"
+    assert len(list((tmp_path / "n1" / "staging").iterdir())) <= 2, "node 1's disk holds current + 1 waiting"
+    store.fail_next = 0
+    start = time.monotonic()
+    assert node1.close(20) and node0.close(20), "node 0 stalled on a step node 1 skipped"
+    assert time.monotonic() - start < 20
+    committed = [c.step for c in store.list_checkpoints() if c.complete]
+    assert committed[-1] == 3
+    assert set(node1.dropped) <= set(node0.dropped) and not set(committed) & set(node1.dropped)
+    assert node0.last_error is None
+
+
 def test_folder_watcher_reports_complete_new_and_replaced_folders_once(tmp_path: Path):
     (tmp_path / "checkpoint-1").mkdir()
     w = FolderWatcher(tmp_path)
