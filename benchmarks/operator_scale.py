@@ -30,7 +30,6 @@ import concurrent.futures
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -46,7 +45,7 @@ from kubernetes import client, config, watch  # noqa: E402
 
 from kubetrain import builders  # noqa: E402
 from kubetrain.api import Job  # noqa: E402
-from kubetrain_testbed import TestbedConfig, fake_node, kubectl, load_env  # noqa: E402
+from kubetrain_testbed import TestbedConfig, fake_node, free_port, kubectl, load_env  # noqa: E402
 
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 
@@ -119,12 +118,6 @@ def ratio(base: dict, op: dict) -> float:
     return base["created_s"] / op["created_s"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def job_spec(nodes: int, pool: str) -> dict:
     return {"image": "kubetrain/trainer:bench", "nodes": nodes,
             "trainer": {"builtin": {"task": "regression", "args": {"max_steps": 10}}},
@@ -147,14 +140,15 @@ def run_baseline(core: client.CoreV1Api, custom: client.CustomObjectsApi, namesp
             pod = builders.get_pod(job=job, attempt=1, rank=r)
             pod["metadata"].pop("ownerReferences")
             pods_to_make.append(pod)
-        crs.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
-                    "metadata": {"name": body["metadata"]["name"]}, "spec": job_spec(nodes, pool)})
+        if with_jobs:
+            crs.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+                        "metadata": {"name": body["metadata"]["name"]}, "spec": job_spec(nodes, pool)})
     kwargs = {"_preload_content": False} if raw else {}  # raw: skip the response models, as the operator does
     start = time.monotonic()
     with (concurrent.futures.ThreadPoolExecutor(threads) as pod_pool,
           concurrent.futures.ThreadPoolExecutor(threads) as cr_pool):
         cr_done = [cr_pool.submit(custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, cr,
-                                  _preload_content=False) for cr in (crs if with_jobs else [])]
+                                  _preload_content=False) for cr in crs]
         list(pod_pool.map(lambda p: core.create_namespaced_pod(namespace, p, **kwargs), pods_to_make))
         for f in cr_done:
             f.result()

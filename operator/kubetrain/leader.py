@@ -76,6 +76,13 @@ class LeaderElector:
     def lease_ref(self) -> str:
         return f"Lease {self.namespace}/{self.name}"
 
+    def _body(self, spec: dict[str, Any], resource_version: str | None = None) -> dict[str, Any]:
+        """The Lease to write; with the resourceVersion that was read, so a concurrent write gets 409."""
+        meta = {"name": self.name, "namespace": self.namespace}
+        if resource_version is not None:
+            meta["resourceVersion"] = resource_version
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
     def _observe(self, spec: Any) -> None:
         record = (spec.holder_identity, spec.renew_time, spec.acquire_time, spec.lease_transitions,
                   spec.lease_duration_seconds)
@@ -95,9 +102,7 @@ class LeaderElector:
             if exc.status != 404:
                 raise
             try:
-                self.api.create_namespaced_lease(self.namespace, {
-                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec})
+                self.api.create_namespaced_lease(self.namespace, self._body(spec))
             except ApiException as exc2:
                 if exc2.status == 409:   # another candidate created it first
                     return False
@@ -117,12 +122,9 @@ class LeaderElector:
             spec["leaseTransitions"] = transitions
         else:
             spec["leaseTransitions"] = transitions + 1
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace,
-                             "resourceVersion": lease.metadata.resource_version},
-                "spec": spec}
         try:
-            self.api.replace_namespaced_lease(self.name, self.namespace, body)
+            self.api.replace_namespaced_lease(self.name, self.namespace,
+                                              self._body(spec, lease.metadata.resource_version))
         except ApiException as exc:
             if exc.status == 409:   # someone wrote it since we read it
                 return False
@@ -192,12 +194,9 @@ class LeaderElector:
             if lease.spec.holder_identity != self.identity:
                 return
             now = _micro_time(dt.datetime.now(dt.timezone.utc))
-            self.api.replace_namespaced_lease(self.name, self.namespace, {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace,
-                             "resourceVersion": lease.metadata.resource_version},
-                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
-                         "leaseTransitions": int(lease.spec.lease_transitions or 0)}})
+            self.api.replace_namespaced_lease(self.name, self.namespace, self._body(
+                {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
+                 "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version))
             log.info("released %s", self.lease_ref)
         except Exception as exc:  # noqa: BLE001  (the Lease then expires on its own)
             log.warning("could not release %s (it expires by itself): %s", self.lease_ref, exc)

@@ -6,7 +6,7 @@ testbed/build.sh. `python -m kubetrain_testbed up|down|status|env` drives it;
 the pytest fixtures in tests/conftest.py use the same functions.
 """
 
-from .cluster import ComponentStatus, TestbedEnv, down, is_healthy, kubectl, load_env, status, up
+from .cluster import ComponentStatus, TestbedEnv, down, free_port, is_healthy, kubectl, load_env, status, up
 from .config import NodePool, TestbedConfig
 from .nodes import fake_node
 from .procs import ComponentFailed, TestbedError
@@ -34,6 +34,7 @@ __all__ = [
     "WaitTimeout",
     "down",
     "fake_node",
+    "free_port",
     "is_healthy",
     "kubectl",
     "load_env",

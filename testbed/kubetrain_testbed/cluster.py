@@ -94,6 +94,11 @@ def _locked(cfg: TestbedConfig) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return _free_ports(1)[0]
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     try:

@@ -9,24 +9,19 @@ the operator does, it does with exactly the RBAC the chart grants.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from kubetrain_testbed import free_port
+
 from .helpers import AGENT_LABEL, AGENT_PLACEMENT
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kubetrain"
 EXAMPLE = REPO / "examples" / "trainingjob.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def helm(env: dict[str, str], *args: str, timeout: float = 300) -> str:

@@ -356,8 +356,12 @@ class CheckpointUploader:
             except ManifestError as e:
                 if "missing" not in str(e) or time.monotonic() > deadline:
                     raise
+            # A node skips a step only for a newer one, which this node saved too and has waiting:
+            # without one queued here, nobody moved on, and the remote listing is not worth reading.
+            with self._lock:
+                newer_waiting = bool(self._queue)
             have = {p.node_rank for p in parts if p.step == step and p.attempt == s.attempt}
-            moved_on = self._moved_past(step, set(range(s.nnodes)) - have)
+            moved_on = self._moved_past(step, set(range(s.nnodes)) - have) if newer_waiting else set()
             if moved_on:
                 raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
                                       "checkpoint (their uploads lagged); it stays torn and the newer one is committed")

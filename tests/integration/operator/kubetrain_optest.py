@@ -135,13 +135,5 @@ def kwok_exit(code: int, delay: str = "1s", message: str | None = None) -> dict[
     return ann
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=1, default=str)[:3000]

@@ -18,8 +18,8 @@ import pytest
 from kubernetes import client
 
 from kubetrain.leader import LeaderElector, LeaseTiming
-from kubetrain_optest import free_port, spec
-from kubetrain_testbed import wait_until
+from kubetrain_optest import spec
+from kubetrain_testbed import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 

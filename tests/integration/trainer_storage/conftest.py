@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,15 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from kubetrain_testbed import free_port
+
 ROOT = Path(__file__).resolve().parents[3]
 USER = "kubetrain-test"
 PASSWORD = "kubetrain-test-" + secrets.token_hex(8)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _minio_binary() -> Path:
@@ -59,7 +54,7 @@ class MinioServer:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), "server", "--quiet", f"--address=127.0.0.1:{self.port}",
-                 f"--console-address=127.0.0.1:{_free_port()}", str(self.data)],
+                 f"--console-address=127.0.0.1:{free_port()}", str(self.data)],
                 env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
@@ -111,7 +106,7 @@ def minio(tmp_path_factory) -> MinioServer:
         pytest.fail(f"MinIO is not built ({binary} missing): run testbed/build.sh (or set KUBETRAIN_MINIO_BIN)",
                     pytrace=False)
     root = tmp_path_factory.mktemp("minio")
-    server = MinioServer(binary=binary, data=root / "data", port=_free_port(), log=root / "minio.log")
+    server = MinioServer(binary=binary, data=root / "data", port=free_port(), log=root / "minio.log")
     server.data.mkdir()
     server.start()
     server.client().create_bucket(Bucket=server.bucket)

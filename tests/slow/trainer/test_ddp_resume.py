@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,20 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kubetrain_testbed import free_port
+
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(spec: dict, world: int = 2, timeout: int = 400) -> list[int]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
