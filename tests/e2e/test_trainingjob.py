@@ -203,17 +203,20 @@ def test_evicted_worker_restarts_the_gang_and_resumes(operator, agent, kube_api,
     from kubernetes import client
 
     name = f"preempt-{secrets.token_hex(2)}"
-    max_steps = 200
+    max_steps, hold = 60, 20
     job = training_job(name=name, bucket=testbed.bucket, prefix=s3_prefix, endpoint=testbed.s3_endpoint,
                        master_port=free_port(), secret=s3_secret,
                        args={"max_steps": max_steps, "save_steps": 10, "logging_steps": 10, "save_total_limit": None})
+    # The test hook holds the gang after saving step `hold` until a SIGTERM: the eviction lands at a step
+    # the test chose, however fast this machine trains (docs/contract.md, "Test hooks").
+    job["spec"]["env"] = [{"name": "KUBETRAIN_TEST_HOLD_AT_STEP", "value": str(hold)}]
     ckpt_prefix = f"{s3_prefix}{jobs_ns}/{name}/"
     timeline = PodTimeline(kube_api, jobs_ns)
     _apply(testbed_env, jobs_ns, job)
-    committed = wait_for(lambda: _manifests(s3, testbed.bucket, ckpt_prefix), timeout=420, interval=1,
-                         what="a committed checkpoint of attempt 1",
+    committed = wait_for(lambda: hold in (m := _manifests(s3, testbed.bucket, ckpt_prefix)) and m, timeout=420,
+                         interval=1, what=f"checkpoint-{hold} of attempt 1 committed",
                          on_timeout=lambda: _diagnostics(agent, core, jobs_ns, _job(kube_api, jobs_ns, name)))
-    assert max(committed) < max_steps, f"the job finished before it could be preempted: {sorted(committed)}"
+    assert max(committed) == hold, f"the hold at step {hold} did not hold: {sorted(committed)}"
     victim = f"{name}-a1-n1"
     core.create_namespaced_pod_eviction(victim, jobs_ns, client.V1Eviction(
         metadata=client.V1ObjectMeta(name=victim, namespace=jobs_ns)))
@@ -229,6 +232,8 @@ def test_evicted_worker_restarts_the_gang_and_resumes(operator, agent, kube_api,
     first_attempt = {s for s, m in manifests.items() if m["attempt"] == 1}
     second_attempt = {s for s, m in manifests.items() if m["attempt"] == 2}
     assert first_attempt and second_attempt, manifests
+    # Released by the SIGTERM, the gang trained one more step and committed it as its emergency checkpoint.
+    assert max(first_attempt) == hold + 1, sorted(first_attempt)
     # Resumed, not restarted: attempt 2 never rewrote a step attempt 1 had committed.
     assert min(second_attempt) > max(first_attempt), (sorted(first_attempt), sorted(second_attempt))
     key = f"{ckpt_prefix}checkpoint-{max_steps}/trainer_state.json"

@@ -23,6 +23,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .callbacks import TrainerCallback
+
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
 
@@ -77,6 +79,64 @@ class RegressionTask:
 
 TASKS = {"causal-lm": CausalLMTask, "regression": RegressionTask}
 
+HOLD_AT_STEP_ENV = "KUBETRAIN_TEST_HOLD_AT_STEP"
+HOLD_SECONDS_ENV = "KUBETRAIN_TEST_HOLD_SECONDS"
+
+
+class HoldAtStep(TrainerCallback):
+    """TEST HOOK (off unless `KUBETRAIN_TEST_HOLD_AT_STEP` is set): after saving step N, wait for a SIGTERM.
+
+    Tests that preempt a job "midway" need midway to be a step they choose,
+    not a moment they hope for: a fast machine trains the demo model in a
+    second. With the hook, every rank stops after `checkpoint-N` is written and
+    polls, collectively, until any rank of the gang got SIGTERM (then training
+    goes on to the usual emergency checkpoint) or `KUBETRAIN_TEST_HOLD_SECONDS`
+    (default 600) pass (then training simply goes on). A run resumed past N
+    never holds. Documented in docs/contract.md under "Test hooks".
+    """
+
+    def __init__(self, trainer, step: int, max_seconds: float, poll_s: float = 0.2):
+        self.trainer, self.step, self.max_seconds, self.poll_s = trainer, step, max_seconds, poll_s
+
+    def on_save(self, args, state, control, **kwargs):
+        import time
+
+        import torch
+
+        from . import distributed as dist_util
+
+        if state.global_step != self.step:
+            return control
+        logger.warning("test hook: holding after step %d until SIGTERM (at most %.0f s)", self.step, self.max_seconds)
+        deadline = time.monotonic() + self.max_seconds
+        while True:
+            # All ranks take the same branch: the flags are reduced with MAX on every poll.
+            flags = torch.tensor([float(self.trainer.stop_requested), float(time.monotonic() >= deadline)])
+            if dist_util.world_size() > 1:
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            if flags.any():
+                logger.warning("test hook: released after step %d (%s)", self.step,
+                               "SIGTERM" if flags[0] else "hold time over")
+                return control
+            time.sleep(self.poll_s)
+
+
+def test_hooks(env: dict[str, str], trainer) -> list:
+    """The test-only callbacks the environment asks for (none by default); ConfigError on a bad value."""
+    from .args import ConfigError
+
+    raw = env.get(HOLD_AT_STEP_ENV)
+    if not raw:
+        return []
+    try:
+        step, seconds = int(raw), float(env.get(HOLD_SECONDS_ENV) or 600)
+    except ValueError as exc:
+        raise ConfigError(f"{HOLD_AT_STEP_ENV} / {HOLD_SECONDS_ENV}: not a number ({exc})") from exc
+    if step < 1 or seconds <= 0:
+        raise ConfigError(f"{HOLD_AT_STEP_ENV} must be a step >= 1 and {HOLD_SECONDS_ENV} > 0 "
+                          f"(got {raw!r}, {seconds})")
+    return [HoldAtStep(trainer, step, seconds)]
+
 
 def load_config(env: dict[str, str], argv: Sequence[str]):
     """(task name, TrainingArguments, task) from the environment and flags; ConfigError when invalid."""
@@ -124,6 +184,8 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         model, train_ds, eval_ds = task.build(args)
         trainer = Trainer(model=model, args=args, train_dataset=train_ds,
                           eval_dataset=eval_ds if args.eval_strategy != "no" else None)
+        for hook in test_hooks(env, trainer):
+            trainer.add_callback(hook)
         resume = env.get("KUBETRAIN_RESUME_FROM") or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()

@@ -528,6 +528,11 @@ class Trainer(EvaluationMixin):
             return output
         return embeddings.register_forward_hook(add_noise)
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this process got SIGTERM during `train` (local; the loop agrees across ranks each step)."""
+        return self._stop_requested
+
     def _install_sigterm_handler(self):
         if threading.current_thread() is not threading.main_thread():
             return None  # signal handlers can only be set from the main thread

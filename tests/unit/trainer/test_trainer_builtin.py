@@ -53,3 +53,50 @@ def test_resume_from_env_points_at_a_restored_checkpoint(tmp_path):
     state = json.loads((second / "checkpoint-3" / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
     assert not (second / "checkpoint-1").exists()  # steps 1-2 were not retrained
+
+
+# The test hook KUBETRAIN_TEST_HOLD_AT_STEP (docs/contract.md, "Test hooks"): preemption tests choose the step.
+def test_hold_at_step_waits_for_sigterm_then_takes_the_emergency_checkpoint(tmp_path, capsys):
+    import os
+    import signal
+    import threading
+
+    from kubetrain_trainer.builtin import EXIT_PREEMPTED
+
+    out = tmp_path / "out"
+    env = {**_env(output_dir=str(out), max_steps=50, save_steps=2), "KUBETRAIN_TEST_HOLD_AT_STEP": "4"}
+    held = threading.Event()
+
+    def preempt_once_held():
+        # The hold is the only place the run can wait: checkpoint-4 exists and no later step was taken.
+        while not (out / "checkpoint-4").is_dir():
+            held.wait(0.05)
+        held.wait(0.5)
+        if not (out / "checkpoint-6").exists():
+            held.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt_once_held, daemon=True).start()
+    assert run(env, []) == EXIT_PREEMPTED
+    assert held.is_set(), "training went past the hold step before the SIGTERM"
+    # Released by the SIGTERM: one more step, then the emergency checkpoint of step 5.
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert "preempted at step 5" in capsys.readouterr().err
+
+
+def test_hold_at_step_ends_after_its_time_and_a_resumed_run_never_holds(tmp_path):
+    out = tmp_path / "out"
+    env = {**_env(output_dir=str(out), max_steps=4, save_steps=2),
+           "KUBETRAIN_TEST_HOLD_AT_STEP": "2", "KUBETRAIN_TEST_HOLD_SECONDS": "0.3"}
+    assert run(env, []) == 0
+    assert (out / "checkpoint-4").is_dir()
+    env["KUBETRAIN_TEST_HOLD_SECONDS"] = "600"  # resumed from step 4, past the hold: must not wait
+    assert run(env, ["--max_steps", "6"]) == 0
+    assert (out / "checkpoint-6").is_dir()
+
+
+@pytest.mark.parametrize("hold, seconds", [("x", "1"), ("0", "1"), ("3", "0"), ("3", "soon")])
+def test_hold_at_step_bad_values_are_config_errors(hold, seconds, capsys):
+    env = {**_env(max_steps=1), "KUBETRAIN_TEST_HOLD_AT_STEP": hold, "KUBETRAIN_TEST_HOLD_SECONDS": seconds}
+    assert run(env, []) == EXIT_INVALID_CONFIG
+    assert "KUBETRAIN_TEST_HOLD_AT_STEP" in capsys.readouterr().err
