@@ -68,7 +68,8 @@ def testbed_env(testbed) -> dict[str, str]:
 def kubectl(testbed):
     from kubetrain_testbed import kubectl as run_kubectl
 
-    def call(*args: str, input: str | None = None, timeout: float = 60.0) -> str:
+    # A safety net only: a kubectl call on a loaded machine (CPU hogs on every core) may take a while.
+    def call(*args: str, input: str | None = None, timeout: float = 180.0) -> str:
         return run_kubectl(testbed, *args, input=input, timeout=timeout)
 
     return call
@@ -93,7 +94,7 @@ def namespace(request, kube_api):
     name = f"{_slug(request.node.name, 40)}-{secrets.token_hex(3)}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"kubetrain.io/test": "true"})))
     # Pods are rejected until the serviceaccount controller made `default`.
-    wait_until(lambda: core.read_namespaced_service_account("default", name), timeout=30, what=f"ServiceAccount {name}/default")
+    wait_until(lambda: core.read_namespaced_service_account("default", name), timeout=120, what=f"ServiceAccount {name}/default")
     yield name
     try:
         core.delete_namespace(name, propagation_policy="Background")

@@ -42,7 +42,7 @@ class AgentProc:
         except FileNotFoundError:
             return "(no agent log)"
 
-    def stop(self, timeout: float = 60.0) -> int:
+    def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM (graceful node shutdown) and wait for the agent to exit."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -98,7 +98,7 @@ def agent_factory(testbed, testbed_env, core, tmp_path_factory):
             conds = {c.type: c.status for c in node.status.conditions or []}
             return conds.get("Ready") == "True" and node.metadata.labels.get(AGENT_LABEL) == "true"
 
-        wait_for(ready, timeout=60, what=f"node {node_name} Ready", ignore=(Exception,), on_timeout=proc.log_tail)
+        wait_for(ready, timeout=120, what=f"node {node_name} Ready", ignore=(Exception,), on_timeout=proc.log_tail)
         return proc
 
     yield start
@@ -119,7 +119,7 @@ def agent(agent_factory) -> AgentProc:
     yield proc
     # Graceful exit must leave nothing behind (checked by agent_factory too).
     assert proc.stop() == 0, proc.log_tail()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while marked_pids(proc.node_name) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not marked_pids(proc.node_name), f"orphans after agent exit:\n{proc.log_tail()}"

@@ -64,6 +64,25 @@ def pids_with_env(entry: str) -> list[int]:
     return out
 
 
+def signal_ready(entry: str, sig: int, *, ignored: bool = False) -> bool:
+    """True when a live process whose environment contains ``entry`` has a handler installed for ``sig``
+    (``ignored``: ignores it), as /proc/<pid>/status shows (SigCgt / SigIgn). A pod's program is ready
+    for its SIGTERM only from then on: waiting for this replaces sleeping "to let the handler install"."""
+    field = "SigIgn:" if ignored else "SigCgt:"
+    bit = 1 << (sig - 1)
+    for pid in pids_with_env(entry):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith(field):
+                        if int(line.split()[1], 16) & bit:
+                            return True
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
 def marked_pids(node_name: str) -> list[int]:
     return pids_with_env(f"{AGENT_MARKER_ENV}={node_name}")
 
@@ -93,7 +112,7 @@ def pod_phase(core, ns: str, name: str) -> str | None:
     return core.read_namespaced_pod(name, ns).status.phase
 
 
-def wait_phase(core, ns: str, name: str, phases: tuple[str, ...], timeout: float = 60.0, on_timeout=None):
+def wait_phase(core, ns: str, name: str, phases: tuple[str, ...], timeout: float = 120.0, on_timeout=None):
     def done():
         pod = core.read_namespaced_pod(name, ns)
         return pod if pod.status.phase in phases else None

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
+import signal
 
 import pytest
 
-from .helpers import PodRecorder, pids_with_env, pod_manifest, terminated, wait_for, wait_phase
+from .helpers import PodRecorder, pids_with_env, pod_manifest, signal_ready, terminated, wait_for, wait_phase
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ def test_node_is_ready_and_renews_its_lease(agent, kube_api, core):
     leases = client.CoordinationV1Api(kube_api)
     first = leases.read_namespaced_lease(agent.node_name, "kube-node-lease").spec.renew_time
     wait_for(lambda: leases.read_namespaced_lease(agent.node_name, "kube-node-lease").spec.renew_time > first,
-             timeout=15, what="the node lease to be renewed")
+             timeout=60, what="the node lease to be renewed")
 
 
 def test_pod_runs_with_resolved_env_volumes_and_reports_success(agent, core, namespace, kube_api):
@@ -110,7 +110,7 @@ def test_missing_secret_waits_then_starts_once_it_exists(agent, core, namespace)
         st = core.read_namespaced_pod("late", namespace).status
         return st.container_statuses and st.container_statuses[0].state.waiting and st.container_statuses[0].state.waiting.reason
 
-    assert wait_for(waiting_reason, timeout=30, what="CreateContainerConfigError") == "CreateContainerConfigError"
+    assert wait_for(waiting_reason, timeout=120, what="CreateContainerConfigError") == "CreateContainerConfigError"
     core.create_namespaced_secret(namespace, client.V1Secret(metadata=client.V1ObjectMeta(name="late"), string_data={"t": "v"}))
     done = wait_phase(core, namespace, "late", ("Succeeded", "Failed"), on_timeout=agent.log_tail)
     assert json.loads(done.status.container_statuses[0].state.terminated.message) == {"t": "v"}
@@ -133,42 +133,54 @@ def _running(core, ns, name, agent):
     return wait_phase(core, ns, name, ("Running",), on_timeout=agent.log_tail)
 
 
+def _trap_ready(tag: str) -> bool:
+    """TRAP's process and its grandchild exist, and its SIGTERM handler is installed (it starts the
+    grandchild first: two processes alone do not mean that a SIGTERM would be caught yet)."""
+    return len(pids_with_env(tag)) >= 2 and signal_ready(tag, signal.SIGTERM)
+
+
 def test_delete_sends_sigterm_and_finalizes_within_the_grace(agent, core, namespace, kube_api):
     tag = f"KT_TEST_TAG={secrets.token_hex(6)}"
     env = [{"name": "KT_TEST_TAG", "value": tag.split("=", 1)[1]}]
     core.create_namespaced_pod(namespace, pod_manifest("trapper", ["python", "-c", TRAP], env=env, grace=60))
     _running(core, namespace, "trapper", agent)
-    wait_for(lambda: len(pids_with_env(tag)) >= 2, timeout=30, what="the pod's process and its grandchild")
+    wait_for(lambda: _trap_ready(tag), timeout=120, what="the pod's process with its SIGTERM handler, and its grandchild")
     rec = PodRecorder(kube_api, namespace, "trapper")
     core.delete_namespaced_pod("trapper", namespace)
     took = rec.wait_deleted(timeout=50)
     assert took < 30, f"a pod that exits on SIGTERM must be finalized promptly, took {took:.1f}s"
     t = terminated(rec.last_status())
     assert (t.get("exitCode"), t.get("message")) == (83, "got SIGTERM"), rec.last_status()
-    wait_for(lambda: not pids_with_env(tag), timeout=10, what="no process of the deleted pod left")
+    wait_for(lambda: not pids_with_env(tag), timeout=60, what="no process of the deleted pod left")
 
     # A process that ignores SIGTERM is killed once the grace period is over.
     stubborn = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
-    core.create_namespaced_pod(namespace, pod_manifest("stubborn", ["python", "-c", stubborn], grace=3))
+    tag = f"KT_TEST_TAG={secrets.token_hex(6)}"
+    env = [{"name": "KT_TEST_TAG", "value": tag.split("=", 1)[1]}]
+    core.create_namespaced_pod(namespace, pod_manifest("stubborn", ["python", "-c", stubborn], env=env, grace=3))
     _running(core, namespace, "stubborn", agent)
-    time.sleep(0.5)  # let the handler install
+    wait_for(lambda: signal_ready(tag, signal.SIGTERM, ignored=True), timeout=120, what="SIGTERM ignored by the pod")
     rec = PodRecorder(kube_api, namespace, "stubborn")
     core.delete_namespaced_pod("stubborn", namespace)
-    took = rec.wait_deleted(timeout=30)
-    assert 2.5 <= took < 20, took
+    took = rec.wait_deleted(timeout=60)
+    # Killed only after the grace period (3 s), and not much later (a bound with ample margin for a
+    # loaded machine, far below the 300 s the process would otherwise sleep).
+    assert 2.5 <= took < 30, took
     assert terminated(rec.last_status()).get("exitCode") == 137, rec.last_status()
 
 
 def test_eviction_marks_disruption_and_delivers_sigterm(agent, core, namespace, kube_api):
     from kubernetes import client
 
-    core.create_namespaced_pod(namespace, pod_manifest("victim", ["python", "-c", TRAP], grace=30))
+    tag = f"KT_TEST_TAG={secrets.token_hex(6)}"
+    env = [{"name": "KT_TEST_TAG", "value": tag.split("=", 1)[1]}]
+    core.create_namespaced_pod(namespace, pod_manifest("victim", ["python", "-c", TRAP], env=env, grace=30))
     _running(core, namespace, "victim", agent)
-    time.sleep(0.5)
+    wait_for(lambda: _trap_ready(tag), timeout=120, what="the pod's SIGTERM handler installed")
     rec = PodRecorder(kube_api, namespace, "victim")
     core.create_namespaced_pod_eviction("victim", namespace, client.V1Eviction(
         metadata=client.V1ObjectMeta(name="victim", namespace=namespace)))
-    rec.wait_deleted(timeout=40)
+    rec.wait_deleted(timeout=120)
     last = rec.last_status()
     conds = {c["type"]: c for c in last.get("conditions") or []}
     assert conds.get("DisruptionTarget", {}).get("status") == "True", last
@@ -191,7 +203,7 @@ open(os.environ['KUBETRAIN_TERMINATION_LOG'], 'w').write(json.dumps({'user': me.
 def test_pod_gets_its_service_account_identity(agent, core, namespace):
     env = [{"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     core.create_namespaced_pod(namespace, pod_manifest("whoami", ["python", "-c", WHOAMI], env=env))
-    done = wait_phase(core, namespace, "whoami", ("Succeeded", "Failed"), timeout=90, on_timeout=agent.log_tail)
+    done = wait_phase(core, namespace, "whoami", ("Succeeded", "Failed"), timeout=180, on_timeout=agent.log_tail)
     t = done.status.container_statuses[0].state.terminated
     assert done.status.phase == "Succeeded", t
     got = json.loads(t.message)
@@ -206,7 +218,7 @@ def test_restart_policy_always_restarts_with_backoff(agent, core, namespace):
         st = core.read_namespaced_pod("crashy", namespace).status
         return st.container_statuses and st.container_statuses[0].restart_count >= 2 and st
 
-    st = wait_for(restarted_twice, timeout=30, what="two restarts", on_timeout=agent.log_tail)
+    st = wait_for(restarted_twice, timeout=120, what="two restarts", on_timeout=agent.log_tail)
     assert st.phase == "Running"
     assert st.container_statuses[0].last_state.terminated.exit_code == 1
 
@@ -220,19 +232,20 @@ def test_agent_crash_restart_and_graceful_shutdown(agent_factory, core, namespac
     pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
     core.create_namespaced_pod(namespace, pod)
     _running(core, namespace, "sleeper", first)
-    wait_for(lambda: len(pids_with_env(tag)) >= 2, timeout=30, what="pod processes")
+    wait_for(lambda: len(pids_with_env(tag)) >= 2, timeout=120, what="pod processes")
     first.crash()
     assert pids_with_env(tag), "without an agent the container keeps running (as with a dead kubelet)"
 
     second = agent_factory(node, state_dir=tmp_path)
-    wait_for(lambda: not pids_with_env(tag), timeout=20, what="orphans swept by the new agent", on_timeout=second.log_tail)
+    wait_for(lambda: not pids_with_env(tag), timeout=60, what="orphans swept by the new agent", on_timeout=second.log_tail)
     done = wait_phase(core, namespace, "sleeper", ("Failed",), on_timeout=second.log_tail)
     assert done.status.container_statuses[0].state.terminated.reason == "ContainerStatusUnknown"
 
     pod["metadata"]["name"] = "sleeper2"
     core.create_namespaced_pod(namespace, pod)
     _running(core, namespace, "sleeper2", second)
-    wait_for(lambda: len(pids_with_env(tag)) >= 2, timeout=30, what="pod processes")
+    # The SIGTERM of the shutdown must find TRAP's handler installed: it reports exit code 83 below.
+    wait_for(lambda: _trap_ready(tag), timeout=120, what="pod processes with the SIGTERM handler installed")
     assert second.stop() == 0
     assert not pids_with_env(tag), "graceful agent shutdown left processes behind"
     st = core.read_namespaced_pod("sleeper2", namespace).status

@@ -17,7 +17,7 @@ CRD_FILE = ROOT / "crds" / "trainingjob.yaml"
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 
 
-def run_kubectl(testbed, *args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_kubectl(testbed, *args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     """The testbed's kubectl as admin; returns the finished process (the caller checks rc)."""
     argv = [str(Path(testbed.bin_dir) / "kubectl"), f"--kubeconfig={testbed.kubeconfig}", *args]
     return subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
@@ -31,12 +31,12 @@ def trainingjob_crd(testbed, kube_api):
     proc = run_kubectl(testbed, "apply", "--server-side", "--force-conflicts",
                        "--field-manager=kubetrain-api-tests", "-f", str(CRD_FILE))
     assert proc.returncode == 0, proc.stderr
-    proc = run_kubectl(testbed, "wait", "--for=condition=Established", "--timeout=60s",
+    proc = run_kubectl(testbed, "wait", "--for=condition=Established", "--timeout=120s",
                        "crd/trainingjobs.kubetrain.io")
     assert proc.returncode == 0, proc.stderr
     # Established says the name is accepted; wait until a list is really served.
     custom = client.CustomObjectsApi(kube_api)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while True:
         try:
             custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, limit=1)

@@ -48,7 +48,7 @@ def installed_rbac(testbed, namespace, kubectl):
     out = subprocess.run(
         [str(helm), "template", release, str(ROOT / "charts" / "kubetrain"), "--namespace", namespace,
          "--set-json", f'namespaces=["{namespace}"]'],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        capture_output=True, text=True, timeout=180, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] != "Deployment"]
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
     sa = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
@@ -75,7 +75,7 @@ def test_operator_serviceaccount_can_do_what_it_needs_and_no_more(kube_api, name
     needed = [(namespace, g, r, v) for g, r, verbs in NAMESPACED for v in verbs]
     needed += [(None, g, r, v) for g, r, verbs in CLUSTER for v in verbs]
     # The authorizer learns new bindings through its informers: allow it a moment.
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120
     while True:
         missing = [n for n in needed if not allowed(kube_api, user, *n)]
         if not missing or time.monotonic() > deadline:

@@ -67,7 +67,7 @@ def test_kubectl_explain_teaches_the_api(trainingjob_crd, kubectl):
     from kubetrain_testbed import TestbedError
 
     # The OpenAPI document that explain reads is published a moment after the CRD is established.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while True:
         try:
             out = kubectl("explain", "trainingjob.spec.runPolicy.backoffLimit")

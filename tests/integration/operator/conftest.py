@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="session")
 def trainingjob_crd(kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
-    kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.io", "--timeout=60s")
+    kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.io", "--timeout=120s", timeout=180)
 
 
 class OperatorProcess:
@@ -51,13 +51,13 @@ class OperatorProcess:
         """SIGKILL: no clean-up handlers run, exactly like an OOM kill or node loss."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+            self.proc.wait(60)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -134,7 +134,8 @@ def pod_timeline(kube_api, namespace):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    ready.wait(10)
+    # The test must not act before the watch's starting point is fixed, or it could miss the first pods.
+    assert ready.wait(120), "the pod watch of the namespace did not start"
     yield timeline
     stop.set()
     thread.join(5)

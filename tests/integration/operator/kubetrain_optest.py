@@ -8,6 +8,10 @@ from typing import Any, Callable
 
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 
+TIMEOUT = 120.0
+"""Default safety net of the waits below: generous, since CI runs next to CPU hogs on every core (the
+operator and the control plane share two loaded cores). Never the property a test checks."""
+
 
 @dataclass
 class Jobs:
@@ -39,14 +43,14 @@ class Jobs:
     def status(self, name: str) -> dict[str, Any]:
         return self.get(name).get("status") or {}
 
-    def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = 60,
+    def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = TIMEOUT,
              what: str = "") -> dict[str, Any]:
         from kubetrain_testbed import wait_until
 
         return wait_until(lambda: self.status(name), predicate, timeout=timeout, interval=0.3,
                           what=what or f"status of {name}")
 
-    def wait_phase(self, name: str, phase: str, *, timeout: float = 60, **match: Any) -> dict[str, Any]:
+    def wait_phase(self, name: str, phase: str, *, timeout: float = TIMEOUT, **match: Any) -> dict[str, Any]:
         return self.wait(name, lambda s: s.get("phase") == phase and all(s.get(k) == v for k, v in match.items()),
                          timeout=timeout, what=f"{name} phase {phase} {match}")
 
@@ -57,7 +61,7 @@ class Jobs:
         return self.core.list_namespaced_pod(self.namespace, label_selector=",".join(selector)).items
 
     def wait_pods(self, name: str, count: int, *, attempt: int | None = None, running: bool = False,
-                  timeout: float = 60) -> list[Any]:
+                  timeout: float = TIMEOUT) -> list[Any]:
         from kubetrain_testbed import wait_until
 
         def ok(pods: list[Any]) -> bool:
@@ -66,6 +70,25 @@ class Jobs:
 
         return wait_until(lambda: self.pods(name, attempt), ok, timeout=timeout, interval=0.3,
                           what=f"{count} pod(s) of {name} attempt {attempt} {'running' if running else ''}")
+
+    def history_until_deleted(self, name: str, resource_version: str, *,
+                              timeout: float = TIMEOUT) -> list[tuple[str, dict[str, Any]]]:
+        """Every (event type, status) of job `name` after `resource_version`, up to its DELETED event.
+
+        A watch from a known resourceVersion misses nothing, however slowly this process polls: use it
+        when a state may be short-lived (e.g. Succeeded right before a TTL deletes the job)."""
+        from kubernetes import watch
+
+        seen: list[tuple[str, dict[str, Any]]] = []
+        w = watch.Watch()
+        for ev in w.stream(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                           field_selector=f"metadata.name={name}", resource_version=resource_version,
+                           timeout_seconds=int(timeout)):
+            seen.append((ev["type"], (ev["object"] or {}).get("status") or {}))
+            if ev["type"] == "DELETED":
+                w.stop()
+                break
+        return seen
 
     def finish_pod(self, pod: str, code: int, message: str | None = None) -> None:
         """Make a kwok pod exit with `code` (testbed/README.md)."""
@@ -110,6 +133,27 @@ class PodTimeline:
 
     def attempts_created(self) -> list[int]:
         return sorted({a for kind, _, a in self.entries if kind == "ADDED"})
+
+    def wait_attempts(self, expected: list[int], *, timeout: float = TIMEOUT) -> None:
+        """Wait until the stream shows exactly the attempts `expected` were created.
+
+        The stream is read by a background thread: right after the API answered, it may not have
+        delivered the latest events yet. (A prefix of the stream is still consistent, so
+        check_no_overlap needs no wait.)"""
+        from kubetrain_testbed import wait_until
+
+        wait_until(self.attempts_created, lambda got: got == expected, timeout=timeout,
+                   what=f"attempts {expected} created in the pod watch stream")
+
+    def added(self, prefix: str = "") -> list[str]:
+        return [name for kind, name, _ in self.entries if kind == "ADDED" and name.startswith(prefix)]
+
+    def wait_added(self, count: int, prefix: str = "", *, timeout: float = TIMEOUT) -> list[str]:
+        """Wait until at least `count` ADDED events (of pods named `prefix`...) were delivered; returns them all."""
+        from kubetrain_testbed import wait_until
+
+        return wait_until(lambda: self.added(prefix), lambda names: len(names) >= count, timeout=timeout,
+                          what=f"{count} pod(s) {prefix}* ADDED in the pod watch stream")
 
 
 def spec(nodes: int = 2, **extra: Any) -> dict[str, Any]:

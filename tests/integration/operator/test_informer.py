@@ -25,7 +25,7 @@ def _pod(name: str, labels: dict[str, str]) -> dict:
                      "nodeSelector": {"kubetrain.io/no-such-node": "1"}}}
 
 
-async def _until(predicate, timeout: float = 30.0) -> None:
+async def _until(predicate, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -49,7 +49,7 @@ def test_lists_what_exists_then_streams_adds_changes_and_deletions(kube_api, nam
                                on_event=record)
         informer.start()
         try:
-            await asyncio.wait_for(informer.synced.wait(), 30)
+            await asyncio.wait_for(informer.synced.wait(), 120)
             assert events[0] == ("MODIFIED", "before", "j")  # listed before the watch began
             await asyncio.to_thread(core.create_namespaced_pod, namespace, _pod("after", OURS))
             await asyncio.to_thread(core.patch_namespaced_pod, "after", namespace,

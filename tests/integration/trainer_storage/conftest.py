@@ -48,7 +48,7 @@ class MinioServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "MinioServer":
+    def start(self, timeout: float = 120.0) -> "MinioServer":
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.data.parent),
                "MINIO_ROOT_USER": USER, "MINIO_ROOT_PASSWORD": PASSWORD, "MINIO_BROWSER": "off"}
         with open(self.log, "ab") as log:
@@ -61,7 +61,7 @@ class MinioServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"MinIO exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"{self.endpoint}/minio/health/live", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.endpoint}/minio/health/live", timeout=5) as r:
                     if r.status == 200:
                         return self
             except OSError:
@@ -75,7 +75,7 @@ class MinioServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

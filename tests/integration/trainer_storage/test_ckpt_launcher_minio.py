@@ -26,9 +26,10 @@ ARGS = {"max_steps": MAX_STEPS, "save_steps": 50, "save_total_limit": 2, "use_cp
         "per_device_train_batch_size": 8, "logging_steps": 50}
 
 
-def _launch(ckpt_env: dict, tmp: Path, attempt: int, log: Path) -> subprocess.Popen:
+def _launch(ckpt_env: dict, tmp: Path, attempt: int, log: Path, **extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
     env.update(ckpt_env)
+    env.update(extra)
     env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + attempt),
                OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt), KUBETRAIN_STRATEGY="ddp",
                KUBETRAIN_BUILTIN_TASK="regression", KUBETRAIN_TRAINER_ARGS=json.dumps(ARGS),
@@ -46,15 +47,17 @@ def _committed(store: CheckpointStore) -> dict[int, object]:
 def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(ckpt_env, tmp_path: Path):
     store = CheckpointStore(StorageConfig.from_env(ckpt_env))
     log1 = tmp_path / "attempt1.log"
-    p = _launch(ckpt_env, tmp_path, 1, log1)
+    # The test hook holds training after checkpoint-50 until the SIGTERM (docs/contract.md, "Test hooks"):
+    # the SIGTERM lands mid-run however fast this machine trains, never after the last step.
+    p = _launch(ckpt_env, tmp_path, 1, log1, KUBETRAIN_TEST_HOLD_AT_STEP="50")
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while not _committed(store):  # the first periodic checkpoint is in S3: we are mid-run
             assert p.poll() is None, f"attempt 1 ended early ({p.returncode}):\n{log1.read_text()[-4000:]}"
             assert time.monotonic() < deadline, log1.read_text()[-4000:]
             time.sleep(0.2)
         p.send_signal(signal.SIGTERM)
-        code = p.wait(timeout=90)
+        code = p.wait(timeout=180)  # a safety net: the launcher's own bound is its 60 s grace
     finally:
         if p.poll() is None:
             p.kill()

@@ -58,7 +58,7 @@ def test_pod_annotation_with_the_service_account_token(testbed, kube_api, namesp
         "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
     import time
 
-    deadline = time.monotonic() + 30  # the RBAC cache catches up within moments
+    deadline = time.monotonic() + 120  # the RBAC cache catches up within moments (generous: loaded CI)
     while not annotate_pod(sa_dir=sa, namespace="", pod="job-a1-n0",
                            annotations={"kubetrain.io/last-checkpoint": value, "kubetrain.io/checkpoint-sync": "x"}):
         assert time.monotonic() < deadline, "annotation never accepted"
