@@ -198,7 +198,10 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    print(json.dumps({"task": name, "global_step": output.global_step, "training_loss": output.training_loss}))
+    # One write per line: every rank prints its result to a stdout the workers of a pod share.
+    sys.stdout.write(json.dumps({"task": name, "global_step": output.global_step,
+                                 "training_loss": output.training_loss}) + "\n")
+    sys.stdout.flush()
     return 0
 
 
