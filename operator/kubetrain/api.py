@@ -150,6 +150,8 @@ class Spec:
     nodes: int = 1
     procs_per_node: int = 1
     master_port: int = 29500
+    shm_size: str = "1Gi"
+    """sizeLimit of the memory-backed /dev/shm volume."""
     resources: Mapping[str, Any] = field(default_factory=dict)
     trainer: Trainer = field(default_factory=Trainer)
     env: tuple[Mapping[str, Any], ...] = ()
@@ -173,6 +175,7 @@ class Spec:
             nodes=_int(spec, "nodes", 1, minimum=1),
             procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
+            shm_size=str(spec.get("shmSize") or "1Gi"),
             resources=dict(spec.get("resources") or {}),
             trainer=_trainer(spec.get("trainer")),
             env=tuple(spec.get("env") or ()),

@@ -18,6 +18,9 @@ from kubetrain.api import (
 
 DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
 DEEPSPEED_VOLUME = "kubetrain-deepspeed"
+TMP_VOLUME = "kubetrain-tmp"
+SHM_VOLUME = "kubetrain-shm"
+HOME_DIR = "/tmp/kubetrain/home"
 DEEPSPEED_KEY = "ds_config.json"
 LAUNCHER = ("python", "-m", "kubetrain_trainer.launch")
 TERMINATION_GRACE_SECONDS = 30
@@ -110,6 +113,7 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
         env.append(_var("KUBETRAIN_BUILTIN_TASK", spec.trainer.builtin_task))
         env.append(_var("KUBETRAIN_TRAINER_ARGS", json.dumps(dict(spec.trainer.builtin_args), sort_keys=True)))
     env.append(_var("KUBETRAIN_TERMINATION_GRACE_SECONDS", TERMINATION_GRACE_SECONDS))
+    env.append(_var("HOME", HOME_DIR))  # the root file system is read-only; /tmp is a volume
     return env + [dict(e) for e in spec.env]
 
 
@@ -126,6 +130,14 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         cm = f"{job.name}-deepspeed" if spec.strategy.deepspeed_config is not None else spec.strategy.deepspeed_configmap
         volumes.append({"name": DEEPSPEED_VOLUME, "configMap": {"name": cm}})
         mounts.append({"name": DEEPSPEED_VOLUME, "mountPath": DEEPSPEED_DIR, "readOnly": True})
+    # The root file system is read-only: what the trainer writes goes to volumes (unless the user
+    # mounts their own at these paths). /dev/shm is memory-backed: a runtime's default is 64 MiB.
+    taken = {m.get("mountPath") for m in mounts}
+    for name, path, source in ((TMP_VOLUME, "/tmp", {}),
+                               (SHM_VOLUME, "/dev/shm", {"medium": "Memory", "sizeLimit": spec.shm_size})):
+        if path not in taken:
+            volumes.append({"name": name, "emptyDir": source})
+            mounts.append({"name": name, "mountPath": path})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
@@ -134,6 +146,9 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "env": get_env(job=job, attempt=attempt, rank=rank),
         "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Admitted by PodSecurity "restricted"; HOME is on the /tmp volume (the image's is read-only).
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "readOnlyRootFilesystem": True},
     }
     if spec.env_from:
         container["envFrom"] = [dict(e) for e in spec.env_from]
@@ -148,6 +163,7 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "hostname": get_hostname(job.name, rank),
         "subdomain": job.name,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "schedulerName",

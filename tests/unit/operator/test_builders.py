@@ -205,3 +205,28 @@ def test_cli_refuses_a_bad_setting(capsys: pytest.CaptureFixture[str], monkeypat
     monkeypatch.setenv("KUBETRAIN_LOG_LEVEL", "verbose")
     assert main(["operator", "run"]) == 2
     assert "KUBETRAIN_LOG_LEVEL" in capsys.readouterr().err
+
+
+def test_pods_pass_pod_security_restricted_with_writable_volumes_only() -> None:
+    pod = builders.get_pod(job=Job.from_storage(BODY), attempt=1, rank=0)
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                            "readOnlyRootFilesystem": True}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert env_of(pod)["HOME"]["value"].startswith("/tmp/")
+
+
+def test_shm_size_is_configurable_and_a_user_volume_at_dev_shm_wins() -> None:
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["shmSize"] = "8Gi"
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    assert {"medium": "Memory", "sizeLimit": "8Gi"} in [v.get("emptyDir") for v in pod["spec"]["volumes"]]
+    body["spec"]["podTemplate"] = {"volumes": [{"name": "mine", "emptyDir": {"medium": "Memory"}}],
+                                   "volumeMounts": [{"name": "mine", "mountPath": "/dev/shm"}]}
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    shm = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm == [{"name": "mine", "mountPath": "/dev/shm"}]
