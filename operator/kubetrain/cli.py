@@ -69,12 +69,14 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
     logging.getLogger("kubetrain").setLevel(settings.log_level)
     if settings.log_level != "DEBUG":  # "Handler 'pod_event' succeeded." on every watch event
         logging.getLogger("kopf.objects").setLevel("WARNING")
+    # Given explicitly: kopf would otherwise ask getpass for the user name, which fails in a container
+    # whose uid has no passwd entry (a pod's runAsUser rarely has one).
+    identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
     if not settings.leader_election:
-        return _run_kopf(settings, liveness=liveness)
+        return _run_kopf(settings, liveness=liveness, identity=identity)
     from kubetrain import k8s
     from kubetrain.leader import LeaderElector, LeaseTiming
 
-    identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
     def lost(reason: str) -> None:
         # Exit at once, the way client-go's controllers do: the next leader starts from the cluster's
@@ -98,7 +100,7 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
         return 0
     elector.start_renewing()
     try:
-        return _run_kopf(settings, liveness=liveness)
+        return _run_kopf(settings, liveness=liveness, identity=identity)
     finally:
         elector.release()
 
@@ -142,7 +144,7 @@ def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
         thread.join(5)
 
 
-def _run_kopf(settings: Settings, *, liveness: str | None) -> int:
+def _run_kopf(settings: Settings, *, liveness: str | None, identity: str) -> int:
     import kopf
 
     import kubetrain.handlers  # noqa: F401  (registers the handlers)
@@ -152,6 +154,7 @@ def _run_kopf(settings: Settings, *, liveness: str | None) -> int:
         clusterwide=settings.clusterwide,
         namespaces=settings.namespaces,
         liveness_endpoint=liveness,
+        identity=identity,
         memo=kopf.Memo(settings=settings),
     )
     return 0
