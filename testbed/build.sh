@@ -15,6 +15,14 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/versions.env"
 
 key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_minio-${MINIO_VERSION##*-}_helm-${HELM_VERSION}"
+default_components="etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm minio"
+if [[ "${1:-}" == "--real-node" ]]; then
+  # The real node's binaries live in their own folder: adding them never
+  # invalidates (rebuilds) the control plane's cache.
+  shift
+  key="realnode-k8s-${K8S_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}_registry-${REGISTRY_VERSION}"
+  default_components="kubelet containerd coredns registry"
+fi
 cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
 bin="$cache/bin"
 if [[ "${1:-}" == "--print" ]]; then echo "$bin"; exit 0; fi
@@ -62,16 +70,16 @@ k8s_module() {
   echo "$dir"
 }
 
-# build NAME PACKAGE MODULE_DIR REQUIREMENT [LDFLAGS]
+# build NAME PACKAGE MODULE_DIR REQUIREMENT [LDFLAGS [TAGS]]
 build() {
-  local name=$1 pkg=$2 dir=$3 req=$4 ldflags=${5:-}
+  local name=$1 pkg=$2 dir=$3 req=$4 ldflags=${5:-} tags=${6:-}
   if [[ -x "$bin/$name" ]]; then return 0; fi
   log "building $name ($req) — logs: $cache/logs/$name.log"
   local start=$SECONDS
   (
     cd "$dir"
     go get "$req" && go get -tool "$pkg@${req##*@}" &&
-      go build -ldflags "-s -w $ldflags" -o "$bin/$name.tmp" "$pkg" &&
+      go build -tags "$tags" -ldflags "-s -w $ldflags" -o "$bin/$name.tmp" "$pkg" &&
       mv "$bin/$name.tmp" "$bin/$name"
   ) >"$cache/logs/$name.log" 2>&1 || {
     log "FAILED to build $name; last lines of its log:"
@@ -100,13 +108,13 @@ k8s_ldflags() {
     "-X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
 }
 
-want=${TESTBED_COMPONENTS:-"etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm minio"}
+want=${TESTBED_COMPONENTS:-$default_components}
 for c in $want; do
   case $c in
     etcd)
       build etcd go.etcd.io/etcd/server/v3 "$(wrapper etcd x)" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
       verify etcd "etcd Version: ${ETCD_VERSION#v}" --version ;;
-    kube-apiserver|kube-controller-manager|kube-scheduler|kubectl)
+    kube-apiserver|kube-controller-manager|kube-scheduler|kubectl|kubelet)
       build "$c" "k8s.io/kubernetes/cmd/$c" "$(k8s_module)" "k8s.io/kubernetes@$K8S_VERSION" "$(k8s_ldflags)" ;;
     kwok)
       build kwok sigs.k8s.io/kwok/cmd/kwok "$(wrapper kwok x)" "sigs.k8s.io/kwok@$KWOK_VERSION" \
@@ -116,6 +124,20 @@ for c in $want; do
         "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" ;;
     minio)
       build minio github.com/minio/minio "$(wrapper minio x)" "github.com/minio/minio@$MINIO_VERSION" ;;
+    containerd)
+      # containerd 2.x (Kubernetes 1.36 dropped containerd 1.x), its runc shim and ctr; no
+      # cgo, none of the storage drivers this node never uses.
+      ctd_tags="no_btrfs no_devmapper no_zfs no_aufs"
+      ctd_ldflags="-X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
+      for p in containerd containerd-shim-runc-v2 ctr; do
+        build "$p" "github.com/containerd/containerd/v2/cmd/$p" "$(wrapper containerd x)" \
+          "github.com/containerd/containerd/v2@$CONTAINERD_VERSION" "$ctd_ldflags" "$ctd_tags"
+      done ;;
+    coredns)
+      build coredns github.com/coredns/coredns "$(wrapper coredns x)" "github.com/coredns/coredns@$COREDNS_VERSION" ;;
+    registry)
+      build registry github.com/distribution/distribution/v3/cmd/registry "$(wrapper registry x)" \
+        "github.com/distribution/distribution/v3@$REGISTRY_VERSION" ;;
     *) log "unknown component $c"; exit 2 ;;
   esac
 done

@@ -7,6 +7,7 @@ scripts/testbed.sh is a thin wrapper around this. Exit codes: 0 done,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -19,18 +20,37 @@ from .procs import TestbedError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="testbed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="build what is missing, start (or reuse) the testbed, write .testbed/env")
+    up_p = sub.add_parser("up", help="build what is missing, start (or reuse) the testbed, write .testbed/env")
+    up_p.add_argument("--nodes", choices=("kwok", "real"), default=None,
+                      help="real: also run a kubelet + containerd node whose pods are containers")
+    img_p = sub.add_parser("images", help="build the operator and trainer images from their Dockerfiles and push "
+                                           "them to the real node's registry (needs `up --nodes real`)")
+    img_p.add_argument("names", nargs="*", metavar="operator|trainer", help="default: both")
     sub.add_parser("down", help="stop every testbed process")
     sub.add_parser("status", help="say what runs and whether it is healthy")
     sub.add_parser("env", help="print the export lines of .testbed/env (contains credentials)")
     args = parser.parse_args(argv)
     cfg = TestbedConfig.from_environ()
+    if getattr(args, "nodes", None) == "real":
+        cfg = dataclasses.replace(cfg, real_node=True)
     try:
         if args.command == "up":
             t0 = time.monotonic()
             env = up(cfg)
             print(f"testbed up in {time.monotonic() - t0:.1f} s: API {env.api_server}, S3 {env.s3_endpoint}")
             print(f"use it with: source {cfg.env_file}")
+        elif args.command == "images":
+            from .cluster import _real_node_layout
+            from .images import main as build_images
+            from .realnode import real_node_bin_dir
+
+            if not load_env(cfg).registry:
+                raise TestbedError("no real node is running: `scripts/testbed.sh up --nodes real` first")
+            layout = _real_node_layout(cfg, real_node_bin_dir(cfg.build_script))
+            names = tuple(args.names) or ("operator", "trainer")
+            if set(names) - {"operator", "trainer"}:
+                parser.error(f"images: unknown image(s) {', '.join(sorted(set(names) - {'operator', 'trainer'}))}")
+            return build_images(layout, cfg.run_dir / "images.log", names)
         elif args.command == "down":
             survivors = down(cfg)
             if survivors:

@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import procs
+from . import procs, realnode
 from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
 from .config import TestbedConfig
 from .nodes import pool_nodes
 from .pki import Pki, ensure_pki
 from .procs import Running, TestbedError
+from .realnode_config import MINIO_POD_PORT, RealNodeLayout
 from .stages import STAGES_YAML
 
 
@@ -51,6 +52,10 @@ class TestbedEnv:
     ca_file: str
     """The cluster CA (PEM), for clients that authenticate with a ServiceAccount token."""
     region: str = "us-east-1"
+    registry: str = ""
+    """The real node's image registry (host:port, plain HTTP); empty without the real node."""
+    pod_s3_endpoint: str = ""
+    """MinIO as pods on the real node reach it; empty without the real node."""
 
     def as_environ(self) -> dict[str, str]:
         return {
@@ -64,6 +69,8 @@ class TestbedEnv:
             "KUBETRAIN_TESTBED_BIN": self.bin_dir,
             "KUBETRAIN_TESTBED_API_SERVER": self.api_server,
             "KUBETRAIN_TESTBED_CA_FILE": self.ca_file,
+            **({"KUBETRAIN_TESTBED_REGISTRY": self.registry,
+                "KUBETRAIN_TESTBED_POD_S3_ENDPOINT": self.pod_s3_endpoint} if self.registry else {}),
         }
 
     def subprocess_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -172,12 +179,48 @@ def down(cfg: TestbedConfig) -> list[str]:
 
 
 def _down_unlocked(cfg: TestbedConfig) -> list[str]:
-    running = [r for r in _running(_read_state(cfg)) if r.is_alive()]
+    state = _read_state(cfg)
+    running = [r for r in _running(state) if r.is_alive()]
+    node = (state or {}).get("real_node")
+    if node:
+        # The kubelet goes first (it would restart containers), then the containers, while containerd runs.
+        layout = _real_node_layout(cfg, Path(node["bin_dir"]))
+        procs.stop([r.pid for r in running if r.name == "kubelet"])
+        realnode.remove_containers(layout)
     # Reverse start order: clients before the API server, the API server before etcd.
     survivors = procs.stop([r.pid for r in reversed(running)])
+    if node:
+        realnode.teardown(layout, realnode.HostChanges.from_storage(node["changes"]) if node.get("changes") else None)
     for stale in (cfg.state_file, cfg.env_file):
         stale.unlink(missing_ok=True)
     return [r.name for r in running if r.pid in survivors]
+
+
+def _real_node_layout(cfg: TestbedConfig, bin_dir: Path) -> RealNodeLayout:
+    return RealNodeLayout(state=cfg.state_dir / "realnode", bin_dir=bin_dir)
+
+
+def _start_real_node(cfg: TestbedConfig, env: TestbedEnv, say) -> None:
+    """Add the real node to the running control plane recorded in the state file."""
+    state = _read_state(cfg) or {}
+    bin_dir = realnode.ensure_binaries(cfg.build_script)
+    layout = _real_node_layout(cfg, bin_dir)
+    base = [Running.from_storage(r) for r in state.get("processes", [])]
+
+    def record(started: list[Running], changes: realnode.HostChanges) -> None:
+        state["processes"] = [r.for_storage() for r in [*base, *started]]
+        state["real_node"] = {"bin_dir": str(bin_dir), "changes": changes.for_storage()}
+        _write_state(cfg, state)
+
+    realnode.start(layout, admin_kubeconfig=Path(env.kubeconfig),
+                   kubectl=[str(Path(env.bin_dir) / "kubectl"), f"--kubeconfig={env.kubeconfig}"],
+                   api_port=int(state["ports"]["apiserver"]), minio_port=int(state["ports"]["minio"]),
+                   run_dir=cfg.run_dir, record=record, say=say)
+    env = TestbedEnv(**{**asdict(env), "registry": layout.registry,
+                        "pod_s3_endpoint": f"http://{layout.gateway}:{MINIO_POD_PORT}"})
+    state["env"] = asdict(env)
+    _write_state(cfg, state)
+    _write_env_file(cfg, env)
 
 
 def ensure_binaries(cfg: TestbedConfig) -> Path:
@@ -193,7 +236,14 @@ def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
     say = log or (lambda msg: print(f"[testbed] {msg}", file=sys.stderr))
     with _locked(cfg):
         if is_healthy(cfg):
-            say("reusing the running testbed")
+            if not cfg.real_node or (_read_state(cfg) or {}).get("real_node"):
+                say("reusing the running testbed")
+                return load_env(cfg)
+            try:
+                _start_real_node(cfg, load_env(cfg), say)
+            except BaseException:
+                _down_unlocked(cfg)
+                raise
             return load_env(cfg)
         if _read_state(cfg):
             say("a previous testbed is not healthy; stopping it")
@@ -202,6 +252,9 @@ def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
         t0 = time.monotonic()
         try:
             env = _start(cfg, bin_dir, say)
+            if cfg.real_node:
+                _start_real_node(cfg, env, say)
+                env = load_env(cfg)
         except BaseException:
             _down_unlocked(cfg)
             raise

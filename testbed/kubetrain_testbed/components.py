@@ -131,6 +131,8 @@ def build_components(
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
             "--authorization-mode=RBAC",
+            # `kubectl logs/exec` on the real node: its InternalIP (the bridge gateway), not a host name.
+            "--kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname",
             "--allow-privileged=true",
             # One tenant, few clients: fairness queues only cost CPU here.
             "--enable-priority-and-fairness=false",

@@ -70,10 +70,12 @@ class TestbedConfig:
     node_monitor_grace_seconds: int = 20
     """After this long without a lease renewal a node is marked NotReady."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    real_node: bool = False
+    """Also run the real node (kubelet + containerd + CoreDNS + registry): `up --nodes real`."""
 
     @classmethod
     def from_environ(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> "TestbedConfig":
-        """Defaults, overridden by KUBETRAIN_TESTBED_DIR and KUBETRAIN_TESTBED_NODES."""
+        """Defaults, overridden by KUBETRAIN_TESTBED_DIR, KUBETRAIN_TESTBED_NODES and KUBETRAIN_TESTBED_REAL_NODE=1."""
         env = os.environ if environ is None else environ
         state_dir = Path(env.get("KUBETRAIN_TESTBED_DIR", str(REPO_ROOT / ".testbed"))).resolve()
         nodes_raw = env.get("KUBETRAIN_TESTBED_NODES", "4")
@@ -83,7 +85,10 @@ class TestbedConfig:
             raise ValueError(
                 f"KUBETRAIN_TESTBED_NODES must be a whole number of fake nodes, got {nodes_raw!r}"
             ) from None
-        return cls(state_dir=state_dir, node_pools=(NodePool(name="kwok-node", count=count),))
+        real = env.get("KUBETRAIN_TESTBED_REAL_NODE", "0")
+        if real not in ("0", "1"):
+            raise ValueError(f"KUBETRAIN_TESTBED_REAL_NODE must be 0 or 1, got {real!r}")
+        return cls(state_dir=state_dir, node_pools=(NodePool(name="kwok-node", count=count),), real_node=real == "1")
 
     # -- derived paths --------------------------------------------------------
     @property
