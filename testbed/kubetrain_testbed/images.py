@@ -100,11 +100,16 @@ def build(n: RealNodeLayout, image: Image, *, log, push: bool = True) -> dict:
     _run([*b, "bud", "--layers", "--network", "host", "--pull=never", "--build-arg", f"BASE_IMAGE={base}",
           "-f", str(image.dockerfile), "-t", ref, str(REPO_ROOT)], log=log)
     built = time.monotonic() - t0
+    # Also pushed under a tag unique to this build: a node that pulled an older `0.1.0` keeps using it
+    # (IfNotPresent), so tests name the build they mean.
+    image_id = _run([*b, "images", "--no-trunc", "--format", "{{.ID}}", ref], log=log).split()[0].split(":")[-1]
+    unique = f"{n.registry}/{image.repo}:{image.tag}-{image_id[:12]}"
     if push:
-        _run([*b, "push", "--tls-verify=false", "--disable-compression", ref, f"docker://{ref}"], log=log)
+        for target in (ref, unique):
+            _run([*b, "push", "--tls-verify=false", "--disable-compression", ref, f"docker://{target}"], log=log)
     size = _run([*b, "images", "--format", "{{.Size}}", ref], log=log).strip()
-    return {"image": image.name, "ref": ref, "build_s": round(built, 1), "total_s": round(time.monotonic() - t0, 1),
-            "size": size}
+    return {"image": image.name, "ref": unique, "tag_ref": ref, "build_s": round(built, 1),
+            "total_s": round(time.monotonic() - t0, 1), "size": size}
 
 
 def build_all(n: RealNodeLayout, *, log_path: Path, names: tuple[str, ...] = ("operator", "trainer")) -> list[dict]:

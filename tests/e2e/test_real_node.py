@@ -1,0 +1,251 @@
+"""On the real node: pods are containers from our images, run by a real kubelet and containerd.
+
+The testbed's real node (`scripts/testbed.sh up --nodes real`, testbed/README.md)
+is added to the shared testbed by the `real_node` fixture. These tests prove
+what the process agent cannot: images built from the repository's
+Dockerfiles and pulled from a registry, PodSecurity `restricted`
+admission, the pod network with cluster DNS (headless Service names resolved
+by CoreDNS, no address rewriting), `kubectl logs` through the kubelet, and the
+operator running with its in-cluster ServiceAccount mount.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import subprocess
+import textwrap
+
+import pytest
+
+from kubetrain_testbed import free_port
+
+from .helpers import wait_for
+from .operator_release import CHART, helm
+
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
+
+REAL_NODE_LABEL = "kubetrain.io/real-node"
+#: Pod spec fields that put a pod on (only) the real node.
+REAL_PLACEMENT = {
+    "nodeSelector": {REAL_NODE_LABEL: "true"},
+    "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+}
+#: What PodSecurity "restricted" demands of every container.
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@pytest.fixture(scope="session")
+def real_node(testbed, testbed_config):
+    """The shared testbed with the real node added (kept until the testbed goes down)."""
+    from kubetrain_testbed import TestbedError, load_env, up
+    from kubetrain_testbed.realnode import missing_prerequisites
+
+    missing = missing_prerequisites()
+    if missing:
+        pytest.skip(f"the real node needs {', '.join(missing)} (scripts/test.sh installs them)")
+    try:
+        up(dataclasses.replace(testbed_config, real_node=True))
+    except TestbedError as exc:
+        pytest.fail(f"the real node could not start: {exc}", pytrace=False)
+    env = load_env(testbed_config)
+    assert env.registry and env.pod_s3_endpoint, env
+    return env
+
+
+@pytest.fixture(scope="session")
+def images(real_node):
+    """Both images, built from the Dockerfiles (cached layers) and pushed to the registry: name -> ref."""
+    from kubetrain_testbed.cluster import _real_node_layout
+    from kubetrain_testbed.images import IMAGES, build_all
+    from kubetrain_testbed.realnode import real_node_bin_dir
+
+    from kubetrain_testbed import TestbedConfig
+
+    cfg = TestbedConfig.from_environ()
+    layout = _real_node_layout(cfg, real_node_bin_dir(cfg.build_script))
+    rows = build_all(layout, log_path=cfg.run_dir / "images.log")
+    assert {r["image"] for r in rows} == {i.name for i in IMAGES}
+    return {r["image"]: r["ref"] for r in rows}
+
+
+@pytest.fixture
+def restricted_ns(core):
+    from kubernetes import client
+
+    name = f"kt-real-{secrets.token_hex(3)}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={
+        "kubetrain.io/test": "true", "pod-security.kubernetes.io/enforce": "restricted"})))
+    wait_for(lambda: core.read_namespaced_service_account("default", name), timeout=120, what="default SA",
+             ignore=(client.ApiException,))
+    yield name
+    core.delete_namespace(name, propagation_policy="Background")
+
+
+def _kubectl(env: dict, *args: str, input: str | None = None, timeout: float = 180) -> str:
+    out = subprocess.run(["kubectl", *args], env=env, input=input, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"kubectl {' '.join(args)}: {out.stderr}"
+    return out.stdout
+
+
+def _pod(name: str, image: str, script: str, **spec) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "dns-probe"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": {"runAsUser": 10001, "runAsGroup": 10001},
+            "containers": [{"name": "main", "image": image, "imagePullPolicy": "IfNotPresent",
+                            "command": ["python", "-c", textwrap.dedent(script)], "securityContext": RESTRICTED,
+                            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}}],
+            **REAL_PLACEMENT, **spec,
+        },
+    }
+
+
+SERVER = """
+    import http.server, socket
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(socket.gethostname().encode())
+    http.server.HTTPServer(("", 8000), H).serve_forever()
+"""
+
+CLIENT = """
+    import os, socket, time, urllib.request
+    host = os.environ["PEER"]
+    for _ in range(240):
+        try:
+            addr = socket.gethostbyname(host)
+            body = urllib.request.urlopen(f"http://{host}:8000/", timeout=5).read().decode()
+            print(f"resolved {host} -> {addr}; it says {body}", flush=True)
+            break
+        except OSError as exc:
+            time.sleep(0.5)
+    else:
+        raise SystemExit(f"never reached {host}")
+    print("resolv.conf:", open("/etc/resolv.conf").read().replace("\\n", " | "))
+    print("uid", os.getuid(), "shm", os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize)
+"""
+
+
+def test_restricted_pods_find_each_other_through_cluster_dns_and_kubectl_logs_reads_them(
+        real_node, images, restricted_ns, testbed_env, core):
+    ns, image = restricted_ns, images["operator"]  # any image of ours with Python will do
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "peers"},
+           "spec": {"clusterIP": "None", "selector": {"app": "dns-probe"}, "publishNotReadyAddresses": True,
+                    "ports": [{"name": "http", "port": 8000}]}}
+    server = _pod("server", image, SERVER, hostname="server", subdomain="peers")
+    client_pod = _pod("client", image, CLIENT)
+    client_pod["spec"]["containers"][0]["env"] = [{"name": "PEER", "value": f"server.peers.{ns}.svc"}]
+    for obj in (svc, server, client_pod):
+        _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+
+    def finished():
+        p = core.read_namespaced_pod("client", ns)
+        return p if p.status.phase in ("Succeeded", "Failed") else None
+
+    done = wait_for(finished, timeout=300, what="the client pod to finish",
+                    on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    logs = _kubectl(testbed_env, "logs", "-n", ns, "client")
+    assert done.status.phase == "Succeeded", logs
+    server_ip = core.read_namespaced_pod("server", ns).status.pod_ip
+    assert f"resolved server.peers.{ns}.svc -> {server_ip}; it says server" in logs, logs
+    assert "uid 10001" in logs, logs
+    assert done.spec.node_name == "real-node-0"
+    assert done.status.container_statuses[0].image_id, "the image was pulled by containerd"
+
+
+@pytest.fixture(scope="module")
+def real_operator(real_node, images, testbed_env, core, tmp_path_factory):
+    """The chart installed from the registry's operator image, on the real node, watching a restricted namespace."""
+    from kubernetes import client
+
+    suffix = secrets.token_hex(3)
+    rel, ns, jobs_ns = f"kt-real-{suffix}", f"kt-real-op-{suffix}", f"kt-real-jobs-{suffix}"
+    for name in (ns, jobs_ns):
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={
+            "kubetrain.io/test": "true", "pod-security.kubernetes.io/enforce": "restricted"})))
+    wait_for(lambda: core.read_namespaced_service_account("default", jobs_ns), timeout=120, what="default SA",
+             ignore=(client.ApiException,))
+    values = {"image": {"repository": images["operator"].rsplit(":", 1)[0], "tag": images["operator"].rsplit(":", 1)[1]},
+              "namespaces": [jobs_ns], **REAL_PLACEMENT}
+    path = tmp_path_factory.mktemp("helm") / "values.json"
+    path.write_text(json.dumps(values))
+    helm(testbed_env, "upgrade", "--install", rel, str(CHART), "--namespace", ns, "--values", str(path),
+         "--wait", "--timeout", "5m")
+    yield {"release": rel, "namespace": ns, "jobs": jobs_ns}
+    subprocess.run(["helm", "uninstall", rel, "--namespace", ns, "--wait", "--timeout", "2m"], env=testbed_env,
+                   capture_output=True, timeout=180)
+    for name in (jobs_ns, ns):
+        core.delete_namespace(name, propagation_policy="Background")
+
+
+def test_operator_chart_runs_from_its_image_with_the_in_cluster_service_account(real_operator, testbed_env, core):
+    from kubernetes.client import CoordinationV1Api
+
+    ns = real_operator["namespace"]
+    pod = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=operator").items[0]
+    assert pod.spec.node_name == "real-node-0" and pod.status.phase == "Running"
+    assert all(c.ready for c in pod.status.container_statuses), pod.status
+    # In-cluster config: the ServiceAccount token mount and the `kubernetes` Service, nothing from the testbed.
+    assert any(v.projected for v in pod.spec.volumes), "the standard ServiceAccount token volume"
+    holder = wait_for(lambda: [le for le in CoordinationV1Api(core.api_client).list_namespaced_lease(ns).items
+                               if le.spec.holder_identity == pod.metadata.name],
+                      timeout=120, what="the operator pod to hold its leader Lease")
+    assert holder
+    logs = _kubectl(testbed_env, "logs", "-n", ns, pod.metadata.name)
+    assert "Traceback" not in logs, logs
+
+
+def test_demo_job_trains_to_success_on_containers_that_rendezvous_through_cluster_dns(
+        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+    from kubernetes import client
+
+    from .operator_release import EXAMPLE
+
+    import yaml
+
+    ns, name = real_operator["jobs"], f"demo-{secrets.token_hex(2)}"
+    core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="kubetrain-s3"), string_data={
+        "accessKeyId": testbed.access_key, "secretAccessKey": testbed.secret_key}))
+    job = yaml.safe_load(EXAMPLE.read_text())
+    job["metadata"] = {"name": name}
+    spec = job["spec"]
+    spec["image"] = images["trainer"]
+    # Two training pods and the operator share this machine's 2 cores.
+    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
+    spec["checkpoint"] = {**spec["checkpoint"], "uri": f"s3://{testbed.bucket}/{s3_prefix.strip('/')}",
+                          "endpoint": real_node.pod_s3_endpoint}
+    spec["podTemplate"] = {**spec.get("podTemplate", {}), **REAL_PLACEMENT}
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+
+    def finished():
+        st = client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
+            "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+        return st if st.get("phase") in ("Succeeded", "Failed") else None
+
+    st = wait_for(finished, timeout=540, interval=2, what=f"TrainingJob {name} to finish",
+                  on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    rank1 = _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a1-n1")
+    assert st["phase"] == "Succeeded", (st, rank1[-3000:])
+    assert (st["attempt"], st.get("preemptions", 0), st.get("failures", 0)) == (1, 0, 0), st
+    pod1 = core.read_namespaced_pod(f"{name}-a1-n1", ns)
+    env = {e.name: e.value for e in pod1.spec.containers[0].env}
+    assert env["MASTER_ADDR"] == f"{name}-n0.{name}.{ns}.svc", "no rewriting: the name is resolved by CoreDNS"
+    assert pod1.spec.node_name == "real-node-0" and pod1.status.container_statuses[0].image_id
+    prefix = f"{s3_prefix}{ns}/{name}/"
+    keys = {o["Key"][len(prefix):] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=testbed.bucket, Prefix=prefix) for o in page.get("Contents", [])}
+    steps = sorted(int(k.split("/")[0].split("-")[1]) for k in keys
+                   if k.startswith("checkpoint-") and k.endswith("/manifest.json"))
+    assert steps and steps[-1] == 40, sorted(keys)
+    manifest = json.loads(s3.get_object(Bucket=testbed.bucket, Key=f"{prefix}checkpoint-40/manifest.json")["Body"].read())
+    assert manifest["world_size"] == 2 and {f["path"] for f in manifest["files"]} <= {
+        k.split("/", 1)[1] for k in keys if k.startswith("checkpoint-40/")}, manifest
