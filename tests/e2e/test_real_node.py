@@ -204,35 +204,71 @@ def test_operator_chart_runs_from_its_image_with_the_in_cluster_service_account(
     assert "Traceback" not in logs, logs
 
 
-def test_demo_job_trains_to_success_on_containers_that_rendezvous_through_cluster_dns(
-        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+def _s3_secret(core, ns: str, testbed) -> None:
     from kubernetes import client
+
+    try:
+        core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="kubetrain-s3"),
+                                                          string_data={"accessKeyId": testbed.access_key,
+                                                                       "secretAccessKey": testbed.secret_key}))
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict | None = None,
+              env: list | None = None) -> dict:
+    """examples/trainingjob.yaml on the real node: our image from the registry, MinIO as pods reach it."""
+    import yaml
 
     from .operator_release import EXAMPLE
 
-    import yaml
-
-    ns, name = real_operator["jobs"], f"demo-{secrets.token_hex(2)}"
-    core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="kubetrain-s3"), string_data={
-        "accessKeyId": testbed.access_key, "secretAccessKey": testbed.secret_key}))
     job = yaml.safe_load(EXAMPLE.read_text())
     job["metadata"] = {"name": name}
     spec = job["spec"]
     spec["image"] = images["trainer"]
     # Two training pods and the operator share this machine's 2 cores.
     spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
-    spec["checkpoint"] = {**spec["checkpoint"], "uri": f"s3://{testbed.bucket}/{s3_prefix.strip('/')}",
+    spec["checkpoint"] = {**spec["checkpoint"], "uri": f"s3://{testbed.bucket}/{prefix.strip('/')}",
                           "endpoint": real_node.pod_s3_endpoint}
     spec["podTemplate"] = {**spec.get("podTemplate", {}), **REAL_PLACEMENT}
-    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    spec["trainer"]["builtin"]["args"].update(args or {})
+    if env:
+        spec["env"] = env
+    return job
+
+
+def _wait_finished(core, testbed_env, ns: str, name: str, timeout: float = 540) -> dict:
+    from kubernetes import client
 
     def finished():
         st = client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
             "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
         return st if st.get("phase") in ("Succeeded", "Failed") else None
 
-    st = wait_for(finished, timeout=540, interval=2, what=f"TrainingJob {name} to finish",
-                  on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    return wait_for(finished, timeout=timeout, interval=2, what=f"TrainingJob {name} to finish",
+                    on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+
+
+def _committed_steps(s3, bucket: str, prefix: str) -> dict[int, dict]:
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            rel = o["Key"][len(prefix):]
+            if rel.startswith("checkpoint-") and rel.endswith("/manifest.json") and rel.count("/") == 1:
+                m = json.loads(s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+                out[int(m["step"])] = m
+    return out
+
+
+def test_demo_job_trains_to_success_on_containers_that_rendezvous_through_cluster_dns(
+        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+    ns, name = real_operator["jobs"], f"demo-{secrets.token_hex(2)}"
+    _s3_secret(core, ns, testbed)
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-",
+             input=json.dumps(_demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix)))
+
+    st = _wait_finished(core, testbed_env, ns, name)
     rank1 = _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a1-n1")
     assert st["phase"] == "Succeeded", (st, rank1[-3000:])
     assert (st["attempt"], st.get("preemptions", 0), st.get("failures", 0)) == (1, 0, 0), st
@@ -249,3 +285,68 @@ def test_demo_job_trains_to_success_on_containers_that_rendezvous_through_cluste
     manifest = json.loads(s3.get_object(Bucket=testbed.bucket, Key=f"{prefix}checkpoint-40/manifest.json")["Body"].read())
     assert manifest["world_size"] == 2 and {f["path"] for f in manifest["files"]} <= {
         k.split("/", 1)[1] for k in keys if k.startswith("checkpoint-40/")}, manifest
+
+
+def test_eviction_sigterms_pid_1_which_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(
+        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+    """Real preemption: the Eviction API, the kubelet's SIGTERM to the launcher (PID 1), the grace period."""
+    import time
+
+    from kubernetes import client
+
+    ns, name, hold = real_operator["jobs"], f"evict-{secrets.token_hex(2)}", 20
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix,
+                    args={"max_steps": 60, "save_total_limit": None},
+                    env=[{"name": "KUBETRAIN_TEST_HOLD_AT_STEP", "value": str(hold)}])
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    prefix = f"{s3_prefix}{ns}/{name}/"
+    wait_for(lambda: hold in _committed_steps(s3, testbed.bucket, prefix), timeout=420, interval=1,
+             what=f"checkpoint-{hold} committed", on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    victim = f"{name}-a1-n1"
+    core.create_namespaced_pod_eviction(victim, ns, client.V1Eviction(
+        metadata=client.V1ObjectMeta(name=victim, namespace=ns)))
+    evicted = time.monotonic()
+    running2 = wait_for(lambda: [p for p in core.list_namespaced_pod(ns, label_selector="kubetrain.io/attempt=2").items
+                                 if p.status.phase == "Running"], timeout=300, what="attempt 2 running")
+    restart_s = time.monotonic() - evicted
+    st = _wait_finished(core, testbed_env, ns, name)
+    assert st["phase"] == "Succeeded", st
+    assert (st["attempt"], st["preemptions"], st.get("failures", 0)) == (2, 1, 0), st
+    committed = _committed_steps(s3, testbed.bucket, prefix)
+    first = sorted(s for s, m in committed.items() if m["attempt"] == 1)
+    # The kubelet's SIGTERM reached the launcher as PID 1 of its container: the gang stopped after one more
+    # step and committed it within the grace period.
+    assert first and first[-1] == hold + 1, committed
+    rank0 = _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a2-n0")
+    assert f"checkpoint-{hold + 1}" in rank0 and "resuming from" in rank0, rank0[-3000:]
+    assert max(committed) == 60 and committed[60]["attempt"] == 2
+    print(f"\n[real node] eviction -> attempt 2 Running in {restart_s:.1f}s ({len(running2)} pods)")
+
+
+def test_dataloader_workers_run_in_the_container_with_the_memory_backed_dev_shm(
+        real_node, real_operator, images, testbed_env, core, s3_prefix, testbed):
+    ns, name = real_operator["jobs"], f"workers-{secrets.token_hex(2)}"
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix,
+                    args={"max_steps": 10, "save_steps": 10, "dataloader_num_workers": 2})
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    st = _wait_finished(core, testbed_env, ns, name)
+    assert st["phase"] == "Succeeded", (st, _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a1-n0")[-3000:])
+    pod = core.read_namespaced_pod(f"{name}-a1-n0", ns)
+    shm = [v for v in pod.spec.volumes if v.empty_dir and v.empty_dir.medium == "Memory"]
+    assert shm and shm[0].empty_dir.size_limit == "1Gi"
+
+
+def test_a_wrong_image_fails_the_job_with_the_image_named(real_node, real_operator, images, testbed_env, core,
+                                                          s3_prefix, testbed):
+    ns, name = real_operator["jobs"], f"typo-{secrets.token_hex(2)}"
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix)
+    wrong = f"{real_node.registry}/kubetrain/trainr:0.1.0"
+    job["spec"]["image"] = wrong
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    st = _wait_finished(core, testbed_env, ns, name, timeout=300)
+    assert st["phase"] == "Failed" and wrong in st.get("message", ""), st
+    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    assert any(wrong in (e.message or "") for e in events if e.type == "Warning"), [e.message for e in events]
