@@ -3,7 +3,8 @@
 #
 #   scripts/test.sh          every tier: unit, integration (real control plane
 #                            + MinIO, started on demand), slow (2-process
-#                            training), e2e (helm + operator + real training)
+#                            training), e2e (helm + operator + real training,
+#                            on the process agent and on the real node)
 #   scripts/test.sh fast     the unit tier only: no testbed, no network, seconds
 #   scripts/test.sh -- ARGS  extra pytest arguments (e.g. -k preemption)
 #
@@ -29,6 +30,14 @@ case "$tier" in
     # no-op when warm; about an hour cold on 2 cores, see testbed/README.md),
     # so no test's timeout ever covers a compile.
     testbed/build.sh >/dev/null
+    # The real node (kubelet + containerd) and both images from their Dockerfiles, for the
+    # realnode e2e tests: built (cached) here too. It needs root; elsewhere those tests skip.
+    if [[ $(id -u) == 0 ]]; then
+      testbed/build.sh --real-node >/dev/null
+      log=${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/images-build.log
+      echo "[test] building the images (cached layers; the first build downloads torch: minutes) - $log" >&2
+      python -m kubetrain_testbed images --build-only >"$log" 2>&1 || { tail -n 30 "$log" >&2; exit 1; }
+    fi
     was_up=0
     python -m kubetrain_testbed status >/dev/null 2>&1 && was_up=1
     cleanup() { [[ $was_up == 1 ]] || python -m kubetrain_testbed down || true; }

@@ -16,10 +16,12 @@ source "$here/versions.env"
 
 key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_minio-${MINIO_VERSION##*-}_helm-${HELM_VERSION}"
 default_components="etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm minio"
+real_node=0
 if [[ "${1:-}" == "--real-node" ]]; then
   # The real node's binaries live in their own folder: adding them never
   # invalidates (rebuilds) the control plane's cache.
   shift
+  real_node=1
   key="realnode-k8s-${K8S_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}_registry-${REGISTRY_VERSION}"
   default_components="kubelet containerd coredns registry"
 fi
@@ -27,6 +29,24 @@ cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
 bin="$cache/bin"
 if [[ "${1:-}" == "--print" ]]; then echo "$bin"; exit 0; fi
 mkdir -p "$bin" "$cache/src" "$cache/logs"
+
+# The real node's host programs come from Debian (runc, CNI plugins, buildah for the images,
+# mmdebstrap for their base, iptables/iproute2 for the pod network): installed when missing.
+if [[ $real_node == 1 ]]; then
+  need=()
+  for pair in runc:runc buildah:buildah mmdebstrap:mmdebstrap iptables:iptables ip:iproute2; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
+  done
+  [[ -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
+  if (( ${#need[@]} )); then
+    if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
+      printf '[testbed-build] the real node needs these Debian packages: %s\n' "${need[*]}" >&2; exit 1
+    fi
+    printf '[testbed-build] installing %s\n' "${need[*]}" >&2
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"; } \
+      >"$cache/logs/apt.log" 2>&1 || { tail -n 20 "$cache/logs/apt.log" >&2; exit 1; }
+  fi
+fi
 # One build per cache folder at a time: a second caller (another shell, a
 # pytest session) waits here and then finds the binaries already built.
 exec 9>"$cache/build.lock"

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     img_p = sub.add_parser("images", help="build the operator and trainer images from their Dockerfiles and push "
                                            "them to the real node's registry (needs `up --nodes real`)")
     img_p.add_argument("names", nargs="*", metavar="operator|trainer", help="default: both")
+    img_p.add_argument("--build-only", action="store_true",
+                       help="build into buildah's store without pushing (no running testbed needed)")
     sub.add_parser("down", help="stop every testbed process")
     sub.add_parser("status", help="say what runs and whether it is healthy")
     sub.add_parser("env", help="print the export lines of .testbed/env (contains credentials)")
@@ -44,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
             from .images import main as build_images
             from .realnode import real_node_bin_dir
 
-            if not load_env(cfg).registry:
+            if not args.build_only and not load_env(cfg).registry:
                 raise TestbedError("no real node is running: `scripts/testbed.sh up --nodes real` first")
             layout = _real_node_layout(cfg, real_node_bin_dir(cfg.build_script))
             names = tuple(args.names) or ("operator", "trainer")
             if set(names) - {"operator", "trainer"}:
                 parser.error(f"images: unknown image(s) {', '.join(sorted(set(names) - {'operator', 'trainer'}))}")
-            return build_images(layout, cfg.run_dir / "images.log", names)
+            return build_images(layout, cfg.run_dir / "images.log", names, push=not args.build_only)
         elif args.command == "down":
             survivors = down(cfg)
             if survivors:

@@ -112,15 +112,16 @@ def build(n: RealNodeLayout, image: Image, *, log, push: bool = True) -> dict:
             "total_s": round(time.monotonic() - t0, 1), "size": size}
 
 
-def build_all(n: RealNodeLayout, *, log_path: Path, names: tuple[str, ...] = ("operator", "trainer")) -> list[dict]:
+def build_all(n: RealNodeLayout, *, log_path: Path, names: tuple[str, ...] = ("operator", "trainer"),
+              push: bool = True) -> list[dict]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
-        return [build(n, img, log=log) for img in IMAGES if img.name in names]
+        return [build(n, img, log=log, push=push) for img in IMAGES if img.name in names]
 
 
-def main(n: RealNodeLayout, log_path: Path, names: tuple[str, ...]) -> int:
+def main(n: RealNodeLayout, log_path: Path, names: tuple[str, ...], *, push: bool = True) -> int:
     try:
-        for row in build_all(n, log_path=log_path, names=names):
+        for row in build_all(n, log_path=log_path, names=names, push=push):
             print(json.dumps(row))
     except TestbedError as exc:
         print(f"images: {exc}", file=sys.stderr)
