@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one-command demo: a local cluster, the operator from its Helm chart, and
 # examples/trainingjob.yaml trained for real (2 nodes x 1 process, DDP on CPU)
-# with checkpoints in a local S3 (MinIO). Safe to run again at any time.
+# with checkpoints in a local S3 (MinIO). Midway, a higher-priority pod takes
+# the node from one of the job's pods through the scheduler; the job restarts
+# as a whole gang and resumes from its emergency checkpoint. Safe to run again.
 #
 #   scripts/demo.sh          set up whatever is missing, run the demo job, show the result
 #   scripts/demo.sh status   what runs, and the demo job's status
@@ -9,8 +11,10 @@
 #
 #   DEMO_FRESH=1 scripts/demo.sh   delete the demo job and its checkpoints first (train from step 0)
 #
-# Pods run as local processes on a test node agent (testbed/kubetrain_testbed/agent.py):
-# there is no container engine here. See docs/e2e.md.
+# Pods run as containers on the testbed's real node (kubelet + containerd, images
+# built from the Dockerfiles and pulled from a loopback registry); it needs root.
+# DEMO_NODES=agent runs them as local processes on the test node agent instead
+# (no preemption there). See docs/e2e.md.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -25,6 +29,9 @@ AGENT_PID=$STATE/agent.pid
 AGENT_LOG=$STATE/agent.log
 TIMEOUT=${DEMO_TIMEOUT:-900}
 PY=$root/.venv/bin/python
+MODE=${DEMO_NODES:-real}
+[[ $MODE == real && $(id -u) != 0 ]] && { MODE=agent; printf '[demo] not root: pods run on the process agent\n' >&2; }
+STEPS=${DEMO_STEPS:-300}
 
 say() { printf '\033[1m[demo]\033[0m %s\n' "$*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
@@ -90,14 +97,41 @@ start_agent() {
 
 install_chart() {
   local values=$STATE/demo-values.yaml
-  cat >"$values" <<EOF
+  if [[ $MODE == real ]]; then
+    cat >"$values" <<EOF
+# Written by scripts/demo.sh: the operator image from the registry, on the real node, watching the demo namespace.
+image: {repository: "${OPERATOR_IMAGE%:*}", tag: "${OPERATOR_IMAGE##*:}"}
+namespaces: [$NS]
+priorityClassName: kubetrain-demo-system
+nodeSelector: {kubetrain.io/real-node: "true"}
+tolerations: [{key: kubetrain.io/real-node, operator: Equal, value: "true", effect: NoSchedule}]
+EOF
+    # The operator outranks everything in the demo: the preemption takes a training pod, never it.
+    kubectl apply -f - >/dev/null <<EOF
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: kubetrain-demo-system}
+value: 100000
+description: the demo's operator
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: kubetrain-demo-urgent}
+value: 1000
+description: the demo's preemptor
+EOF
+  else
+    cat >"$values" <<EOF
 # Written by scripts/demo.sh: run the operator on the agent's node, watching the demo namespace.
 namespaces: [$NS]
 healthPort: ${DEMO_HEALTH_PORT:-18080}
 nodeSelector: {kubetrain.io/agent: "true"}
 tolerations: [{key: kubetrain.io/agent, operator: Equal, value: "true", effect: NoSchedule}]
 EOF
+  fi
   kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+  # Pods and operator are admitted as PodSecurity "restricted", as in a hardened cluster.
+  kubectl label namespace "$NS" pod-security.kubernetes.io/enforce=restricted --overwrite >/dev/null
   say "helm upgrade --install $RELEASE charts/kubetrain -n $OP_NS"
   helm upgrade --install "$RELEASE" charts/kubetrain -n "$OP_NS" --create-namespace \
     --values "$values" --wait --timeout 4m >/dev/null ||
@@ -131,13 +165,21 @@ render_job() {
 import json, os, yaml
 job = yaml.safe_load(open("examples/trainingjob.yaml"))
 spec = job["spec"]
-spec["checkpoint"]["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
-# All pods share this machine's ports: keep clear of torch's default 29500, which tests use.
-spec["masterPort"] = int(os.environ.get("DEMO_MASTER_PORT", "29531"))
 tpl = spec.setdefault("podTemplate", {})
-tpl.setdefault("nodeSelector", {})["kubetrain.io/agent"] = "true"
-tpl.setdefault("tolerations", []).append(
-    {"key": "kubetrain.io/agent", "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+if os.environ["MODE"] == "real":
+    # Our image from the registry, MinIO as pods reach it, the real node; long enough to be preempted.
+    spec["image"] = os.environ["TRAINER_IMAGE"]
+    spec["checkpoint"]["endpoint"] = os.environ["KUBETRAIN_TESTBED_POD_S3_ENDPOINT"]
+    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
+    spec["trainer"]["builtin"]["args"].update(max_steps=int(os.environ["STEPS"]), save_steps=25, logging_steps=25)
+    label = "kubetrain.io/real-node"
+else:
+    spec["checkpoint"]["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+    # All pods share this machine's ports: keep clear of torch's default 29500, which tests use.
+    spec["masterPort"] = int(os.environ.get("DEMO_MASTER_PORT", "29531"))
+    label = "kubetrain.io/agent"
+tpl.setdefault("nodeSelector", {})[label] = "true"
+tpl.setdefault("tolerations", []).append({"key": label, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
 print(json.dumps(job))
 EOF
 }
@@ -192,20 +234,130 @@ for d in sorted(dirs, key=lambda x: int(x.rpartition("-")[2]) if x.rpartition("-
 EOF
 }
 
+# Midway, a pod of a higher PriorityClass that only fits if a training pod goes: the scheduler preempts one.
+preempt_midway() {
+  local step=0
+  say "waiting for the first committed checkpoint, then a higher-priority pod takes the node"
+  for _ in $(seq 1 300); do
+    step=$("$PY" - "$NS" "$JOB" <<'EOF'
+import boto3, sys
+s3 = boto3.client("s3")
+keys = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket="kubetrain-demo",
+        Prefix=f"jobs/{sys.argv[1]}/{sys.argv[2]}/checkpoint-") for o in p.get("Contents", [])]
+print(max([int(k.split("/")[-2].split("-")[1]) for k in keys if k.endswith("/manifest.json")] or [0]))
+EOF
+)
+    [[ $step -gt 0 ]] && break
+    sleep 1
+  done
+  local free; free=$("$PY" - <<'EOF'
+import json, subprocess
+node = json.loads(subprocess.check_output(["kubectl", "get", "node", "real-node-0", "-o", "json"]))
+pods = json.loads(subprocess.check_output(["kubectl", "get", "pods", "-A", "--field-selector",
+                                           "spec.nodeName=real-node-0,status.phase=Running", "-o", "json"]))
+def cpu(q): return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+used = sum(cpu(c.get("resources", {}).get("requests", {}).get("cpu", "0")) for p in pods["items"]
+           for c in p["spec"]["containers"])
+print(int((cpu(node["status"]["allocatable"]["cpu"]) - used) * 1000))
+EOF
+)
+  # Just more than what is free: one 500m training pod must go.
+  kubectl apply -n "$NS" -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: urgent}
+spec:
+  priorityClassName: kubetrain-demo-urgent
+  restartPolicy: Never
+  nodeSelector: {kubetrain.io/real-node: "true"}
+  tolerations: [{key: kubetrain.io/real-node, operator: Equal, value: "true", effect: NoSchedule}]
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: urgent
+    image: $TRAINER_IMAGE
+    command: [python, -c, "import time; time.sleep(5)"]
+    resources: {requests: {cpu: "$((free + 200))m", memory: 64Mi}}
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
+  say "step $step committed: pod 'urgent' (priority 1000, cpu $((free + 200))m) preempts a training pod"
+}
+
+recovery_report() {
+  "$PY" - "$NS" "$JOB" <<'EOF' >&2
+import boto3, datetime, json, re, subprocess, sys
+ns, job = sys.argv[1:]
+def k(*a): return subprocess.run(["kubectl", *a], capture_output=True, text=True).stdout
+st = json.loads(k("get", "tj", job, "-n", ns, "-o", "json"))["status"]
+s3 = boto3.client("s3")
+prefix = f"jobs/{ns}/{job}/"
+man = {}
+for p in s3.get_paginator("list_objects_v2").paginate(Bucket="kubetrain-demo", Prefix=prefix):
+    for o in p.get("Contents", []):
+        if o["Key"].endswith("/manifest.json") and o["Key"][len(prefix):].startswith("checkpoint-"):
+            m = json.loads(s3.get_object(Bucket="kubetrain-demo", Key=o["Key"])["Body"].read())
+            man[m["step"]] = m
+a1 = max((s for s, m in man.items() if m["attempt"] == 1), default=None)
+def when(text):
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")[:19] + "+00:00") if text else None
+events = json.loads(k("get", "events", "-n", ns, "-o", "json"))["items"]
+sigterm = sorted(when(e.get("lastTimestamp") or e.get("eventTime")) for e in events
+                 if e["reason"] == "Preempted" and e["involvedObject"]["name"].startswith(job + "-a1"))
+log = k("logs", "-n", ns, f"{job}-a2-n0", "--timestamps")
+resumed = re.search(r"resuming from \S*checkpoint-(\d+)", log)
+first = None
+if resumed:
+    m = re.search(r"^(\S+) .*\bloss\b", log[resumed.end():], re.M)
+    first = when(m.group(1)) if m else None
+print(f"  attempts: {st.get('attempt')}   preemptions: {st.get('preemptions', 0)}   "
+      f"failures: {st.get('failures', 0)}")
+if resumed:
+    r = int(resumed.group(1))
+    print(f"  attempt 1 stopped at step {a1} (its emergency checkpoint); attempt 2 resumed from step {r}; "
+          f"steps lost: {a1 - r if a1 is not None else '?'}")
+if sigterm and first:
+    print(f"  SIGTERM (preempted) -> first logged step of attempt 2: {(first - sigterm[0]).total_seconds():.0f} s "
+          "(whole seconds; the first log line comes logging_steps after the first step)")
+EOF
+}
+
 cmd_up() {
   ensure_venv
   say "bringing up the testbed (the first run builds Kubernetes from source: see README)"
-  scripts/testbed.sh up
-  load_env || die "testbed wrote no $STATE/env"
-  start_agent
+  if [[ $MODE == real ]]; then
+    scripts/testbed.sh up --nodes real
+    load_env || die "testbed wrote no $STATE/env"
+    say "building the images from their Dockerfiles (cached layers; the first build downloads torch)"
+    local refs; refs=$(scripts/testbed.sh images) || die "image build failed (log: $STATE/run/images.log)"
+    OPERATOR_IMAGE=$(echo "$refs" | "$PY" -c 'import json,sys; print([json.loads(l)["ref"] for l in sys.stdin if "operator" in l][0])')
+    TRAINER_IMAGE=$(echo "$refs" | "$PY" -c 'import json,sys; print([json.loads(l)["ref"] for l in sys.stdin if "trainer" in l][0])')
+    export OPERATOR_IMAGE TRAINER_IMAGE
+    say "images: $OPERATOR_IMAGE, $TRAINER_IMAGE"
+  else
+    scripts/testbed.sh up
+    load_env || die "testbed wrote no $STATE/env"
+    start_agent
+  fi
+  export MODE STEPS
   install_chart
   create_secret_and_bucket
   [[ ${DEMO_FRESH:-0} == 1 ]] && fresh_start
   say "kubectl apply -f examples/trainingjob.yaml (endpoint and node placement adapted to the testbed)"
   render_job | kubectl apply -n "$NS" -f - >&2
+  local attempt
+  attempt=$(kubectl get tj "$JOB" -n "$NS" -o jsonpath='{.status.attempt}' 2>/dev/null || true)
+  if [[ $MODE == real && ${attempt:-1} -le 1 ]]; then
+    kubectl delete pod urgent -n "$NS" --ignore-not-found >/dev/null
+    preempt_midway
+  fi
   local phase; phase=$(wait_job)
   report
-  say "logs of the training pods: $STATE/agent/$NODE/pods/${NS}_${JOB}-*/trainer.log"
+  if [[ $MODE == real ]]; then
+    say "the cluster took a node; the job finished anyway:"
+    recovery_report
+    say "logs of the training pods: kubectl logs -n $NS ${JOB}-a2-n0"
+  else
+    say "logs of the training pods: $STATE/agent/$NODE/pods/${NS}_${JOB}-*/trainer.log"
+  fi
   say "tear down with: scripts/demo.sh down"
   [[ $phase == Succeeded ]] || die "the demo job ended as $phase"
   say "Succeeded."
