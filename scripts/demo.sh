@@ -279,44 +279,46 @@ spec:
     resources: {requests: {cpu: "$((free + 200))m", memory: 64Mi}}
     securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
 EOF
+  # Rank 0's log of attempt 1 says where it stopped; keep it before the pod is gone.
+  kubectl logs -f -n "$NS" "$JOB-a1-n0" >"$STATE/demo-a1-n0.log" 2>/dev/null &
   say "step $step committed: pod 'urgent' (priority 1000, cpu $((free + 200))m) preempts a training pod"
 }
 
 recovery_report() {
-  "$PY" - "$NS" "$JOB" <<'EOF' >&2
-import boto3, datetime, json, re, subprocess, sys
-ns, job = sys.argv[1:]
+  "$PY" - "$NS" "$JOB" "$STATE/demo-a1-n0.log" <<'EOF' >&2
+import datetime, json, re, subprocess, sys
+ns, job, a1_path = sys.argv[1:4]
 def k(*a): return subprocess.run(["kubectl", *a], capture_output=True, text=True).stdout
 st = json.loads(k("get", "tj", job, "-n", ns, "-o", "json"))["status"]
-s3 = boto3.client("s3")
-prefix = f"jobs/{ns}/{job}/"
-man = {}
-for p in s3.get_paginator("list_objects_v2").paginate(Bucket="kubetrain-demo", Prefix=prefix):
-    for o in p.get("Contents", []):
-        if o["Key"].endswith("/manifest.json") and o["Key"][len(prefix):].startswith("checkpoint-"):
-            m = json.loads(s3.get_object(Bucket="kubetrain-demo", Key=o["Key"])["Body"].read())
-            man[m["step"]] = m
-a1 = max((s for s, m in man.items() if m["attempt"] == 1), default=None)
 def when(text):
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")[:19] + "+00:00") if text else None
 events = json.loads(k("get", "events", "-n", ns, "-o", "json"))["items"]
-sigterm = sorted(when(e.get("lastTimestamp") or e.get("eventTime")) for e in events
+sigterm = sorted(  # the newest: a re-run keeps the events of earlier pods of the same name
+    when(e.get("lastTimestamp") or e.get("eventTime")) for e in events
                  if e["reason"] == "Preempted" and e["involvedObject"]["name"].startswith(job + "-a1"))
-log = k("logs", "-n", ns, f"{job}-a2-n0", "--timestamps")
-resumed = re.search(r"resuming from \S*checkpoint-(\d+)", log)
-first = None
-if resumed:
-    m = re.search(r"^(\S+) .*\bloss\b", log[resumed.end():], re.M)
-    first = when(m.group(1)) if m else None
+log = k("logs", "-n", ns, f"{job}-a2-n0")
+# The trainer's own log lines carry their time ("2026-12-03 12:10:23,583 [rank 0] INFO ...", UTC).
+stamp = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ \[rank 0\] INFO "
+resumed = re.search(stamp + r"resuming from \S*checkpoint-(\d+)", log, re.M)
+first = re.search(stamp + r"step (\d+): \{'loss'", log, re.M)
+try:
+    a1_log = open(a1_path, errors="replace").read()
+except OSError:
+    a1_log = ""
+stopped = re.search(r"SIGTERM: stopped after step (\d+)", a1_log)
 print(f"  attempts: {st.get('attempt')}   preemptions: {st.get('preemptions', 0)}   "
-      f"failures: {st.get('failures', 0)}")
+      f"failures (backoffLimit spent): {st.get('failures', 0)}")
 if resumed:
-    r = int(resumed.group(1))
-    print(f"  attempt 1 stopped at step {a1} (its emergency checkpoint); attempt 2 resumed from step {r}; "
-          f"steps lost: {a1 - r if a1 is not None else '?'}")
-if sigterm and first:
-    print(f"  SIGTERM (preempted) -> first logged step of attempt 2: {(first - sigterm[0]).total_seconds():.0f} s "
-          "(whole seconds; the first log line comes logging_steps after the first step)")
+    r = int(resumed.group(2))
+    a1 = int(stopped.group(1)) if stopped else None
+    print(f"  attempt 1 stopped after step {a1 if a1 is not None else '?'} (its emergency checkpoint); "
+          f"attempt 2 resumed from step {r}; steps lost: {a1 - r if a1 is not None else '?'}")
+if sigterm and resumed:
+    t = lambda m: when(m.group(1).replace(" ", "T"))
+    print(f"  SIGTERM (preempted) -> attempt 2 restored its checkpoint: {(t(resumed) - sigterm[-1]).total_seconds():.0f} s")
+    if first:
+        print(f"  SIGTERM -> attempt 2's first logged step ({first.group(2)}, logging_steps after the first): "
+              f"{(t(first) - sigterm[-1]).total_seconds():.0f} s")
 EOF
 }
 
