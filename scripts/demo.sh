@@ -135,7 +135,8 @@ EOF
   say "helm upgrade --install $RELEASE charts/kubetrain -n $OP_NS"
   helm upgrade --install "$RELEASE" charts/kubetrain -n "$OP_NS" --create-namespace \
     --values "$values" --wait --timeout 4m >/dev/null ||
-    { tail -n 30 "$AGENT_LOG" >&2; die "helm install failed"; }
+    { if [[ $MODE == real ]]; then kubectl describe pods -n "$OP_NS" >&2; else tail -n 30 "$AGENT_LOG" >&2; fi
+      die "helm install failed"; }
 }
 
 create_secret_and_bucket() {
@@ -239,7 +240,7 @@ preempt_midway() {
   local step=0
   say "waiting for the first committed checkpoint, then a higher-priority pod takes the node"
   for _ in $(seq 1 300); do
-    step=$("$PY" - "$NS" "$JOB" <<'EOF'
+    step=$("$PY" - "$NS" "$JOB" <<'EOF' 2>/dev/null || echo 0
 import boto3, sys
 s3 = boto3.client("s3")
 keys = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket="kubetrain-demo",
@@ -250,7 +251,8 @@ EOF
     [[ $step -gt 0 ]] && break
     sleep 1
   done
-  local free; free=$("$PY" - <<'EOF'
+  [[ $step -gt 0 ]] || die "no checkpoint was committed in 5 minutes: kubectl describe pods -n $NS"
+  local free; free=$("$PY" - <<'EOF' || die "could not read the real node's free CPU"
 import json, subprocess
 node = json.loads(subprocess.check_output(["kubectl", "get", "node", "real-node-0", "-o", "json"]))
 pods = json.loads(subprocess.check_output(["kubectl", "get", "pods", "-A", "--field-selector",
@@ -352,10 +354,10 @@ cmd_up() {
     preempt_midway
   fi
   local phase; phase=$(wait_job)
-  report
-  if [[ $MODE == real ]]; then
+  report || true
+  if [[ $MODE == real && $phase == Succeeded ]]; then
     say "the cluster took a node; the job finished anyway:"
-    recovery_report
+    recovery_report || true
     say "logs of the training pods: kubectl logs -n $NS ${JOB}-a2-n0"
   else
     say "logs of the training pods: $STATE/agent/$NODE/pods/${NS}_${JOB}-*/trainer.log"

@@ -30,6 +30,14 @@ bin="$cache/bin"
 if [[ "${1:-}" == "--print" ]]; then echo "$bin"; exit 0; fi
 mkdir -p "$bin" "$cache/src" "$cache/logs"
 
+# One build per cache folder at a time: a second caller (another shell, a
+# pytest session) waits here and then finds the binaries already built.
+exec 9>"$cache/build.lock"
+if ! flock -n 9; then
+  printf '[testbed-build] another build of %s is running; waiting for it\n' "$cache" >&2
+  flock 9
+fi
+
 # The real node's host programs come from Debian (runc, CNI plugins, buildah for the images,
 # mmdebstrap for their base, iptables/iproute2 for the pod network): installed when missing.
 if [[ $real_node == 1 ]]; then
@@ -43,16 +51,9 @@ if [[ $real_node == 1 ]]; then
       printf '[testbed-build] the real node needs these Debian packages: %s\n' "${need[*]}" >&2; exit 1
     fi
     printf '[testbed-build] installing %s\n' "${need[*]}" >&2
-    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"; } \
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q "${need[@]}"; } \
       >"$cache/logs/apt.log" 2>&1 || { tail -n 20 "$cache/logs/apt.log" >&2; exit 1; }
   fi
-fi
-# One build per cache folder at a time: a second caller (another shell, a
-# pytest session) waits here and then finds the binaries already built.
-exec 9>"$cache/build.lock"
-if ! flock -n 9; then
-  printf '[testbed-build] another build of %s is running; waiting for it\n' "$cache" >&2
-  flock 9
 fi
 
 export GOFLAGS="-buildvcs=false -trimpath"

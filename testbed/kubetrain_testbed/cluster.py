@@ -190,7 +190,7 @@ def _down_unlocked(cfg: TestbedConfig) -> list[str]:
     # Reverse start order: clients before the API server, the API server before etcd.
     survivors = procs.stop([r.pid for r in reversed(running)])
     if node:
-        realnode.teardown(layout, realnode.HostChanges.from_storage(node["changes"]) if node.get("changes") else None)
+        realnode.teardown(layout)
     for stale in (cfg.state_file, cfg.env_file):
         stale.unlink(missing_ok=True)
     return [r.name for r in running if r.pid in survivors]
@@ -205,20 +205,36 @@ def _start_real_node(cfg: TestbedConfig, env: TestbedEnv, say) -> None:
     state = _read_state(cfg) or {}
     bin_dir = realnode.ensure_binaries(cfg.build_script)
     layout = _real_node_layout(cfg, bin_dir)
-    base = [Running.from_storage(r) for r in state.get("processes", [])]
+    node_names = {c.name for c in realnode.components(layout, admin_kubeconfig=Path(env.kubeconfig))}
+    leftover = [r for r in _running(state) if r.name in node_names]  # of a half-started node
+    procs.stop([r.pid for r in leftover if r.is_alive()])
+    base = [r for r in _running(state) if r.name not in node_names]
 
-    def record(started: list[Running], changes: realnode.HostChanges) -> None:
+    def record(started: list[Running]) -> None:
         state["processes"] = [r.for_storage() for r in [*base, *started]]
-        state["real_node"] = {"bin_dir": str(bin_dir), "changes": changes.for_storage()}
+        state["real_node"] = {"bin_dir": str(bin_dir), "complete": False}
         _write_state(cfg, state)
 
-    realnode.start(layout, admin_kubeconfig=Path(env.kubeconfig),
-                   kubectl=[str(Path(env.bin_dir) / "kubectl"), f"--kubeconfig={env.kubeconfig}"],
-                   api_port=int(state["ports"]["apiserver"]), minio_port=int(state["ports"]["minio"]),
-                   run_dir=cfg.run_dir, record=record, say=say)
+    try:
+        realnode.start(layout, admin_kubeconfig=Path(env.kubeconfig),
+                       kubectl=[str(Path(env.bin_dir) / "kubectl"), f"--kubeconfig={env.kubeconfig}"],
+                       api_port=int(state["ports"]["apiserver"]), minio_port=int(state["ports"]["minio"]),
+                       run_dir=cfg.run_dir, record=record, say=say)
+    except BaseException:
+        # Undo the real node only: the control plane (and whoever uses it) stays.
+        started = [r for r in _running(state) if r.pid not in {b.pid for b in base} and r.is_alive()]
+        procs.stop([r.pid for r in started if r.name == "kubelet"])
+        realnode.remove_containers(layout)
+        procs.stop([r.pid for r in reversed(started)])
+        realnode.teardown(layout)
+        state["processes"] = [r.for_storage() for r in base]
+        state.pop("real_node", None)
+        _write_state(cfg, state)
+        raise
     env = TestbedEnv(**{**asdict(env), "registry": layout.registry,
                         "pod_s3_endpoint": f"http://{layout.gateway}:{MINIO_POD_PORT}"})
     state["env"] = asdict(env)
+    state["real_node"]["complete"] = True
     _write_state(cfg, state)
     _write_env_file(cfg, env)
 
@@ -236,14 +252,11 @@ def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
     say = log or (lambda msg: print(f"[testbed] {msg}", file=sys.stderr))
     with _locked(cfg):
         if is_healthy(cfg):
-            if not cfg.real_node or (_read_state(cfg) or {}).get("real_node"):
+            if not cfg.real_node or ((_read_state(cfg) or {}).get("real_node") or {}).get("complete"):
                 say("reusing the running testbed")
                 return load_env(cfg)
-            try:
-                _start_real_node(cfg, load_env(cfg), say)
-            except BaseException:
-                _down_unlocked(cfg)
-                raise
+            # Add the real node to the running control plane (a failure undoes the node alone).
+            _start_real_node(cfg, load_env(cfg), say)
             return load_env(cfg)
         if _read_state(cfg):
             say("a previous testbed is not healthy; stopping it")

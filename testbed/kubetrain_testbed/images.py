@@ -107,7 +107,7 @@ def build(n: RealNodeLayout, image: Image, *, log, push: bool = True) -> dict:
     if push:
         for target in (ref, unique):
             _run([*b, "push", "--tls-verify=false", "--disable-compression", ref, f"docker://{target}"], log=log)
-    size = _run([*b, "images", "--format", "{{.Size}}", ref], log=log).strip()
+    size = _run([*b, "images", "--format", "{{.Size}}", ref], log=log).strip().splitlines()[0]
     return {"image": image.name, "ref": unique, "tag_ref": ref, "build_s": round(built, 1),
             "total_s": round(time.monotonic() - t0, 1), "size": size}
 

@@ -4,7 +4,7 @@
 the bridge network and its few iptables rules, a loopback image registry,
 containerd (runc, CNI), the kubelet, and CoreDNS for the cluster domain. `down`
 removes every container, network namespace, mount, cgroup and rule it made,
-and restores what it changed on the host (see `HostChanges`). The files come
+and restores what it changed on the host (`HOST_SETTINGS`). The files come
 from the pure renderers in `realnode_config`.
 """
 
@@ -15,34 +15,49 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import procs
 from .components import Component, Health
 from .procs import Running, TestbedError
-from .realnode_config import (MINIO_POD_PORT, PAUSE_GO, REGISTRY_POD_PORT, RealNodeLayout, cni_conflist,
+from .realnode_config import (MINIO_POD_PORT, NO_OUTSIDE_REGISTRY, PAUSE_GO, REGISTRY_POD_PORT, RealNodeLayout, cni_conflist,
                               containerd_toml, corefile, kubelet_config, pod_resolv_conf, registry_hosts_toml,
                               registry_yaml, runc_wrapper)
 
 NAT_CHAIN = "KT-TESTBED-DNAT"
 FWD_CHAIN = "KT-TESTBED-FWD"
+IN_CHAIN = "KT-TESTBED-IN"
 CAP_SYS_RESOURCE = 24
 
+HOST_SETTINGS = ("net/ipv4/ip_forward", "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
+                 "kernel/panic_on_oops", "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+"""Host settings the node changes: the CNI bridge plugin switches forwarding on, and the kubelet
+(protectKernelDefaults false) sets its six kernel defaults. `down` writes the originals back."""
+HOST_SETTINGS_FILE = Path("/run/kubetrain-testbed/host-settings.json")
+"""The originals, written once per boot (a killed run's `up` must not take its changes for originals)."""
 
-@dataclass(frozen=True)
-class HostChanges:
-    """What `up` changed on the host, recorded so that `down` puts it back."""
 
-    ip_forward: str
-    netns_before: tuple[str, ...]
+def save_host_settings() -> None:
+    if HOST_SETTINGS_FILE.exists():
+        return
+    HOST_SETTINGS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    values = {k: Path("/proc/sys", k).read_text().strip() for k in HOST_SETTINGS if Path("/proc/sys", k).exists()}
+    tmp = HOST_SETTINGS_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values, indent=1))
+    tmp.replace(HOST_SETTINGS_FILE)
 
-    def for_storage(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_storage(cls, raw: dict) -> "HostChanges":
-        return cls(ip_forward=raw["ip_forward"], netns_before=tuple(raw["netns_before"]))
+def restore_host_settings() -> None:
+    try:
+        values = json.loads(HOST_SETTINGS_FILE.read_text())
+    except (OSError, ValueError):
+        return
+    for key, value in values.items():
+        try:
+            Path("/proc/sys", key).write_text(value + "\n")
+        except OSError:
+            pass
+    HOST_SETTINGS_FILE.unlink(missing_ok=True)
 
 
 def real_node_bin_dir(build_script: Path) -> Path:
@@ -68,11 +83,19 @@ def missing_prerequisites() -> list[str]:
             out.append(prog)
     if not Path("/usr/lib/cni/bridge").exists():
         out.append("CNI plugins in /usr/lib/cni (containernetworking-plugins)")
+    if not Path("/sys/fs/cgroup/memory/cgroup.procs").exists():
+        out.append("cgroup v1 hierarchies (the node is written for this machine's v1 layout; v2 is not supported yet)")
     return out
 
 
 def _run(*argv: str, check: bool = True, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, input=input, timeout=timeout)
+    """Run a command; with check=False nothing raises (teardown goes on past a hung or missing tool)."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, input=input, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        if check:
+            raise TestbedError(f"{' '.join(argv)} failed: {exc}") from exc
+        return subprocess.CompletedProcess(list(argv), 1, "", str(exc))
     if check and proc.returncode != 0:
         raise TestbedError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
@@ -85,16 +108,10 @@ def _lacks_cap_sys_resource() -> bool:
     return True
 
 
-def _netns() -> tuple[str, ...]:
-    d = Path("/run/netns")
-    return tuple(sorted(p.name for p in d.iterdir())) if d.is_dir() else ()
-
-
 # ------------------------------------------------------------------ network
-def network_up(n: RealNodeLayout, *, api_port: int, minio_port: int) -> HostChanges:
-    changes = HostChanges(ip_forward=Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
-                          netns_before=_netns())
-    network_down(n, changes=None)  # leftovers of a killed run
+def network_up(n: RealNodeLayout, *, api_port: int, minio_port: int) -> None:
+    network_down(n)  # leftovers of a killed run
+    save_host_settings()
     _run("ip", "link", "add", n.bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{n.gateway}/{n.subnet.split('/')[1]}", "dev", n.bridge)
     _run("ip", "link", "set", n.bridge, "up")
@@ -112,37 +129,44 @@ def network_up(n: RealNodeLayout, *, api_port: int, minio_port: int) -> HostChan
     _run("iptables", "-N", FWD_CHAIN)
     _run("iptables", "-A", FWD_CHAIN, "-i", n.bridge, "!", "-o", n.bridge, "-j", "DROP")
     _run("iptables", "-A", FWD_CHAIN, "-o", n.bridge, "!", "-i", n.bridge, "-j", "DROP")
+    _run("iptables", "-A", FWD_CHAIN, "-i", n.bridge, "-o", n.bridge, "-j", "ACCEPT")  # a host FORWARD DROP policy
     _run("iptables", "-I", "FORWARD", "-j", FWD_CHAIN)
-    return changes
+    # What the host answers on the node address: the API server's calls to the kubelet (they come
+    # from the host itself, on lo) and DNS from pods; nothing else, from pods or from outside. And
+    # the guard kube-proxy keeps against CVE-2020-8558: loopback reached from the bridge only by DNAT.
+    _run("iptables", "-N", IN_CHAIN)
+    _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-i", "lo", "-j", "ACCEPT")
+    for proto in ("udp", "tcp"):
+        _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-i", n.bridge, "-p", proto, "--dport", "53", "-j", "ACCEPT")
+    _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-j", "DROP")
+    _run("iptables", "-A", IN_CHAIN, "-i", n.bridge, "-d", "127.0.0.0/8", "-m", "conntrack", "!", "--ctstate",
+         "RELATED,ESTABLISHED,DNAT", "-j", "DROP")
+    _run("iptables", "-I", "INPUT", "-j", IN_CHAIN)
 
 
-def network_down(n: RealNodeLayout, *, changes: HostChanges | None) -> None:
+def network_down(n: RealNodeLayout) -> None:
     """Remove the bridge and the rules (each step tolerates being already undone)."""
     while _run("iptables", "-t", "nat", "-D", "PREROUTING", "-i", n.bridge, "-j", NAT_CHAIN, check=False).returncode == 0:
         pass
     _run("iptables", "-t", "nat", "-F", NAT_CHAIN, check=False)
     _run("iptables", "-t", "nat", "-X", NAT_CHAIN, check=False)
-    while _run("iptables", "-D", "FORWARD", "-j", FWD_CHAIN, check=False).returncode == 0:
-        pass
-    _run("iptables", "-F", FWD_CHAIN, check=False)
-    _run("iptables", "-X", FWD_CHAIN, check=False)
+    for table_chain in (("FORWARD", FWD_CHAIN), ("INPUT", IN_CHAIN)):
+        while _run("iptables", "-D", table_chain[0], "-j", table_chain[1], check=False).returncode == 0:
+            pass
+        _run("iptables", "-F", table_chain[1], check=False)
+        _run("iptables", "-X", table_chain[1], check=False)
     _run("ip", "link", "del", n.bridge, check=False)
-    if changes is not None:
-        # The CNI bridge plugin switches forwarding on; put back what the host had.
-        Path("/proc/sys/net/ipv4/ip_forward").write_text(changes.ip_forward + "\n")
-        for name in set(_netns()) - set(changes.netns_before):
-            if name.startswith("cni-"):
-                _run("umount", "-l", f"/run/netns/{name}", check=False)
-                Path(f"/run/netns/{name}").unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------ files
 def write_files(n: RealNodeLayout, *, admin_kubeconfig: Path) -> None:
     for d in (n.state, n.containerd_root, n.containerd_state, n.kubelet_root, n.cni_conf_dir, n.wrapper_dir,
-              n.state / "pod-logs", n.state / "cni" / "ipam", n.state / "certs.d" / n.registry):
+              n.state / "pod-logs", n.state / "cni" / "ipam", n.state / "certs.d" / n.registry,
+              n.state / "certs.d" / "_default"):
         d.mkdir(parents=True, exist_ok=True)
     (n.state / "containerd.toml").write_text(containerd_toml(n))
     (n.state / "certs.d" / n.registry / "hosts.toml").write_text(registry_hosts_toml(n))
+    (n.state / "certs.d" / "_default" / "hosts.toml").write_text(NO_OUTSIDE_REGISTRY)
     (n.cni_conf_dir / "10-kubetrain.conflist").write_text(cni_conflist(n))
     (n.state / "resolv.conf").write_text(pod_resolv_conf())
     (n.state / "kubelet.json").write_text(kubelet_config(n, resolv_conf=n.state / "resolv.conf"))
@@ -272,8 +296,21 @@ def make_cgroups(n: RealNodeLayout) -> None:
 
 
 def remove_cgroups(n: RealNodeLayout) -> None:
-    """rmdir the node's cgroup subtree in every v1 hierarchy, leaves first."""
+    """Kill what still runs in the node's cgroup subtree (containers outlive a dead containerd), then
+    rmdir the subtree in every v1 hierarchy, leaves first."""
     base = Path("/sys/fs/cgroup")
+    for _ in range(20):
+        pids = {int(x) for hier in (base.iterdir() if base.is_dir() else ())
+                for f in (hier / n.cgroup_root.strip("/")).rglob("cgroup.procs") if hier.is_dir()
+                for x in _read(f).split()}
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        time.sleep(0.25)
     for hier in base.iterdir() if base.is_dir() else ():
         top = hier / n.cgroup_root.strip("/")
         if not top.is_dir():
@@ -287,6 +324,13 @@ def remove_cgroups(n: RealNodeLayout) -> None:
             top.rmdir()
         except OSError:
             pass
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def shim_pids(n: RealNodeLayout) -> list[int]:
@@ -304,13 +348,17 @@ def shim_pids(n: RealNodeLayout) -> list[int]:
     return out
 
 
-def teardown(n: RealNodeLayout, changes: HostChanges | None) -> None:
-    """After the node's processes stopped: shims, mounts, cgroups, runc state, network, host settings."""
+def teardown(n: RealNodeLayout) -> None:
+    """After the node's processes stopped: shims, containers, mounts, cgroups, network, host settings.
+
+    Everything the node made lives under `n.state` (runc's root and the network namespaces included),
+    its cgroup subtree, the bridge and its chains: nothing the host's own runtimes use is touched.
+    """
     procs.stop(shim_pids(n), grace=5)
-    unmount_under(n.state, Path("/run/containerd/runc/k8s.io"))
     remove_cgroups(n)
-    shutil.rmtree("/run/containerd/runc/k8s.io", ignore_errors=True)
-    network_down(n, changes=changes)
+    unmount_under(n.state)
+    network_down(n)
+    restore_host_settings()
     for volatile in (n.containerd_state, n.kubelet_root, n.state / "pod-logs", n.state / "cni"):
         shutil.rmtree(volatile, ignore_errors=True)
 
@@ -330,26 +378,27 @@ def wait_node_ready(kubectl: list[str], node: str, *, timeout: float, log_file: 
 
 
 def start(n: RealNodeLayout, *, admin_kubeconfig: Path, kubectl: list[str], api_port: int, minio_port: int,
-          run_dir: Path, record, say) -> HostChanges:
+          run_dir: Path, record, say) -> None:
     """Bring the node up; `record(list[Running])` stores each started process for `down` right away."""
     missing = missing_prerequisites()
     if missing:
         raise TestbedError("the real node needs: " + ", ".join(missing)
                            + " (Debian: apt-get install runc containernetworking-plugins buildah iptables iproute2)")
     t0 = time.monotonic()
-    changes = network_up(n, api_port=api_port, minio_port=minio_port)
-    record([], changes)
+    record([])
+    teardown(n)  # leftovers of a killed run: shims, containers, mounts, cgroups, rules
+    network_up(n, api_port=api_port, minio_port=minio_port)
     write_files(n, admin_kubeconfig=admin_kubeconfig)
     make_cgroups(n)
     comps = components(n, admin_kubeconfig=admin_kubeconfig)
     started: list[Running] = []
     for wave in (0, 1, 2):
-        new = [procs.start(c, run_dir / f"{c.name}.log") for c in comps if c.wave == wave]
-        started += new
-        record(started, changes)
-        procs.wait_healthy(new, pki=None, timeout=120, log_dir=run_dir)
+        for c in (c for c in comps if c.wave == wave):
+            started.append(procs.start(c, run_dir / f"{c.name}.log"))
+            record(started)
+        procs.wait_healthy([r for r in started if r.name in {c.name for c in comps if c.wave == wave}],
+                           pki=None, timeout=120, log_dir=run_dir)
         if wave == 0:
             ensure_pause_image(n, log_file=run_dir / "registry.log")
     wait_node_ready(kubectl, n.node_name, timeout=120, log_file=run_dir / "kubelet.log")
     say(f"real node {n.node_name} Ready after {time.monotonic() - t0:.1f} s (pods on {n.bridge} {n.subnet})")
-    return changes

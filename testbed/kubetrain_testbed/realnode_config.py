@@ -43,8 +43,9 @@ class RealNodeLayout:
     service_cidr: str = "10.96.0.0/16"
     service_ip: str = "10.96.0.1"
     cni_bin_dir: Path = Path("/usr/lib/cni")
-    registry_port: int = 35000
-    """On 127.0.0.1, fixed so that image references (and containerd's image store) survive restarts."""
+    registry_port: int = 30500
+    """On 127.0.0.1, fixed so that image references (and containerd's image store) survive restarts;
+    below the ephemeral port range, where the testbed's other (random) ports come from."""
     kubelet_port: int = 10250
     kubelet_healthz_port: int = 10248
     coredns_health_port: int = 10253
@@ -61,8 +62,9 @@ class RealNodeLayout:
 
     @property
     def containerd_root(self) -> Path:
-        # Kept across `down`/`up`: the image store is a cache (a 5 GB trainer image unpacks once).
-        return self.state / "containerd-root"
+        # Beside the binaries and kept across `down`/`up` and clones: the image store is a cache (the
+        # 5.6 GB trainer image is pulled and unpacked once per machine, not once per checkout).
+        return self.bin_dir.parent / "containerd-root"
 
     @property
     def containerd_state(self) -> Path:
@@ -107,12 +109,16 @@ state = "{n.containerd_state}"
 
 [plugins.'io.containerd.cri.v1.runtime']
   enable_selinux = false
+  # Pod network namespaces under our state folder, not /run/netns (the host's).
+  netns_mounts_under_state_dir = true
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
         SystemdCgroup = false
+        # runc's state under ours, not /run/containerd/runc (a host containerd's).
+        Root = "{n.state / 'runc'}"
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ["{n.cni_bin_dir}"]
     conf_dir = "{n.cni_conf_dir}"
@@ -127,6 +133,15 @@ state = "{n.containerd_state}"
 
 [plugins.'io.containerd.grpc.v1.cri']
   disable_tcp_service = true
+
+# No NRI: its socket and plugin folder are host-wide paths.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+"""
+
+
+NO_OUTSIDE_REGISTRY = """# kubetrain testbed: an image outside the loopback registry is never fetched from outside.
+server = "http://127.0.0.1:1"
 """
 
 

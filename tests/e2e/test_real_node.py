@@ -24,7 +24,8 @@ from kubetrain_testbed import free_port
 from .helpers import wait_for
 from .operator_release import CHART, helm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
+# The first test also starts the node and pulls the 5.6 GB trainer image into containerd.
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode, pytest.mark.timeout(1800)]
 
 REAL_NODE_LABEL = "kubetrain.io/real-node"
 #: Pod spec fields that put a pod on (only) the real node.

@@ -16,12 +16,23 @@ N = RealNodeLayout(state=Path("/state/realnode"), bin_dir=Path("/cache/bin"))
 def test_containerd_keeps_everything_under_the_state_folder_and_pins_the_local_sandbox_image():
     cfg = tomllib.loads(containerd_toml(N))
     assert cfg["version"] == 3
-    assert cfg["root"].startswith("/state/realnode/") and cfg["state"].startswith("/state/realnode/")
+    assert cfg["root"] == "/cache/containerd-root", "the image store is a cache shared by checkouts"
+    assert cfg["state"].startswith("/state/realnode/")
     assert cfg["grpc"]["address"] == str(N.containerd_sock)
     images = cfg["plugins"]["io.containerd.cri.v1.images"]
     assert images["pinned_images"]["sandbox"] == f"127.0.0.1:{N.registry_port}/kubetrain/pause:1"
-    cni = cfg["plugins"]["io.containerd.cri.v1.runtime"]["cni"]
-    assert cni["conf_dir"] == str(N.cni_conf_dir)
+    runtime = cfg["plugins"]["io.containerd.cri.v1.runtime"]
+    assert runtime["cni"]["conf_dir"] == str(N.cni_conf_dir)
+    # Nothing in the host-wide paths a host's own containerd uses: runc state, netns, NRI.
+    assert runtime["containerd"]["runtimes"]["runc"]["options"]["Root"].startswith("/state/realnode/")
+    assert runtime["netns_mounts_under_state_dir"] is True
+    assert cfg["plugins"]["io.containerd.nri.v1.nri"]["disable"] is True
+
+
+def test_images_outside_the_loopback_registry_are_never_fetched_from_outside():
+    from kubetrain_testbed.realnode_config import NO_OUTSIDE_REGISTRY
+
+    assert tomllib.loads(NO_OUTSIDE_REGISTRY)["server"] == "http://127.0.0.1:1"
 
 
 def test_pods_get_no_default_route_and_no_masquerade():
