@@ -218,13 +218,13 @@ def _s3_secret(core, ns: str, testbed) -> None:
 
 
 def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict | None = None,
-              env: list | None = None) -> dict:
-    """examples/trainingjob.yaml on the real node: our image from the registry, MinIO as pods reach it."""
+              env: list | None = None, example: str = "trainingjob.yaml") -> dict:
+    """An examples/ job on the real node: our image from the registry, MinIO as pods reach it."""
     import yaml
 
     from .operator_release import EXAMPLE
 
-    job = yaml.safe_load(EXAMPLE.read_text())
+    job = yaml.safe_load((EXAMPLE.parent / example).read_text())
     job["metadata"] = {"name": name}
     spec = job["spec"]
     spec["image"] = images["trainer"]
@@ -351,3 +351,23 @@ def test_a_wrong_image_fails_the_job_with_the_image_named(real_node, real_operat
     assert st["phase"] == "Failed" and wrong in st.get("message", ""), st
     events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
     assert any(wrong in (e.message or "") for e in events if e.type == "Warning"), [e.message for e in events]
+
+
+@pytest.mark.parametrize("example, strategy", [("trainingjob-fsdp.yaml", "fsdp"), ("trainingjob-zero3.yaml", "zero3")])
+def test_sharded_examples_train_to_success_with_both_pods_parts_committed(
+        example, strategy, real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+    ns, name = real_operator["jobs"], f"{strategy}-{secrets.token_hex(2)}"
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix, example=example,
+                    args={"max_steps": 20, "save_steps": 10})
+    # The examples are written for GPU nodes: one process per pod here, and none of their PriorityClasses.
+    job["spec"]["procsPerNode"] = 1
+    job["spec"]["podTemplate"] = dict(REAL_PLACEMENT)
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    st = _wait_finished(core, testbed_env, ns, name)
+    assert st["phase"] == "Succeeded", (st, _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a1-n0")[-3000:])
+    committed = _committed_steps(s3, testbed.bucket, f"{s3_prefix}{ns}/{name}/")
+    final = committed[20]
+    assert (final["strategy"], final["world_size"]) == (strategy, 2), final
+    # Each pod saved its own rank's state on its own disk; node rank 0 committed both parts.
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {f["path"] for f in final["files"]}, final["files"]

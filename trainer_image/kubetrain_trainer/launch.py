@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -152,6 +154,23 @@ class LaunchConfig:
             metric_for_best_model=metric if isinstance(metric, str) else None,
             greater_is_better=greater if isinstance(greater, bool) else None,
         )
+
+
+def writable_extensions(base: Mapping[str, str], scratch: Path) -> dict[str, str]:
+    """`base` with TORCH_EXTENSIONS_DIR where torch can write: a read-only copy is copied to `scratch` once.
+
+    torch takes a lock file in an extension's build folder even when the op is prebuilt, so the
+    image's prebuilt DeepSpeed ops fail to load from a read-only root file system (the pods'
+    default) unless they sit in a writable folder.
+    """
+    env = dict(base)
+    src = env.get("TORCH_EXTENSIONS_DIR")
+    if not src or not Path(src).is_dir() or os.access(src, os.W_OK):
+        return env
+    if not scratch.exists():
+        shutil.copytree(src, scratch)
+    env["TORCH_EXTENSIONS_DIR"] = str(scratch)
+    return env
 
 
 def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resume_from: Path | None) -> dict[str, str]:
@@ -310,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("SIGTERM before training started")
         return EXIT_PREEMPTED
 
-    workers = Workers.spawn(cfg, os.environ, resume_from)
+    base = writable_extensions(os.environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
+    workers = Workers.spawn(cfg, base, resume_from)
     started = time.monotonic()
     signalled_at = supervise(workers, stop, cfg)
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)

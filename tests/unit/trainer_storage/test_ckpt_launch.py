@@ -186,3 +186,27 @@ def test_invalid_environment_exits_82_naming_the_variable(tmp_path: Path):
     p = _launch(tmp_path, "ok", extra={"NPROC_PER_NODE": "many"})
     assert p.wait(timeout=60) == EXIT_INVALID_CONFIG
     assert "NPROC_PER_NODE" in p.stderr.read()
+
+
+def test_prebuilt_torch_extensions_in_a_read_only_folder_are_copied_where_torch_can_lock_them(tmp_path):
+    import os
+
+    from kubetrain_trainer.launch import writable_extensions
+
+    image = tmp_path / "opt" / "torch_extensions"
+    (image / "deepspeed_shm_comm").mkdir(parents=True)
+    (image / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
+    image.chmod(0o555)
+    try:
+        env = writable_extensions({"TORCH_EXTENSIONS_DIR": str(image)}, tmp_path / "scratch")
+        if os.access(image, os.W_OK):  # root ignores the mode bits: the folder counts as writable
+            assert env["TORCH_EXTENSIONS_DIR"] == str(image)
+        else:
+            assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "scratch")
+            assert (tmp_path / "scratch" / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").read_bytes() == b"\x7fELF"
+    finally:
+        image.chmod(0o755)
+    writable = tmp_path / "w"
+    writable.mkdir()
+    assert writable_extensions({"TORCH_EXTENSIONS_DIR": str(writable)}, tmp_path / "s2")["TORCH_EXTENSIONS_DIR"] == str(writable)
+    assert "TORCH_EXTENSIONS_DIR" not in writable_extensions({}, tmp_path / "s3")
