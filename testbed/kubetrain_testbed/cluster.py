@@ -221,15 +221,7 @@ def _start_real_node(cfg: TestbedConfig, env: TestbedEnv, say) -> None:
                        api_port=int(state["ports"]["apiserver"]), minio_port=int(state["ports"]["minio"]),
                        run_dir=cfg.run_dir, record=record, say=say)
     except BaseException:
-        # Undo the real node only: the control plane (and whoever uses it) stays.
-        started = [r for r in _running(state) if r.pid not in {b.pid for b in base} and r.is_alive()]
-        procs.stop([r.pid for r in started if r.name == "kubelet"])
-        realnode.remove_containers(layout)
-        procs.stop([r.pid for r in reversed(started)])
-        realnode.teardown(layout)
-        state["processes"] = [r.for_storage() for r in base]
-        state.pop("real_node", None)
-        _write_state(cfg, state)
+        _undo_real_node(cfg, state, layout, node_names)  # the control plane (and whoever uses it) stays
         raise
     env = TestbedEnv(**{**asdict(env), "registry": layout.registry,
                         "pod_s3_endpoint": f"http://{layout.gateway}:{MINIO_POD_PORT}"})
@@ -237,6 +229,35 @@ def _start_real_node(cfg: TestbedConfig, env: TestbedEnv, say) -> None:
     state["real_node"]["complete"] = True
     _write_state(cfg, state)
     _write_env_file(cfg, env)
+
+
+def _undo_real_node(cfg: TestbedConfig, state: dict, layout: RealNodeLayout, node_names: set[str]) -> None:
+    """Stop and remove the real node alone, the way `down` would; the state keeps the control plane."""
+    started = [r for r in _running(state) if r.name in node_names and r.is_alive()]
+    procs.stop([r.pid for r in started if r.name == "kubelet"])
+    realnode.remove_containers(layout)
+    procs.stop([r.pid for r in reversed(started)])
+    realnode.teardown(layout)
+    state["processes"] = [r.for_storage() for r in _running(state) if r.name not in node_names]
+    state.pop("real_node", None)
+    if "env" in state:
+        state["env"] = {**state["env"], "registry": "", "pod_s3_endpoint": ""}
+    _write_state(cfg, state)
+
+
+def remove_real_node(cfg: TestbedConfig) -> RealNodeLayout | None:
+    """Remove the real node from the running testbed (the control plane stays); its layout, or None."""
+    with _locked(cfg):
+        state = _read_state(cfg) or {}
+        node = state.get("real_node")
+        if not node:
+            return None
+        layout = _real_node_layout(cfg, Path(node["bin_dir"]))
+        node_names = {c.name for c in realnode.components(layout, admin_kubeconfig=cfg.kubeconfig)}
+        _undo_real_node(cfg, state, layout, node_names)
+        if "env" in state:
+            _write_env_file(cfg, TestbedEnv(**state["env"]))
+        return layout
 
 
 def ensure_binaries(cfg: TestbedConfig) -> Path:

@@ -363,6 +363,25 @@ def teardown(n: RealNodeLayout) -> None:
         shutil.rmtree(volatile, ignore_errors=True)
 
 
+def leftovers(n: RealNodeLayout) -> list[str]:
+    """What the node left on the host after a teardown (empty when `down` was complete)."""
+    out = []
+    if Path(f"/sys/class/net/{n.bridge}").exists():
+        out.append(f"bridge {n.bridge}")
+    rules = _run("iptables-save", check=False).stdout
+    out += [f"iptables chain {c}" for c in (NAT_CHAIN, FWD_CHAIN, IN_CHAIN) if c in rules]
+    prefix = str(n.state.resolve()) + "/"
+    out += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith(prefix)]
+    base = Path("/sys/fs/cgroup")
+    out += [f"cgroup {h / n.cgroup_root.strip('/')}" for h in (base.iterdir() if base.is_dir() else ())
+            if (h / n.cgroup_root.strip("/")).exists()]
+    out += [f"shim pid {p}" for p in shim_pids(n)]
+    if HOST_SETTINGS_FILE.exists():
+        out.append(f"host settings not restored ({HOST_SETTINGS_FILE})")
+    return out
+
+
 def wait_node_ready(kubectl: list[str], node: str, *, timeout: float, log_file: Path) -> None:
     deadline = time.monotonic() + timeout
     while True:

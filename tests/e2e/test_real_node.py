@@ -16,6 +16,7 @@ import json
 import secrets
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -51,13 +52,24 @@ def real_node(testbed, testbed_config):
     missing = missing_prerequisites()
     if missing:
         pytest.skip(f"the real node needs {', '.join(missing)} (scripts/test.sh installs them)")
+    from kubetrain_testbed.cluster import remove_real_node
+    from kubetrain_testbed.realnode import HOST_SETTINGS, leftovers
+
+    settings = {k: Path("/proc/sys", k).read_text() for k in HOST_SETTINGS}
     try:
         up(dataclasses.replace(testbed_config, real_node=True))
     except TestbedError as exc:
         pytest.fail(f"the real node could not start: {exc}", pytrace=False)
     env = load_env(testbed_config)
     assert env.registry and env.pod_s3_endpoint, env
-    return env
+    yield env
+    # Removing the node (the code `scripts/testbed.sh down` runs) leaves no container, network
+    # namespace, mount, cgroup, rule or bridge behind, and the host's settings as they were.
+    layout = remove_real_node(testbed_config)
+    assert layout is not None
+    assert leftovers(layout) == []
+    assert {k: Path("/proc/sys", k).read_text() for k in HOST_SETTINGS} == settings
+    assert not list(layout.state.glob("containerd/**/rootfs/*")), "a container's root file system is still there"
 
 
 @pytest.fixture(scope="session")
