@@ -28,6 +28,10 @@ TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 STARTED_PHASES: frozenset[str] = frozenset({"Pending", "Running"})
 StrategyType = Literal["ddp", "fsdp", "zero3"]
 BACKOFF_CAP_SECONDS = 300
+DEFAULT_MAX_PREEMPTIONS = 30
+"""runPolicy.maxPreemptions when unset: a bound on restarts the job did not cause."""
+DEFAULT_STARTUP_GRACE_SECONDS = 300
+"""runPolicy.startupGraceSeconds when unset: the window for a transient pod start error."""
 
 # Names and labels shared by the builders and the planner (docs/contract.md).
 LABEL_JOB = "kubetrain.io/job-name"
@@ -126,13 +130,16 @@ class RunPolicy:
     """Application failures allowed before the job is Failed."""
     backoff_seconds: int = 10
     """Base of the exponential backoff between failed attempts."""
-    max_preemptions: int | None = None
-    """Preemptions allowed before the job is Failed; unlimited when None."""
+    max_preemptions: int | None = DEFAULT_MAX_PREEMPTIONS
+    """Preemptions allowed before the job is Failed; unlimited when None (only a stored
+    object written before the CRD had a default lacks it)."""
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
     suspend: bool = False
     node_lost_grace_seconds: int = 60
     """How long a node may be NotReady (or a pod Unknown) before it counts as lost."""
+    startup_grace_seconds: int = DEFAULT_STARTUP_GRACE_SECONDS
+    """How long a pod may fail to start for a possibly transient reason before the job fails."""
 
     def backoff_delay(self, failures: int) -> float:
         """Seconds to wait before the attempt that follows the `failures`-th failure."""
@@ -264,11 +271,12 @@ def _run_policy(raw: Any) -> RunPolicy:
     return RunPolicy(
         backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0),
         backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0),
-        max_preemptions=_int(raw, "maxPreemptions", None, path=p, minimum=0),
+        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0),
         active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1),
         ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0),
         suspend=bool(raw.get("suspend") or False),
         node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
+        startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0),
     )
 
 
