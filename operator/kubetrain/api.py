@@ -14,6 +14,7 @@ A spec the API server let through but the operator cannot use raises
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
@@ -61,6 +62,36 @@ class SpecError(ValueError):
 
 
 # --------------------------------------------------------------------- time
+
+MAX_URI_LENGTH = 2048
+
+_SECRET_SHAPED = re.compile(
+    r"(?P<akid>\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b)"
+    r"|(?P<kv>(?i:[\w.-]*(?:secret|password|passwd|token|credential|api[_-]?key|access[_-]?key|session)[\w.-]*)"
+    r"\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
+    r"|(?P<bearer>(?i:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"
+    r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"
+    r"|(?P<pem>-----BEGIN [A-Z ]*PRIVATE KEY-----)[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)"
+)
+
+
+def redact(text: str) -> str:
+    """`text` with anything secret-shaped replaced by `***`: AWS access key ids, values of
+    key=value / key: value pairs whose key names a secret, token or password, bearer/basic
+    credentials, user:password@ in URLs and private keys. Applied to everything that pods or
+    the API server say before it is copied into status or events."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group("akid"):
+            return "***"
+        if m.group("kv") is not None:
+            return f"{m.group('kv')}***"
+        if m.group("bearer"):
+            return f"{m.group('bearer')}***"
+        if m.group("userinfo"):
+            return f"{m.group('userinfo')}***@"
+        return "-----PRIVATE KEY REDACTED-----"
+    return _SECRET_SHAPED.sub(sub, text)
+
 
 def parse_time(value: Any) -> dt.datetime | None:
     """RFC3339 string (or datetime) to an aware UTC datetime; None stays None."""
@@ -307,12 +338,21 @@ class LastCheckpoint:
 
     @classmethod
     def from_storage(cls, raw: Any) -> "LastCheckpoint | None":
+        """Parse a stored value or a pod's record; None unless every field is one the status
+        schema accepts (a pod-provided value must never make status patches fail)."""
         if not isinstance(raw, Mapping):
             return None
-        step = raw.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        step, uri, time = raw.get("step"), raw.get("uri"), raw.get("time")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2 ** 63:
             return None
-        return cls(step=step, uri=str(raw.get("uri") or ""), time=raw.get("time") or None)
+        if not isinstance(uri, str) or not uri.startswith("s3://") or len(uri) > MAX_URI_LENGTH \
+                or any(c.isspace() or not c.isprintable() for c in uri):
+            return None
+        try:
+            when = format_time(parse_time(time)) if isinstance(time, str) else None
+        except (ValueError, OverflowError):
+            when = None
+        return cls(step=step, uri=uri, time=when)
 
     def for_storage(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "uri": self.uri}
@@ -403,7 +443,8 @@ class Status:
 
 
 _CONDITION_ORDER = {t: i for i, t in enumerate(
-    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging"))}
+    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
+     "StartupDelayed"))}
 
 
 @dataclass(frozen=True)
@@ -419,6 +460,13 @@ class Job:
     status: Status
     deleting: bool = False
     spec_error: str | None = None
+
+    @property
+    def checkpoint_uri(self) -> str:
+        """Where this job's checkpoints go (KUBETRAIN_CHECKPOINT_URI); "" without storage."""
+        if self.spec is None or self.spec.checkpoint is None:
+            return ""
+        return f"{self.spec.checkpoint.uri}/{self.namespace}/{self.name}"
 
     @classmethod
     def from_storage(cls, body: Mapping[str, Any], *, default_image: str | None = None) -> "Job":

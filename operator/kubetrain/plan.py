@@ -18,20 +18,36 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
     LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
-    format_time, parse_time, pod_name,
+    format_time, parse_time, pod_name, redact,
 )
 
-FATAL_WAITING_REASONS = frozenset({
-    "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
-    "ErrImageNeverPull",
-})
+FATAL_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 """Container waiting reasons that can never resolve by themselves: fail at once."""
+
+TRANSIENT_WAITING_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "CreateContainerError",
+})
+"""Container waiting reasons that may resolve by themselves (a registry rate limit while a
+preempted gang pulls on new nodes, a Secret its controller writes moments after the job):
+the kubelet retries, and the job fails only once one persists for runPolicy.startupGraceSeconds."""
+
+SELF_INFLICTED_EVICTION = re.compile(
+    r"exceeds the total limit of containers|Usage of EmptyDir volume .* exceeds the limit"
+    r"|exceeded its local ephemeral storage limit|has larger consumption of")
+"""Kubelet eviction messages that blame the pod itself (it overused ephemeral storage beyond
+its limits, or memory/storage beyond its requests under node pressure): an application
+failure that spends backoffLimit, not a preemption (restarting would only repeat it)."""
+
+CHECKPOINT_RECORD_KIND = "kubetrain.io/last-checkpoint"
+"""The `kind` of the trainer's last-checkpoint record (docs/contract.md); anything else in a
+termination message or annotation (a log tail, a user's JSON line) is never read as one."""
 
 DISRUPTION_POD_REASONS = frozenset({
     "Evicted", "Preempting", "Shutdown", "NodeShutdown", "Terminated", "NodeLost",
@@ -58,6 +74,10 @@ class PodView:
     """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, EvictionByEvictionAPI...)."""
     reason: str = ""
     """`pod.status.reason` (Evicted, NodeLost...)."""
+    status_message: str = ""
+    """`pod.status.message` (the kubelet's eviction message...)."""
+    starting_since: dt.datetime | None = None
+    """When the pod was bound to its node (else created): the start of its startup window."""
     exit_code: int | None = None
     termination_message: str = ""
     waiting_reason: str | None = None
@@ -89,10 +109,13 @@ class PodView:
             return None
         status = body.get("status") or {}
         disruption = ready_changed = None
+        starting_since = parse_time(meta.get("creationTimestamp"))
         ready = False
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
                 disruption = cond.get("reason") or "DisruptionTarget"
+            elif cond.get("type") == "PodScheduled" and cond.get("status") == "True":
+                starting_since = parse_time(cond.get("lastTransitionTime")) or starting_since
             elif cond.get("type") == "Ready":
                 ready = cond.get("status") == "True"
                 ready_changed = parse_time(cond.get("lastTransitionTime"))
@@ -106,16 +129,18 @@ class PodView:
         if state.get("waiting"):
             waiting = state["waiting"].get("reason")
             waiting_message = state["waiting"].get("message") or ""
-        checkpoint = _parse_checkpoint((meta.get("annotations") or {}).get(ANNOTATION_LAST_CHECKPOINT))
-        message_ckpt = _parse_checkpoint(message)
+        checkpoint = parse_checkpoint_record((meta.get("annotations") or {}).get(ANNOTATION_LAST_CHECKPOINT))
+        message_ckpt = parse_checkpoint_record(message)
         if message_ckpt and (checkpoint is None or message_ckpt.step > checkpoint.step):
             checkpoint = message_ckpt
         return cls(
             name=meta.get("name") or "", attempt=attempt, rank=rank,
             phase=status.get("phase") or "Pending",
             deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
-            disruption=disruption, reason=status.get("reason") or "",
-            exit_code=exit_code, termination_message="" if message_ckpt else message,
+            disruption=disruption, reason=str(status.get("reason") or ""),
+            status_message=str(status.get("message") or ""), starting_since=starting_since,
+            exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
+            termination_message="" if message_ckpt else str(message),
             waiting_reason=waiting, waiting_message=waiting_message,
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
@@ -123,13 +148,24 @@ class PodView:
         )
 
 
-def _parse_checkpoint(text: Any) -> LastCheckpoint | None:
-    if not text or not isinstance(text, str):
+MAX_RECORD_BYTES = 4096
+"""A last-checkpoint record is one short JSON line; anything longer is not one."""
+
+
+def parse_checkpoint_record(text: Any) -> LastCheckpoint | None:
+    """The trainer's last-checkpoint record, or None. The whole text must be one JSON object
+    of kind CHECKPOINT_RECORD_KIND with a valid step, an s3:// uri and an RFC 3339 time: pods
+    write this text, so a value the status schema would refuse (and a log line that merely
+    looks like JSON) never reaches a status patch."""
+    if not text or not isinstance(text, str) or len(text) > MAX_RECORD_BYTES:
         return None
     try:
-        return LastCheckpoint.from_storage(json.loads(text.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
+        raw = json.loads(text.strip())
+    except ValueError:
         return None
+    if not isinstance(raw, dict) or raw.get("kind") != CHECKPOINT_RECORD_KIND:
+        return None
+    return LastCheckpoint.from_storage(raw)
 
 
 @dataclass(frozen=True)
@@ -258,7 +294,7 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     if job.deleting:
         return Plan()
     d = _Draft(job, now)
-    newest = _newest_checkpoint(job.status.last_checkpoint, observed.pods)
+    newest = _newest_checkpoint(job, observed.pods)
     if newest != job.status.last_checkpoint:
         d.update(last_checkpoint=newest)
     if job.status.terminal:
@@ -301,11 +337,15 @@ def _deadline(job: Job) -> dt.datetime | None:
     return start + dt.timedelta(seconds=seconds)
 
 
-def _newest_checkpoint(current: LastCheckpoint | None, pods: tuple[PodView, ...]) -> LastCheckpoint | None:
-    best = current
+def _newest_checkpoint(job: Job, pods: tuple[PodView, ...]) -> LastCheckpoint | None:
+    """The highest reported step, from records that point into this job's own storage prefix
+    (a record elsewhere is not this job's checkpoint, whoever wrote it)."""
+    best = job.status.last_checkpoint
+    prefix = job.checkpoint_uri
     for pod in pods:
-        if pod.checkpoint and (best is None or pod.checkpoint.step > best.step):
-            best = pod.checkpoint
+        ckpt = pod.checkpoint
+        if ckpt and prefix and ckpt.uri.startswith(prefix + "/") and (best is None or ckpt.step > best.step):
+            best = ckpt
     return best
 
 
@@ -437,7 +477,7 @@ def _start_next_attempt(d: _Draft, observed: Observed) -> None:
 
 def _disruption(pod: PodView, d: _Draft, observed: Observed) -> str | None:
     """Why this pod was taken away by the cluster (not by the user's code), if it was."""
-    if pod.phase == "Succeeded":
+    if pod.phase == "Succeeded" or _evicted_for_own_usage(pod):
         return None
     if pod.disruption:
         return f"pod {pod.name}: {pod.disruption}"
@@ -453,6 +493,21 @@ def _disruption(pod: PodView, d: _Draft, observed: Observed) -> str | None:
     return _node_lost(pod, d, observed)
 
 
+def _evicted_for_own_usage(pod: PodView) -> bool:
+    return pod.phase == "Failed" and pod.reason == "Evicted" and bool(SELF_INFLICTED_EVICTION.search(pod.status_message))
+
+
+def _startup_problem(d: _Draft, pod: PodView) -> tuple[str, str, dt.datetime] | None:
+    """(reason, message, deadline) when the pod fails to start for a possibly transient reason."""
+    if pod.waiting_reason not in TRANSIENT_WAITING_REASONS:
+        return None
+    grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
+    since = pod.starting_since or d.now
+    detail = redact(pod.waiting_message.strip())[:MESSAGE_LIMIT]
+    message = f"pod {pod.name}: {pod.waiting_reason}" + (f": {detail}" if detail else "")
+    return pod.waiting_reason or "", message, since + dt.timedelta(seconds=grace)
+
+
 def _supervise(d: _Draft, observed: Observed) -> None:
     """Watch a started attempt: classify failures, detect success and readiness."""
     spec = d.job.spec
@@ -465,6 +520,7 @@ def _supervise(d: _Draft, observed: Observed) -> None:
     fatal: tuple[str, str] | None = None
     disruptions: list[str] = []
     failed: list[PodView] = []
+    blocked: tuple[str, str, dt.datetime] | None = None
     for rank in range(total):
         pod = current.get(rank)
         if pod is None:
@@ -475,10 +531,18 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         if pod.phase == "Failed" and pod.exit_code == EXIT_INVALID_CONFIG:
             fatal = fatal or ("InvalidConfiguration",
                               f"pod {pod.name} exited with code {EXIT_INVALID_CONFIG} (invalid configuration)"
-                              + _tail(pod))
+                              + _tail(d, pod))
         elif pod.waiting_reason in FATAL_WAITING_REASONS:
-            fatal = fatal or (pod.waiting_reason,
-                              f"pod {pod.name}: {pod.waiting_reason}: {pod.waiting_message}".rstrip(": "))
+            detail = redact(pod.waiting_message.strip())[:MESSAGE_LIMIT]
+            fatal = fatal or (pod.waiting_reason or "", f"pod {pod.name}: {pod.waiting_reason}"
+                                                        + (f": {detail}" if detail else ""))
+        elif (problem := _startup_problem(d, pod)) is not None:
+            reason, message, deadline = problem
+            if d.now >= deadline:
+                grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
+                fatal = fatal or (reason, f"{message} (still failing after runPolicy.startupGraceSeconds={grace}s)")
+            elif blocked is None or deadline < blocked[2]:
+                blocked = problem
         why = _disruption(pod, d, observed)
         if why:
             disruptions.append(why)
@@ -495,6 +559,7 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         _restart_after_failure(d, observed, failed[0])
         return
     _delete_pods(d, observed, stale)
+    _startup_condition(d, blocked)
     pods = [current[r] for r in range(total)]
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
     if lagging:
@@ -522,9 +587,34 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         d.event("Normal", "Running", msg)
 
 
-def _tail(pod: PodView, limit: int = 400) -> str:
-    text = pod.termination_message.strip()
-    return f"; last output: {text[-limit:]}" if text else ""
+MESSAGE_LIMIT = 400
+"""Longest excerpt of a message from the kubelet or the API server copied into status/events."""
+
+
+def _startup_condition(d: _Draft, blocked: tuple[str, str, dt.datetime] | None) -> None:
+    """Condition StartupDelayed while a pod fails to start for a possibly transient reason
+    (a Warning event when it begins or its reason changes); the wake-up at the deadline
+    turns a persisting one into Failed."""
+    current = d.status.condition("StartupDelayed")
+    if blocked is None:
+        if current is not None and current.status == "True":
+            d.cond("StartupDelayed", "False", "PodsStarted", "no pod is failing to start")
+        return
+    reason, message, deadline = blocked
+    text = (f"{message}; the kubelet retries, the job fails if this persists until "
+            f"{format_time(deadline)} (runPolicy.startupGraceSeconds)")
+    if current is None or current.status != "True" or current.reason != reason:
+        d.event("Warning", "StartupDelayed", text)
+    if current is None or current.status != "True" or current.reason != reason or current.message != text:
+        d.cond("StartupDelayed", "True", reason, text)
+        d.update(message=f"attempt {d.status.attempt}: {message} (retrying)")
+    d.wake_at(deadline)
+
+
+def _tail(d: _Draft, pod: PodView) -> str:
+    """Where to read why a pod failed. Its output is never copied into status or events:
+    logs can carry credentials, and a pod's text is not the operator's to publish."""
+    return f"; its log says why: kubectl logs -n {d.job.namespace} {pod.name}"
 
 
 def _restart(d: _Draft, observed: Observed, *, reason: str, message: str, delay: float) -> None:
@@ -560,11 +650,15 @@ def _restart_after_failure(d: _Draft, observed: Observed, pod: PodView) -> None:
     attempt = d.status.attempt
     failures = d.status.failures + 1
     d.update(failures=failures)
-    what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
+    if _evicted_for_own_usage(pod):
+        what = (f"pod {pod.name} (node rank {pod.rank}) was evicted for its own resource usage: "
+                f"{redact(pod.status_message.strip())[:MESSAGE_LIMIT]}")
+    else:
+        what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
     if failures > policy.backoff_limit:
         _fail(d, observed, reason="BackoffLimitExceeded",
               message=f"{what}; {failures} application failure(s) exceed backoffLimit "
-                      f"{policy.backoff_limit}{_tail(pod)}")
+                      f"{policy.backoff_limit}{_tail(d, pod)}")
         return
     delay = policy.backoff_delay(failures)
     msg = (f"attempt {attempt} failed: {what}; restarting as attempt {attempt + 1} in {delay:g}s "

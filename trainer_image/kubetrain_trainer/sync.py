@@ -107,7 +107,9 @@ class CommittedCheckpoint:
     time: str
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "uri": self.uri, "time": self.time}, sort_keys=True)
+        # `kind` tells the operator this is the record, not a log line that looks like JSON.
+        return json.dumps({"kind": "kubetrain.io/last-checkpoint", "step": self.step, "uri": self.uri,
+                           "time": self.time}, sort_keys=True)
 
 
 @dataclass

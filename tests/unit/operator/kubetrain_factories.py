@@ -41,18 +41,21 @@ def pod_body(*, name: str = "tj", attempt: int = 1, rank: int = 0, phase: str = 
              exit_code: int | None = None, message: str = "", waiting: str | None = None,
              disruption: str | None = None, deleting: bool | str = False, node: str | None = "kwok-0",
              ready: bool | None = None, ready_since: str | None = None, reason: str = "",
-             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+             annotations: dict[str, str] | None = None, status_message: str = "",
+             waiting_message: str = "details", scheduled: str | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {}
     if exit_code is not None:
         state["terminated"] = {"exitCode": exit_code, "message": message}
     elif waiting:
-        state["waiting"] = {"reason": waiting, "message": "details"}
+        state["waiting"] = {"reason": waiting, "message": waiting_message}
     elif phase == "Running":
         state["running"] = {}
     conds = [{"type": "Ready", "status": "True" if (ready if ready is not None else phase == "Running") else "False",
               "lastTransitionTime": ready_since or iso(0)}]
     if disruption:
         conds.append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    if scheduled:
+        conds.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled})
     meta: dict[str, Any] = {"name": f"{name}-a{attempt}-n{rank}", "labels": {
         "kubetrain.io/job-name": name, "kubetrain.io/attempt": str(attempt), "kubetrain.io/node-rank": str(rank)}}
     if deleting:
@@ -60,7 +63,7 @@ def pod_body(*, name: str = "tj", attempt: int = 1, rank: int = 0, phase: str = 
     if annotations:
         meta["annotations"] = annotations
     return {"metadata": meta, "spec": {"nodeName": node} if node else {},
-            "status": {"phase": phase, "reason": reason, "conditions": conds,
+            "status": {"phase": phase, "reason": reason, "message": status_message, "conditions": conds,
                        "containerStatuses": [{"name": "trainer", "state": state}]}}
 
 

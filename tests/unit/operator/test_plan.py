@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,15 @@ from kubetrain.plan import (
     PatchStatus, plan,
 )
 from kubetrain_factories import at, gang, iso, job, observed, pod, started
+
+
+def record(step: int, *, uri: str | None = None, time: str | None = None) -> str:
+    """The trainer's last-checkpoint record for job ns/tj (docs/contract.md)."""
+    body: dict[str, Any] = {"kind": "kubetrain.io/last-checkpoint", "step": step,
+                            "uri": uri or f"s3://b/p/ns/tj/checkpoint-{step}"}
+    if time:
+        body["time"] = time
+    return json.dumps(body)
 
 
 @dataclass
@@ -94,6 +104,34 @@ CASES = [
     Case("kubelet eviction (status.reason Evicted) -> preemption", job(status=started()),
          observed(pod(rank=0, phase="Failed", reason="Evicted"), pod(rank=1)), phase="Restarting",
          counters={"preemptions": 1, "failures": 0}),
+    Case("node-pressure eviction of a pod within its requests -> preemption", job(status=started()),
+         observed(pod(rank=0, phase="Failed", reason="Evicted", disruption="TerminationByKubelet",
+                      status_message="The node was low on resource: memory. Threshold quantity: 100Mi, "
+                                     "available: 80Mi. "), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 1, "failures": 0}),
+    Case("evicted for overusing its ephemeral storage limit -> application failure, not preemption",
+         job(status=started()),
+         observed(pod(rank=0, phase="Failed", reason="Evicted", disruption="TerminationByKubelet",
+                      status_message="Pod ephemeral local storage usage exceeds the total limit of containers 1Gi."),
+                  pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 0, "failures": 1}, events=["BackoffRestart"],
+         message="evicted for its own resource usage: Pod ephemeral local storage usage exceeds"),
+    Case("evicted for an emptyDir over its sizeLimit -> application failure", job(status=started()),
+         observed(pod(rank=0, phase="Failed", reason="Evicted",
+                      status_message='Usage of EmptyDir volume "tmp" exceeds the limit "1Gi". '), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 0, "failures": 1}),
+    Case("evicted under memory pressure while using more than requested -> application failure",
+         job(status=started()),
+         observed(pod(rank=0, phase="Failed", reason="Evicted", disruption="TerminationByKubelet",
+                      status_message="The node was low on resource: memory. Threshold quantity: 100Mi, available: "
+                                     "80Mi. Container trainer was using 3Gi, request is 1Gi, has larger consumption "
+                                     "of memory. "), pod(rank=1)),
+         phase="Restarting", counters={"preemptions": 0, "failures": 1}),
+    Case("a job evicting itself again and again ends at backoffLimit", job(status=started(failures=3)),
+         observed(pod(rank=0, phase="Failed", reason="Evicted",
+                      status_message="Container trainer exceeded its local ephemeral storage limit \"1Gi\". "),
+                  pod(rank=1)),
+         phase="Failed", reason=("Failed", "BackoffLimitExceeded"), counters={"preemptions": 0, "failures": 4}),
     Case("node NotReady within grace: wait and requeue", job(status=started(), run_policy={"nodeLostGraceSeconds": 30}),
          observed(*gang(), nodes={"kwok-0": NodeView("kwok-0", ready=False, since=at(0))}), now=10,
          phase=None, requeue=20),
@@ -117,6 +155,12 @@ CASES = [
          counters={"preemptions": 3}, events=["Preempted", "Failed"], reason=("Failed", "MaxPreemptionsExceeded")),
     Case("maxPreemptions 0 means none allowed", job(status=started(), run_policy={"maxPreemptions": 0}),
          observed(pod(rank=0, disruption="PreemptionByScheduler"), pod(rank=1)), phase="Failed"),
+    Case("maxPreemptions defaults to 30: the 30th preemption restarts", job(status=started(preemptions=29)),
+         observed(pod(rank=0, disruption="PreemptionByScheduler"), pod(rank=1)), phase="Restarting",
+         counters={"preemptions": 30}),
+    Case("maxPreemptions defaults to 30: the 31st fails the job", job(status=started(preemptions=30)),
+         observed(pod(rank=0, disruption="PreemptionByScheduler"), pod(rank=1)), phase="Failed",
+         reason=("Failed", "MaxPreemptionsExceeded"), message="exceed maxPreemptions 30"),
     # --- application failure --------------------------------------------------
     Case("exit 1 -> failure 1, backoff 10s", job(status=started()),
          observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), phase="Restarting",
@@ -131,30 +175,69 @@ CASES = [
     Case("137 without disruption is an application failure", job(status=started()),
          observed(pod(rank=0, phase="Failed", exit_code=137), pod(rank=1)), phase="Restarting",
          counters={"failures": 1, "preemptions": 0}),
-    Case("backoffLimit exceeded -> Failed with exit code and log tail", job(status=started(failures=3)),
+    Case("backoffLimit exceeded -> Failed with exit code and where its log is", job(status=started(failures=3)),
          observed(pod(rank=0, phase="Failed", exit_code=7, message="Traceback: boom"), pod(rank=1)),
          phase="Failed", counters={"failures": 4}, deletes=["tj-a1-n1"], events=["Failed"],
-         reason=("Failed", "BackoffLimitExceeded"), message="exited with code 7"),
+         reason=("Failed", "BackoffLimitExceeded"), message="exited with code 7",
+         extra={"no": "Traceback", "has": "kubectl logs -n ns tj-a1-n0"}),
     Case("backoffLimit 0 fails at the first failure", job(status=started(), run_policy={"backoffLimit": 0}),
          observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1, phase="Failed", exit_code=1)),
          phase="Failed", deletes=[], message="code 1"),
     # --- cannot ever work ------------------------------------------------------
-    Case("exit 82 -> Failed at once, no restart", job(status=started()),
-         observed(pod(rank=0, phase="Failed", exit_code=82, message="unknown arg 'lr'"), pod(rank=1)),
+    Case("exit 82 -> Failed at once, no restart; its output is not copied", job(status=started()),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message="unknown arg 'lr' AWS_SECRET_ACCESS_KEY=abc"),
+                  pod(rank=1)),
          phase="Failed", counters={"failures": 0}, deletes=["tj-a1-n1"], events=["Failed"],
-         reason=("Failed", "InvalidConfiguration"), message="unknown arg"),
-    Case("ImagePullBackOff -> Failed at once", job(status=started(phase="Pending")),
-         observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff"), pod(rank=1, phase="Pending")),
-         phase="Failed", reason=("Failed", "ImagePullBackOff"), deletes=["tj-a1-n0", "tj-a1-n1"]),
-    Case("ErrImagePull -> Failed", job(status=started(phase="Pending")),
-         observed(pod(rank=0, phase="Pending", waiting="ErrImagePull"), pod(rank=1, phase="Pending")),
-         phase="Failed", reason=("Failed", "ErrImagePull")),
-    Case("InvalidImageName -> Failed", job(status=started(phase="Pending")),
+         reason=("Failed", "InvalidConfiguration"), message="code 82 (invalid configuration)",
+         extra={"no": "abc", "has": "kubectl logs -n ns tj-a1-n0"}),
+    Case("ImagePullBackOff within startupGraceSeconds: a condition, an event, a wake-up at the deadline",
+         job(status=started(phase="Pending"), run_policy={"startupGraceSeconds": 60}),
+         observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff", scheduled=iso(0),
+                      waiting_message='Back-off pulling image "reg/x:1"'), pod(rank=1, phase="Pending")),
+         now=10, phase="Pending", events=["StartupDelayed"], requeue=50, deletes=[],
+         reason=("StartupDelayed", "ImagePullBackOff"), message="tj-a1-n0: ImagePullBackOff",
+         extra={"has": 'Back-off pulling image "reg/x:1"'}),
+    Case("ImagePullBackOff already reported: no new event or write", job(status=started(phase="Pending", conditions=[
+        {"type": "StartupDelayed", "status": "True", "reason": "ImagePullBackOff",
+         "message": 'pod tj-a1-n0: ImagePullBackOff: Back-off pulling image "reg/x:1"; the kubelet retries, the job '
+                    'fails if this persists until 2026-01-01T12:01:00Z (runPolicy.startupGraceSeconds)'}]),
+        run_policy={"startupGraceSeconds": 60}),
+         observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff", scheduled=iso(0),
+                      waiting_message='Back-off pulling image "reg/x:1"'), pod(rank=1, phase="Pending")),
+         now=30, phase=None, events=[], requeue=30),
+    Case("ErrImagePull persisting past startupGraceSeconds -> Failed naming pod, reason and image",
+         job(status=started(phase="Pending"), run_policy={"startupGraceSeconds": 60}),
+         observed(pod(rank=0, phase="Pending", waiting="ErrImagePull", scheduled=iso(0),
+                      waiting_message='pull "reg/typo:1": not found'), pod(rank=1, phase="Pending")),
+         now=60, phase="Failed", reason=("Failed", "ErrImagePull"), deletes=["tj-a1-n0", "tj-a1-n1"],
+         message='pod tj-a1-n0: ErrImagePull: pull "reg/typo:1": not found (still failing after '
+                 'runPolicy.startupGraceSeconds=60s)'),
+    Case("the startup window counts from scheduling, not from creation (a pod may wait for a node)",
+         job(status=started(phase="Pending"), run_policy={"startupGraceSeconds": 60}),
+         observed(pod(rank=0, phase="Pending", waiting="ErrImagePull", scheduled=iso(100)), pod(rank=1, phase="Pending")),
+         now=130, phase="Pending", requeue=30, reason=("StartupDelayed", "ErrImagePull")),
+    Case("InvalidImageName -> Failed at once", job(status=started(phase="Pending")),
          observed(pod(rank=0, phase="Pending", waiting="InvalidImageName"), pod(rank=1, phase="Pending")),
          phase="Failed", reason=("Failed", "InvalidImageName")),
-    Case("CreateContainerConfigError -> Failed", job(status=started(phase="Pending")),
-         observed(pod(rank=0, phase="Pending", waiting="CreateContainerConfigError"), pod(rank=1, phase="Pending")),
-         phase="Failed", reason=("Failed", "CreateContainerConfigError")),
+    Case("CreateContainerConfigError (a Secret not there yet) within the window: wait",
+         job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="CreateContainerConfigError", scheduled=iso(0),
+                      waiting_message='secret "s3-creds" not found'), pod(rank=1, phase="Pending")),
+         now=100, phase="Pending", requeue=200, reason=("StartupDelayed", "CreateContainerConfigError")),
+    Case("CreateContainerConfigError past the default 300s -> Failed naming the Secret",
+         job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="CreateContainerConfigError", scheduled=iso(0),
+                      waiting_message='secret "s3-creds" not found'), pod(rank=1, phase="Pending")),
+         now=300, phase="Failed", reason=("Failed", "CreateContainerConfigError"), message='secret "s3-creds" not found'),
+    Case("the pods start after a delayed start: the condition is cleared",
+         job(status=started(phase="Pending", conditions=[
+             {"type": "StartupDelayed", "status": "True", "reason": "ErrImagePull", "message": "x"}])),
+         observed(*gang()), phase="Running", reason=("StartupDelayed", "PodsStarted")),
+    Case("a start error's message is redacted", job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", waiting="ErrImagePull", scheduled=iso(0),
+                      waiting_message="pull https://bob:hunter2@reg/x failed, token=abcd1234"),
+                  pod(rank=1, phase="Pending")),
+         now=1, phase="Pending", extra={"no": "hunter2", "no2": "abcd1234", "has": "https://***@reg/x"}),
     Case("ContainerCreating is not fatal", job(status=started(phase="Pending")),
          observed(pod(rank=0, phase="Pending", waiting="ContainerCreating"), pod(rank=1, phase="Pending")),
          phase=None),
@@ -212,21 +295,36 @@ CASES = [
     Case("failed job still has a running pod -> it is deleted", job(status={**started(phase="Failed"), "completionTime": iso(0)}),
          observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), deletes=["tj-a1-n1"], phase=None),
     # --- checkpoints -----------------------------------------------------------------
-    Case("checkpoint annotation copied into status", job(status=started(nodesReady=2)),
-         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint":
-                                          '{"step": 1200, "uri": "s3://b/p/ns/tj/checkpoint-1200", "time": "t"}'}),
-                  pod(rank=1)), phase="Running", extra={"last_checkpoint.step": 1200}),
-    Case("termination message checkpoint (higher step) wins", job(status=started(nodesReady=2, lastCheckpoint={"step": 50, "uri": "u"})),
-         observed(pod(rank=0, phase="Succeeded", exit_code=0, message='{"step": 90, "uri": "s3://b/c-90"}'), pod(rank=1)),
+    Case("checkpoint annotation copied into status", job(status=started(nodesReady=2), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(1200, time="2026-01-01T00:00:00Z")}),
+                  pod(rank=1)), phase="Running",
+         extra={"last_checkpoint.step": 1200, "last_checkpoint.time": "2026-01-01T00:00:00Z"}),
+    Case("termination message checkpoint (higher step) wins",
+         job(status=started(nodesReady=2, lastCheckpoint={"step": 50, "uri": "s3://b/p/ns/tj/checkpoint-50"}), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, phase="Succeeded", exit_code=0, message=record(90)), pod(rank=1)),
          phase="Running", extra={"last_checkpoint.step": 90}),
+    Case("an ordinary JSON log line is not a checkpoint record", job(status=started(nodesReady=2), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, phase="Failed", exit_code=1, message='{"step": 90, "uri": "s3://b/p/ns/tj/checkpoint-90"}'),
+                  pod(rank=1)), phase="Restarting", extra={"last_checkpoint": None}),
+    Case("a record pointing outside the job's own prefix is ignored", job(status=started(nodesReady=2), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(90, uri="s3://b/p/ns/other/checkpoint-90")}),
+                  pod(rank=1)), phase=None, extra={"last_checkpoint": None}),
+    Case("a record the status schema would refuse is ignored (no 422 loop)", job(status=started(nodesReady=2), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(2 ** 70)}), pod(rank=1)), phase=None, extra={"last_checkpoint": None}),
+    Case("a record with an unparsable time keeps its step, without the time", job(status=started(nodesReady=2), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(7, time="yesterday")}), pod(rank=1)),
+         phase="Running", extra={"last_checkpoint.step": 7, "last_checkpoint.time": None}),
+    Case("without checkpoint storage, no record is read", job(status=started(nodesReady=2)),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(7)}), pod(rank=1)), phase=None, extra={"last_checkpoint": None}),
     Case("lagging uploads show as a condition", job(status=started(nodesReady=2)),
          observed(pod(rank=0, annotations={"kubetrain.io/checkpoint-sync": "3 checkpoints waiting: S3 unreachable"}),
                   pod(rank=1)), phase="Running", reason=("CheckpointsLagging", "UploadsLagging")),
     Case("caught-up uploads clear the condition", job(status=started(nodesReady=2, conditions=[
         {"type": "CheckpointsLagging", "status": "True", "reason": "UploadsLagging", "message": "x"}])),
          observed(*gang()), phase="Running", reason=("CheckpointsLagging", "UploadsCaughtUp")),
-    Case("older checkpoint never replaces a newer one", job(status=started(nodesReady=2, lastCheckpoint={"step": 500, "uri": "u"})),
-         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": '{"step": 100, "uri": "x"}'}), pod(rank=1)),
+    Case("older checkpoint never replaces a newer one",
+         job(status=started(nodesReady=2, lastCheckpoint={"step": 500, "uri": "s3://b/p/ns/tj/checkpoint-500"}), spec={"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}),
+         observed(pod(rank=0, annotations={"kubetrain.io/last-checkpoint": record(100)}), pod(rank=1)),
          phase=None),
 ]
 
@@ -264,8 +362,16 @@ def test_plan_table(case: Case) -> None:
     if case.extra == "DeleteJob":
         assert any(isinstance(a, DeleteJob) for a in result.actions)
     elif isinstance(case.extra, dict):
+        final = status or case.job.status
+        texts = [final.message, *(c.message for c in final.conditions), *(e.message for e in result.events)]
         for key, value in case.extra.items():
-            obj: Any = status
+            if key.startswith("no"):
+                assert not any(value in t for t in texts), (value, texts)
+                continue
+            if key == "has":
+                assert any(value in t for t in texts), (value, texts)
+                continue
+            obj: Any = final
             for part in key.split("."):
                 obj = getattr(obj, part)
             assert obj == value, key

@@ -69,7 +69,12 @@ def test_manifest_and_layout_match_the_contract():
 
 def test_last_checkpoint_report_matches_the_contract():
     report = _section("Reporting the last checkpoint")
-    example = json.loads(re.search(r"`(\{\"step\".*?\})`", report).group(1).replace("…", ""))
-    ours = json.loads(CommittedCheckpoint(step=1200, uri="s3://b/p/checkpoint-1200", time="t").to_json())
-    assert set(ours) == set(example)
+    example = json.loads(re.search(r"`(\{\"kind\".*?\})`", report).group(1).replace("…", ""))
+    text = CommittedCheckpoint(step=1200, uri="s3://b/p/checkpoint-1200", time="2026-01-01T00:00:00Z").to_json()
+    ours = json.loads(text)
+    assert set(ours) == set(example) and ours["kind"] == example["kind"]
+    # The operator's parser reads exactly what the trainer writes.
+    from kubetrain.plan import parse_checkpoint_record
+    parsed = parse_checkpoint_record(text)
+    assert parsed is not None and (parsed.step, parsed.uri) == (1200, "s3://b/p/checkpoint-1200")
     assert "kubetrain.io/last-checkpoint" in report and "kubetrain.io/last-checkpoint" in (RUNTIME / "launch.py").read_text()
