@@ -75,6 +75,9 @@ class LaunchConfig:
     """How long a finished run waits for pending uploads (KUBETRAIN_UPLOAD_TIMEOUT_SECONDS)."""
     restore_timeout_s: float = 600.0
     """How long S3 may stay unreachable before the start gives up (KUBETRAIN_RESTORE_TIMEOUT_SECONDS)."""
+    access_retry_s: float = 120.0
+    """How long refused access or a missing bucket (S3 401/403/404) is retried at start before exit 82
+    (KUBETRAIN_S3_AUTH_RETRY_SECONDS): a Secret, IAM policy or bucket may still be propagating."""
     termination_log: Path = Path("/dev/termination-log")
     service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -135,6 +138,7 @@ class LaunchConfig:
             grace_s=_float(env, "KUBETRAIN_TERMINATION_GRACE_SECONDS", 30.0),
             upload_wait_s=_float(env, "KUBETRAIN_UPLOAD_TIMEOUT_SECONDS", 1800.0),
             restore_timeout_s=_float(env, "KUBETRAIN_RESTORE_TIMEOUT_SECONDS", 600.0),
+            access_retry_s=_float(env, "KUBETRAIN_S3_AUTH_RETRY_SECONDS", 120.0),
             termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
             service_account_dir=Path(
                 env.get("KUBETRAIN_SERVICEACCOUNT_DIR") or "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -315,16 +319,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     uploader = watch = None
     resume_from: Path | None = None
     if cfg.checkpoint_uri:
-        from kubetrain_trainer.storage import StorageError, StoragePermanentError
+        from kubetrain_trainer.storage import StorageAccessError, StorageError, StoragePermanentError
 
         try:
             uploader, watch, resume_from = _start_sync(cfg, stop)
-        except StoragePermanentError as e:
-            log.error("invalid configuration: checkpoint storage: %s", e)
-            return EXIT_INVALID_CONFIG
         except StorageError as e:
-            log.error("checkpoint storage unreachable: %s", e)
-            return EXIT_PREEMPTED if stop.is_set() else EXIT_STORAGE
+            if stop.is_set():
+                log.warning("SIGTERM while restoring (%s)", e)
+                return EXIT_PREEMPTED
+            if isinstance(e, StorageAccessError):
+                log.error("invalid configuration: checkpoint storage %s refused access (or has no such bucket) "
+                          "for %.0fs (KUBETRAIN_S3_AUTH_RETRY_SECONDS): %s", cfg.checkpoint_uri, cfg.access_retry_s, e)
+                return EXIT_INVALID_CONFIG
+            if isinstance(e, StoragePermanentError):
+                log.error("invalid configuration: checkpoint storage %s: %s", cfg.checkpoint_uri, e)
+                return EXIT_INVALID_CONFIG
+            log.error("checkpoint storage %s unreachable: %s", cfg.checkpoint_uri, e)
+            return EXIT_STORAGE
     if stop.is_set():
         log.warning("SIGTERM before training started")
         return EXIT_PREEMPTED
@@ -368,17 +379,22 @@ class Restored:
     """(step, attempt) of every manifest in storage at start, for write fencing."""
 
 
-def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None) -> Restored:
+def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,
+                   access_deadline: float | None = None) -> Restored:
     """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
 
-    Temporary storage errors are retried until `deadline`; a checksum
+    Temporary storage errors are retried until `deadline`, refused access or a
+    missing bucket until `access_deadline` (None: not retried); a checksum
     mismatch marks that checkpoint bad and falls back to the next older one.
     """
     from kubetrain_trainer.manifest import newest_complete
     from kubetrain_trainer.storage import ChecksumError, retrying
     from kubetrain_trainer.sync import CommittedCheckpoint
 
-    remote = retrying(store.list_checkpoints, deadline=deadline, what="listing checkpoints")
+    cancelled = stop.is_set if stop is not None else (lambda: False)
+    sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
+    remote = retrying(store.list_checkpoints, deadline=deadline, access_deadline=access_deadline,
+                      cancelled=cancelled, sleep=sleep, what="listing checkpoints")
     history = frozenset((c.step, c.manifest.attempt) for c in remote if c.manifest is not None)
     bad: set[int] = set()
     while (chosen := newest_complete(remote, exclude=bad)) is not None:
@@ -387,7 +403,8 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
         manifest = chosen.manifest
         assert manifest is not None
         try:
-            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline, what="restore")
+            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline,
+                            access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
         except ChecksumError as e:
             log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
             bad.add(chosen.step)
@@ -420,7 +437,9 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
     from kubetrain_trainer.sync import CheckpointUploader, CommittedCheckpoint, FolderWatcher, SyncSettings, WatchLoop
 
     store = CheckpointStore(StorageConfig.from_env(os.environ))
-    restored = restore_newest(store, cfg.local_dir, deadline=time.monotonic() + cfg.restore_timeout_s, stop=stop)
+    started = time.monotonic()
+    restored = restore_newest(store, cfg.local_dir, deadline=started + cfg.restore_timeout_s, stop=stop,
+                              access_deadline=started + cfg.access_retry_s)
     resume_from, initial, history = restored.path, restored.committed, restored.history
 
     def on_commit(record: CommittedCheckpoint) -> None:

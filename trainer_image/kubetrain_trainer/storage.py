@@ -10,6 +10,11 @@ turns that into S3 objects under `KUBETRAIN_CHECKPOINT_URI`:
 Errors come in two types, so callers know what to do next:
 `StorageTemporaryError` (network, throttling, 5xx: retry after a delay) and
 `StoragePermanentError` (no bucket, bad credentials, bad URI: stop and report).
+`StorageAccessError`, a permanent error, marks refused access and missing
+buckets (HTTP 401/403/404): at a job's start these are retried for a bounded
+window (`RetryWindow.access_deadline`), because real clusters produce them
+transiently (a Secret or IAM policy still propagating, clock skew, a bucket
+another controller creates a few seconds after the job).
 Messages carry the operation, bucket/key and the S3 error code only; they
 never carry credentials (values of the AWS_* secrets are redacted even if a
 library puts them in a message).
@@ -41,15 +46,24 @@ from kubetrain_trainer.manifest import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_PERMANENT_CODES = frozenset(
+_ACCESS_CODES = frozenset(
     {
         "AccessDenied",
         "InvalidAccessKeyId",
         "SignatureDoesNotMatch",
         "NoSuchBucket",
-        "InvalidBucketName",
+        "ExpiredToken",
+        "InvalidToken",
+        "RequestTimeTooSkewed",
         "AllAccessDisabled",
         "AccountProblem",
+    }
+)
+"""Refused access or a missing bucket: `StorageAccessError` (see `should_retry`)."""
+
+_PERMANENT_CODES = _ACCESS_CODES | frozenset(
+    {
+        "InvalidBucketName",
         "InvalidArgument",
         "InvalidRequest",
         "MethodNotAllowed",
@@ -67,6 +81,15 @@ class StorageTemporaryError(StorageError):
 
 class StoragePermanentError(StorageError):
     """Will not get better by retrying (missing bucket, bad credentials, bad URI)."""
+
+
+class StorageAccessError(StoragePermanentError):
+    """Access refused or the bucket missing (HTTP 401/403/404, or no credentials at all).
+
+    Permanent for one call; at a job's start it is retried within a bounded
+    window (`should_retry`), since a Secret, an IAM policy or a bucket may
+    still be on its way.
+    """
 
 
 class ChecksumError(StorageError):
@@ -133,6 +156,27 @@ class Backoff:
         return random.uniform(ceiling / 2, ceiling)
 
 
+def should_retry(error: StorageError, *, now: float, delay: float, deadline: float | None,
+                 access_deadline: float | None = None) -> bool:
+    """Whether a failed storage call is tried again after `delay` seconds (times are time.monotonic).
+
+    - temporary errors: until `deadline` (None: forever);
+    - refused access or a missing bucket (`StorageAccessError`): until
+      `access_deadline`, and never past `deadline`; None: not retried;
+    - every other permanent error (bad URI, invalid bucket name...): never.
+    A retry whose wait would end past its deadline is not made: the caller
+    gets the error while the window is still open, not after it.
+    """
+    if isinstance(error, StorageAccessError):
+        if access_deadline is None:
+            return False
+        limit = access_deadline if deadline is None else min(deadline, access_deadline)
+        return now + delay <= limit
+    if isinstance(error, StorageTemporaryError):
+        return deadline is None or now + delay <= deadline
+    return False
+
+
 def retrying(
     fn: Callable[[], T],
     *,
@@ -140,17 +184,21 @@ def retrying(
     backoff: Backoff = Backoff(),
     what: str = "",
     sleep: Callable[[float], None] = time.sleep,
-    on_retry: Callable[[StorageTemporaryError], None] | None = None,
+    on_retry: Callable[[StorageError], None] | None = None,
+    access_deadline: float | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> T:
-    """Run `fn`, retrying StorageTemporaryError with backoff until `deadline` (time.monotonic; None = forever)."""
+    """Run `fn`, retrying as `should_retry` says (temporary errors until `deadline`, time.monotonic;
+    refused access until `access_deadline`). `cancelled()` true (e.g. SIGTERM): the last error is raised."""
     failures = 0
     while True:
         try:
             return fn()
-        except StorageTemporaryError as e:
+        except StorageError as e:
             failures += 1
             delay = backoff.delay(failures)
-            if deadline is not None and time.monotonic() + delay > deadline:
+            if cancelled() or not should_retry(e, now=time.monotonic(), delay=delay, deadline=deadline,
+                                               access_deadline=access_deadline):
                 raise
             if on_retry is not None:
                 on_retry(e)
@@ -249,9 +297,7 @@ class CheckpointStore:
                     _copy(existing, target)
                 continue
             key = self.location.key(checkpoint_dirname(manifest.step), f.path)
-            self._call("download", key, lambda: self._client.download_file(
-                self.location.bucket, key, str(target), Config=self._transfer
-            ))
+            self._call("download", key, lambda: self._download(key, target, manifest.step))
             if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
                 _rmtree(staging)
                 raise ChecksumError(f"checkpoint-{manifest.step}/{f.path}: downloaded bytes do not match the manifest")
@@ -260,6 +306,14 @@ class CheckpointStore:
             _rmtree(final)
         staging.rename(final)
         return final
+
+    def _download(self, key: str, target: Path, step: int) -> None:
+        try:
+            self._client.download_file(self.location.bucket, key, str(target), Config=self._transfer)
+        except Exception as e:  # noqa: BLE001 - a vanished object is data (this checkpoint is gone), not access
+            if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None
+            raise
 
     # ------------------------------------------------------------ writing
 
@@ -360,12 +414,14 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
 
     code = _error_code(exc)
     if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        return StoragePermanentError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+        return StorageAccessError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
         text = f"{op} {where}: {code or status} {message}".strip()
-        if code in _PERMANENT_CODES or status in (400, 401, 403, 404, 405):
+        if code in _ACCESS_CODES or (code not in _PERMANENT_CODES and status in (401, 403, 404)):
+            return StorageAccessError(text)
+        if code in _PERMANENT_CODES or status in (400, 405):
             return StoragePermanentError(text)
         return StorageTemporaryError(text)
     if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
@@ -375,6 +431,8 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
     # boto3's transfer manager wraps errors (S3UploadFailedError and friends);
     # their text includes the inner ClientError's code.
     text = _redact(str(exc))
+    if any(c in text for c in _ACCESS_CODES):
+        return StorageAccessError(f"{op} {where}: {type(exc).__name__}: {text}")
     if any(c in text for c in _PERMANENT_CODES):
         return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {text}")
     return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {text}")

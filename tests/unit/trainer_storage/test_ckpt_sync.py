@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from kubetrain_trainer.manifest import MANIFEST_NAME, Manifest, RemoteCheckpoint, RetentionPolicy, node_part_name
 from kubetrain_trainer.storage import (
     Backoff,
+    StorageAccessError,
     StoragePermanentError,
     StorageTemporaryError,
     classify,
@@ -275,8 +276,11 @@ def _client_error(code: str, status: int, message: str = "") -> ClientError:
     [
         (_client_error("SlowDown", 503), StorageTemporaryError),
         (_client_error("InternalError", 500), StorageTemporaryError),
-        (_client_error("NoSuchBucket", 404), StoragePermanentError),
-        (_client_error("InvalidAccessKeyId", 403), StoragePermanentError),
+        (_client_error("NoSuchBucket", 404), StorageAccessError),
+        (_client_error("InvalidAccessKeyId", 403), StorageAccessError),
+        (_client_error("AccessDenied", 403), StorageAccessError),
+        (_client_error("", 401), StorageAccessError),
+        (_client_error("InvalidBucketName", 400), StoragePermanentError),
         (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageTemporaryError),
         (ConnectionResetError("reset"), StorageTemporaryError),
     ],
