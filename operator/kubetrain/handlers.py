@@ -32,7 +32,9 @@ from kubetrain.api import (
     GROUP, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, Job, parse_time, pod_name,
 )
 from kubetrain.config import Settings
-from kubetrain.plan import CreatePod, DeletePod, NodeView, Observed, Plan, PodView, fail_plan, plan
+from kubetrain.plan import (
+    CreatePod, DeletePod, NodeView, Observed, Plan, PodView, fail_plan, plan, rejected_plan,
+)
 
 log = logging.getLogger("kubetrain.operator")
 EXPECTATION_TTL = dt.timedelta(seconds=60)
@@ -40,6 +42,8 @@ POD_EVENT_DELAY = 0.3
 """Pod events are coalesced: a gang's pods change state in bursts (scheduled, started,
 ready), and one reconcile per burst saves CPU and status writes."""
 CONFLICT_RETRIES = 5
+REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
+"""Seconds between pod creates the API server refused for a reason that can pass (quota)."""
 
 
 def _now() -> dt.datetime:
@@ -111,6 +115,7 @@ class Reconciler:
         self.gone: dict[tuple[str, str], dict[str, str]] = {}
         self.node_ready: dict[str, bool] = {}
         self.expectations: dict[tuple[str, str], Expectations] = {}
+        self.rejections: dict[tuple[str, str], int] = {}
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -128,6 +133,7 @@ class Reconciler:
         self.jobs.pop(key, None)
         self.expectations.pop(key, None)
         self.gone.pop(key, None)
+        self.rejections.pop(key, None)
         timer = self._timers.pop(key, None)
         if timer:
             timer.cancel()
@@ -262,6 +268,20 @@ class Reconciler:
                 except (k8s.ConflictError, k8s.TemporaryError, ApiException):
                     self.enqueue(key, 2.0)
                     return
+            except k8s.RejectedError as exc:
+                count = self.rejections[key] = self.rejections.get(key, 0) + 1
+                delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
+                log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,
+                            exc.reason, delay)
+                waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
+                try:
+                    written = await k8s.apply(self.api, job, rv, waiting)
+                    if written is not None:
+                        self.store_job(key, written)
+                except (k8s.ConflictError, k8s.TemporaryError, ApiException):
+                    pass  # the retry below plans again from whatever is stored
+                self.enqueue(key, delay)
+                return
             except k8s.TemporaryError as exc:
                 log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
                 self.enqueue(key, exc.delay)
@@ -271,6 +291,8 @@ class Reconciler:
                 self.enqueue(key, 5.0)
                 return
             self._remember(key, result, now)
+            if any(isinstance(a, CreatePod) for a in result.actions):
+                self.rejections.pop(key, None)
             if written is not None:
                 self.store_job(key, written)
             for event in result.events:
@@ -322,6 +344,9 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     memo.settings = config
     settings.posting.enabled = False      # our own events only, with our reasons
     settings.persistence.diffbase_storage = NoDiffBase()
+    # No namespace listing or CRD watching: the namespaces are exact names and the chart installs the
+    # CRD before the operator, so the operator needs no cluster-wide read of namespaces or CRDs.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 270
     settings.networking.connect_timeout = 10
     api = k8s.Api(k8s.load_client_config(threads=config.api_threads), threads=config.api_threads)

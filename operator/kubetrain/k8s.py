@@ -49,6 +49,15 @@ class TemporaryError(RuntimeError):
         self.delay = delay
 
 
+class RejectedError(TemporaryError):
+    """The API server refused to create a pod for a reason that can pass (a ResourceQuota that
+    is full, RBAC not yet granted): wait with backoff, and show the reason on the job."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ConflictError(RuntimeError):
     """The job changed since it was observed: re-read it and plan again."""
 
@@ -240,10 +249,24 @@ async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, b
     except ApiException as exc:
         if exc.status == 409:
             return  # AlreadyExists: deterministic names make creation idempotent
+        message = f"{what} {body['metadata']['name']}: {_api_message(exc)}"
         if exc.status in (400, 422):
-            raise PermanentError("InvalidPodTemplate", f"{what} {body['metadata']['name']}: "
-                                                      f"{_api_message(exc)}") from None
+            raise PermanentError("InvalidPodTemplate", message) from None
+        if exc.status == 403:
+            raise classify_forbidden(_api_message(exc), message) from None
         raise TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}") from None
+
+
+def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:
+    """A 403 on a create: a full ResourceQuota or missing RBAC can pass (wait); PodSecurity,
+    a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
+    if "exceeded quota" in api_message:
+        return RejectedError("QuotaExceeded", message)
+    if "cannot create resource" in api_message:
+        return RejectedError("Forbidden", message)
+    if "violates PodSecurity" in api_message:
+        return PermanentError("PodSecurity", message)
+    return PermanentError("PodRejected", message)
 
 
 async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:

@@ -670,5 +670,24 @@ def _restart_after_failure(d: _Draft, observed: Observed, pod: PodView) -> None:
 def fail_plan(job: Job, observed: Observed, now: dt.datetime, *, reason: str, message: str) -> Plan:
     """The plan that fails a job outright (e.g. the API server rejected its pods)."""
     d = _Draft(job, now)
-    _fail(d, observed, reason=reason, message=message)
+    _fail(d, observed, reason=reason, message=redact(message)[:MESSAGE_LIMIT * 2])
+    return d.build()
+
+
+def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> Plan:
+    """The API server refused to create the next attempt's pods for a reason that can pass
+    (a full ResourceQuota, RBAC not yet granted): the job waits, showing why. Condition
+    Created=False with the API server's (redacted) message, a Warning event when the reason or
+    message changes, phase Pending (Restarting stays Restarting: `status.attempt` is not moved,
+    so the pods already created are completed, never duplicated, on the next try)."""
+    d = _Draft(job, now)
+    text = redact(message)[:MESSAGE_LIMIT]
+    current = d.status.condition("Created")
+    if current is None or current.status != "False" or current.reason != reason or current.message != text:
+        d.event("Warning", reason, f"attempt {job.status.attempt + 1}: the API server refused a pod: {text}; "
+                                   "retrying with backoff")
+        d.cond("Created", "False", reason, text)
+    what = "waiting for quota" if reason == "QuotaExceeded" else "waiting for the API server to accept the pods"
+    d.update(phase="Restarting" if job.status.phase == "Restarting" else "Pending",
+             message=f"attempt {job.status.attempt + 1}: {what}: {text}")
     return d.build()

@@ -358,11 +358,16 @@ def test_a_wrong_image_fails_the_job_with_the_image_named(real_node, real_operat
     job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix)
     wrong = f"{real_node.registry}/kubetrain/trainr:0.1.0"
     job["spec"]["image"] = wrong
+    job["spec"]["runPolicy"] = {**job["spec"].get("runPolicy", {}), "startupGraceSeconds": 20}
     _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
     st = _wait_finished(core, testbed_env, ns, name, timeout=300)
     assert st["phase"] == "Failed" and wrong in st.get("message", ""), st
+    assert "startupGraceSeconds=20s" in st["message"], st
     events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
-    assert any(wrong in (e.message or "") for e in events if e.type == "Warning"), [e.message for e in events]
+    warnings = [(e.reason, e.message or "") for e in events if e.type == "Warning"]
+    # First a warning that the pull fails and will be retried, then the failure.
+    assert any(r == "StartupDelayed" and wrong in m for r, m in warnings), warnings
+    assert any(r == "Failed" and wrong in m for r, m in warnings), warnings
 
 
 @pytest.mark.parametrize("example, strategy", [("trainingjob-fsdp.yaml", "fsdp"), ("trainingjob-zero3.yaml", "zero3")])

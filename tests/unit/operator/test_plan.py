@@ -426,3 +426,45 @@ def test_whole_failure_sequence_until_failed() -> None:
             assert "exited with code 3" in tj.status.message
     assert delays == [1, 2, 4]
     assert tj.status.restarts == 3 and tj.status.failures == 4 and tj.status.preemptions == 0
+
+
+QUOTA = 'create pod tj-a1-n1: pods "tj-a1-n1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=1, limited: pods=1'
+
+
+def test_a_refused_pod_create_shows_on_the_job_and_waits() -> None:
+    from kubetrain.plan import rejected_plan
+    result = rejected_plan(job(), at(0), reason="QuotaExceeded", message=QUOTA)
+    st = result.status
+    assert st is not None and st.phase == "Pending" and st.attempt == 0, "the attempt is not recorded yet"
+    cond = st.condition("Created")
+    assert cond is not None and (cond.status, cond.reason) == ("False", "QuotaExceeded") and "exceeded quota" in cond.message
+    assert "waiting for quota" in st.message
+    assert [(e.type, e.reason) for e in result.events] == [("Warning", "QuotaExceeded")]
+    assert "exceeded quota: q" in result.events[0].message
+    assert not any(isinstance(a, (CreatePod, DeletePod)) for a in result.actions)
+    # The same refusal again: no new event, no write.
+    again = rejected_plan(Job(**{**job().__dict__, "status": st}), at(5), reason="QuotaExceeded", message=QUOTA)
+    assert again.actions == () and again.events == ()
+    # Once the quota admits them, the next plan completes the gang and clears the condition.
+    started_plan = plan(Job(**{**job().__dict__, "status": st}), observed(pod(rank=0, phase="Pending")), at(10))
+    assert [a.rank for a in started_plan.actions if isinstance(a, CreatePod)] == [1]
+    cond = started_plan.status.condition("Created")
+    assert started_plan.status.attempt == 1 and (cond.status, cond.reason) == ("True", "PodsCreated")
+
+
+def test_a_refused_restart_stays_restarting() -> None:
+    from kubetrain.plan import rejected_plan
+    restarting = job(status=started(phase="Restarting", nextAttemptTime=iso(0), preemptions=1))
+    st = rejected_plan(restarting, at(0), reason="QuotaExceeded", message=QUOTA).status
+    assert st is not None and st.phase == "Restarting" and st.attempt == 1 and st.preemptions == 1
+    assert "attempt 2: waiting for quota" in st.message
+
+
+def test_a_refusal_that_cannot_pass_fails_the_job_with_the_message_redacted() -> None:
+    from kubetrain.plan import fail_plan
+    msg = ('create pod tj-a1-n0: pods "tj-a1-n0" is forbidden: admission webhook "policy" denied the request: '
+           'env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG is not allowed')
+    result = fail_plan(job(), observed(), at(0), reason="PodRejected", message=msg)
+    assert result.status.phase == "Failed" and result.status.condition("Failed").reason == "PodRejected"
+    assert "denied the request" in result.status.message and "wJalrXUtnFEMI" not in result.status.message
+    assert [e.reason for e in result.events] == ["Failed"] and "wJalrXUtnFEMI" not in result.events[0].message
