@@ -388,3 +388,70 @@ def test_sharded_examples_train_to_success_with_both_pods_parts_committed(
     assert (final["strategy"], final["world_size"]) == (strategy, 2), final
     # Each pod saved its own rank's state on its own disk; node rank 0 committed both parts.
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {f["path"] for f in final["files"]}, final["files"]
+
+
+def _registry_copy(registry: str, src_ref: str, dst_repo: str, dst_tag: str) -> None:
+    """Give an image in the registry a second name, through the registry API (blob mounts and a
+    manifest put): what a late `docker push`, or a mirror that catches up, does."""
+    import urllib.request
+
+    src_repo, src_tag = src_ref.split("/", 1)[1].rsplit(":", 1)
+    accept = ", ".join(("application/vnd.oci.image.index.v1+json", "application/vnd.oci.image.manifest.v1+json",
+                        "application/vnd.docker.distribution.manifest.v2+json",
+                        "application/vnd.docker.distribution.manifest.list.v2+json"))
+
+    def call(method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        req = urllib.request.Request(f"http://{registry}/v2/{path}", data=body, method=method, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.headers, resp.read()
+
+    def copy(reference: str, tag: str) -> None:
+        _, headers, raw = call("GET", f"{src_repo}/manifests/{reference}", headers={"Accept": accept})
+        manifest = json.loads(raw)
+        for child in manifest.get("manifests", []):  # an index: copy what it lists first
+            copy(child["digest"], child["digest"])
+        for blob in [manifest.get("config")] + manifest.get("layers", []):
+            if blob:
+                status, _, _ = call("POST", f"{dst_repo}/blobs/uploads/?mount={blob['digest']}&from={src_repo}", b"")
+                assert status == 201, f"blob {blob['digest']} not mounted ({status})"
+        call("PUT", f"{dst_repo}/manifests/{tag}", raw, {"Content-Type": headers["Content-Type"]})
+
+    copy(src_tag, dst_tag)
+
+
+def test_an_image_that_appears_late_is_pulled_within_the_startup_window(
+        real_node, real_operator, images, testbed_env, core, s3_prefix, testbed):
+    """A pull that fails at first (a registry rate limit, a mirror still syncing) is transient: the job
+    shows StartupDelayed with the image named, the kubelet retries, and once the image is there the
+    gang runs to Succeeded as attempt 1 with no failure spent."""
+    from kubernetes import client
+
+    ns, name = real_operator["jobs"], f"late-{secrets.token_hex(2)}"
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix,
+                    args={"max_steps": 10, "save_steps": 10})
+    late_repo, late_tag = f"kubetrain/late-{secrets.token_hex(3)}", "0.1.0"
+    job["spec"]["image"] = f"{real_node.registry}/{late_repo}:{late_tag}"
+    job["spec"]["runPolicy"] = {**job["spec"].get("runPolicy", {}), "startupGraceSeconds": 600}
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    custom = client.CustomObjectsApi(core.api_client)
+
+    def delayed():
+        st = custom.get_namespaced_custom_object("kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+        cond = next((c for c in st.get("conditions", []) if c["type"] == "StartupDelayed"), None)
+        return (st, cond) if cond and cond["status"] == "True" else None
+
+    st, cond = wait_for(delayed, timeout=300, interval=2, what="condition StartupDelayed",
+                        on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    assert cond["reason"] in ("ErrImagePull", "ImagePullBackOff") and late_repo in cond["message"], cond
+    assert st["phase"] == "Pending" and st.get("failures", 0) == 0, st
+
+    _registry_copy(real_node.registry, images["trainer"], late_repo, late_tag)
+    st = _wait_finished(core, testbed_env, ns, name, timeout=900)
+    assert st["phase"] == "Succeeded", st
+    assert (st["attempt"], st.get("failures", 0), st.get("preemptions", 0)) == (1, 0, 0), st
+    cond = next(c for c in st["conditions"] if c["type"] == "StartupDelayed")
+    assert (cond["status"], cond["reason"]) == ("False", "PodsStarted"), cond
+    warnings = [e.reason for e in core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+                if e.type == "Warning"]
+    assert "StartupDelayed" in warnings and "Failed" not in warnings, warnings
