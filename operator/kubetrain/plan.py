@@ -109,16 +109,16 @@ class PodView:
             return None
         status = body.get("status") or {}
         disruption = ready_changed = None
-        starting_since = parse_time(meta.get("creationTimestamp"))
+        starting_since = _pod_time(meta.get("creationTimestamp"))
         ready = False
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
                 disruption = cond.get("reason") or "DisruptionTarget"
             elif cond.get("type") == "PodScheduled" and cond.get("status") == "True":
-                starting_since = parse_time(cond.get("lastTransitionTime")) or starting_since
+                starting_since = _pod_time(cond.get("lastTransitionTime")) or starting_since
             elif cond.get("type") == "Ready":
                 ready = cond.get("status") == "True"
-                ready_changed = parse_time(cond.get("lastTransitionTime"))
+                ready_changed = _pod_time(cond.get("lastTransitionTime"))
         exit_code, message, waiting, waiting_message = None, "", None, ""
         statuses = status.get("containerStatuses") or ()
         trainer = next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
@@ -136,7 +136,7 @@ class PodView:
         return cls(
             name=meta.get("name") or "", attempt=attempt, rank=rank,
             phase=status.get("phase") or "Pending",
-            deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
+            deletion_timestamp=_pod_time(meta.get("deletionTimestamp")),
             disruption=disruption, reason=str(status.get("reason") or ""),
             status_message=str(status.get("message") or ""), starting_since=starting_since,
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
@@ -146,6 +146,14 @@ class PodView:
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
         )
+
+
+def _pod_time(value: Any) -> dt.datetime | None:
+    """A timestamp from a pod; None when it does not parse (one odd pod never stops a reconcile)."""
+    try:
+        return parse_time(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 MAX_RECORD_BYTES = 4096

@@ -468,3 +468,16 @@ def test_a_refusal_that_cannot_pass_fails_the_job_with_the_message_redacted() ->
     assert result.status.phase == "Failed" and result.status.condition("Failed").reason == "PodRejected"
     assert "denied the request" in result.status.message and "wJalrXUtnFEMI" not in result.status.message
     assert [e.reason for e in result.events] == ["Failed"] and "wJalrXUtnFEMI" not in result.events[0].message
+
+
+def test_a_pod_with_unparsable_fields_is_still_seen() -> None:
+    """Pods are written by others: odd values make a field unknown, never the pod invisible."""
+    from kubetrain.plan import PodView
+    from kubetrain_factories import pod_body
+    body = pod_body(rank=1, phase="Failed", exit_code=1)
+    body["metadata"]["creationTimestamp"] = "not a time"
+    body["status"]["conditions"][0]["lastTransitionTime"] = 12
+    body["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = "1"
+    body["metadata"]["annotations"] = {"kubetrain.io/last-checkpoint": "{" * 5000}
+    view = PodView.from_storage(body)
+    assert view is not None and (view.rank, view.phase, view.exit_code, view.checkpoint) == (1, "Failed", None, None)
