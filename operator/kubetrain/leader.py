@@ -13,6 +13,13 @@ reads the same way as for kube-controller-manager:
   `renew_deadline` (shorter than the lease duration), or it reads that someone
   else holds the Lease, it has lost and `on_lost` runs. The operator exits
   there: it is level-triggered, so the next leader picks up where it stopped;
+- the renew deadline is kept by the clock, not by the calls: a watchdog thread
+  declares the loss `renew_deadline` after the start of the last successful
+  renewal even while a call still hangs (a half-open connection, an API server
+  that accepts and never answers, a response that trickles in). Every Lease
+  call also carries a request timeout, so a hung call ends and frees its thread.
+  A standby needs a full lease duration of silence before it takes over, so the
+  old leader has stopped before the new one starts;
 - a leader that stops cleanly releases the Lease (empty holder, duration 1 s)
   so a standby takes over at once instead of after a lease duration.
 """
@@ -41,6 +48,12 @@ class LeaseTiming:
     retry_period: float = 2.0
     """Time between tries, both to acquire and to renew (< renew_deadline)."""
 
+    @property
+    def request_timeout(self) -> float:
+        """Limit of one Lease call: half the renew deadline (at least 1 s), so that a call that
+        timed out leaves time for another try before the deadline."""
+        return max(1.0, self.renew_deadline / 2)
+
     def __post_init__(self) -> None:
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
             raise ValueError("lease timings need 0 < retry_period < renew_deadline < lease_duration, "
@@ -67,6 +80,10 @@ class LeaderElector:
         self._leading = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._renewed = threading.Condition()
+        self._renewed_at = 0.0    # our clock at the START of the last successful acquire or renew
+        self._lost = False
 
     @property
     def is_leader(self) -> bool:
@@ -91,18 +108,22 @@ class LeaderElector:
             self._observed_duration = float(spec.lease_duration_seconds or self.timing.lease_duration)
         self.holder = spec.holder_identity or None
 
+    @property
+    def _timeout(self) -> float:
+        return self.timing.request_timeout
+
     def try_acquire_or_renew(self) -> bool:
         """One round: True when this identity holds the Lease afterwards."""
         now = dt.datetime.now(dt.timezone.utc)
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.lease_duration)),
                 "acquireTime": _micro_time(now), "renewTime": _micro_time(now), "leaseTransitions": 0}
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status != 404:
                 raise
             try:
-                self.api.create_namespaced_lease(self.namespace, self._body(spec))
+                self.api.create_namespaced_lease(self.namespace, self._body(spec), _request_timeout=self._timeout)
             except ApiException as exc2:
                 if exc2.status == 409:   # another candidate created it first
                     return False
@@ -122,9 +143,12 @@ class LeaderElector:
             spec["leaseTransitions"] = transitions
         else:
             spec["leaseTransitions"] = transitions + 1
+        if self._lost:  # declared lost meanwhile (this round's read may have hung): write nothing
+            return False
         try:
             self.api.replace_namespaced_lease(self.name, self.namespace,
-                                              self._body(spec, lease.metadata.resource_version))
+                                              self._body(spec, lease.metadata.resource_version),
+                                              _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 409:   # someone wrote it since we read it
                 return False
@@ -139,8 +163,10 @@ class LeaderElector:
         stop = stop or self._stop
         announced = None
         while not stop.is_set():
+            started = self.clock()
             try:
                 if self.try_acquire_or_renew():
+                    self._renewed_at = started
                     self._leading.set()
                     log.info("leading: %s held by %s", self.lease_ref, self.identity)
                     return True
@@ -153,50 +179,76 @@ class LeaderElector:
         return False
 
     def start_renewing(self) -> None:
-        """Renew from a daemon thread; `on_lost` runs once if leadership is lost."""
+        """Renew from a daemon thread, and keep the renew deadline from another; `on_lost` runs
+        once if leadership is lost."""
         self._thread = threading.Thread(target=self._renew_loop, name="kubetrain-leader", daemon=True)
+        self._watchdog = threading.Thread(target=self._keep_deadline, name="kubetrain-leader-deadline", daemon=True)
         self._thread.start()
+        self._watchdog.start()
 
     def _renew_loop(self) -> None:
-        last_renewed = self.clock()
         while not self._stop.wait(self.timing.retry_period):
+            started = self.clock()
             try:
                 if self.try_acquire_or_renew():
-                    last_renewed = self.clock()
+                    with self._renewed:
+                        if self._lost:
+                            return
+                        self._renewed_at = started
+                        self._renewed.notify_all()
                     continue
                 if self.holder not in (None, self.identity):
-                    reason = f"{self.lease_ref} is now held by {self.holder}"
-                else:  # a write conflict on our own Lease: read it again next round
-                    raise RuntimeError("write conflict")
+                    self._lose(f"{self.lease_ref} is now held by {self.holder}")
+                    return
+                log.warning("cannot renew %s (will retry): write conflict", self.lease_ref)
             except Exception as exc:  # noqa: BLE001
-                if self.clock() - last_renewed < self.timing.renew_deadline:
-                    log.warning("cannot renew %s (will retry): %s", self.lease_ref, exc)
-                    continue
-                reason = f"could not renew {self.lease_ref} for {self.timing.renew_deadline:g}s: {exc}"
-            if self._stop.is_set():
+                log.warning("cannot renew %s (will retry): %s", self.lease_ref, exc)
+            if self._lost:
                 return
+
+    def _keep_deadline(self) -> None:
+        """Declare the loss when `renew_deadline` has passed since the start of the last successful
+        renewal, whatever the renewing thread is doing (a call may hang past its timeout)."""
+        with self._renewed:
+            while not self._stop.is_set() and not self._lost:
+                left = self._renewed_at + self.timing.renew_deadline - self.clock()
+                if left <= 0:
+                    break
+                self._renewed.wait(left)
+        self._lose(f"could not renew {self.lease_ref} for {self.timing.renew_deadline:g}s")
+
+    def _lose(self, reason: str) -> None:
+        """Once: stop leading and tell `on_lost` (unless we are stopping anyway)."""
+        with self._renewed:
+            if self._lost or self._stop.is_set():
+                return
+            self._lost = True
             self._leading.clear()
-            log.error("lost leadership: %s", reason)
-            if self.on_lost is not None:
-                self.on_lost(reason)
-            return
+            self._renewed.notify_all()
+        log.error("lost leadership: %s", reason)
+        if self.on_lost is not None:
+            self.on_lost(reason)
 
     def release(self) -> None:
         """Stop renewing and, if still leading, hand the Lease back so a standby takes over now."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.timing.retry_period + 5)
+        with self._renewed:
+            self._renewed.notify_all()
+        for thread in (self._thread, self._watchdog):
+            if thread is not None:
+                thread.join(self.timing.retry_period + self.timing.request_timeout * 2 + 1)
         if not self._leading.is_set():
             return
         self._leading.clear()
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
             if lease.spec.holder_identity != self.identity:
                 return
             now = _micro_time(dt.datetime.now(dt.timezone.utc))
             self.api.replace_namespaced_lease(self.name, self.namespace, self._body(
                 {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
-                 "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version))
+                 "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version),
+                _request_timeout=self._timeout)
             log.info("released %s", self.lease_ref)
         except Exception as exc:  # noqa: BLE001  (the Lease then expires on its own)
             log.warning("could not release %s (it expires by itself): %s", self.lease_ref, exc)
