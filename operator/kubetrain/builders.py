@@ -165,6 +165,9 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "subdomain": job.name,
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        # No API token unless the job asks for one: the trainer needs none, and a token in the pod
+        # would hand whatever rights its ServiceAccount has to every library the training code loads.
+        "automountServiceAccountToken": tpl.get("automountServiceAccountToken") is True,
     }
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "schedulerName",
                 "serviceAccountName", "imagePullSecrets"):

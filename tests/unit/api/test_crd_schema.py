@@ -94,7 +94,8 @@ def test_agreed_field_names_exist(schema):
         "spec.runPolicy.suspend", "spec.runPolicy.nodeLostGraceSeconds",
         *(f"spec.podTemplate.{f}" for f in [
             "labels", "annotations", "nodeSelector", "tolerations", "affinity", "priorityClassName",
-            "schedulerName", "serviceAccountName", "imagePullSecrets", "volumes", "volumeMounts"]),
+            "schedulerName", "serviceAccountName", "automountServiceAccountToken", "imagePullSecrets",
+            "volumes", "volumeMounts"]),
         *(f"status.{f}" for f in [
             "phase", "message", "conditions", "attempt", "restarts", "preemptions", "failures",
             "nodesReady", "nodesTotal", "startTime", "completionTime", "nextAttemptTime",

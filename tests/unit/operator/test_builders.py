@@ -230,3 +230,20 @@ def test_shm_size_is_configurable_and_a_user_volume_at_dev_shm_wins() -> None:
     pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
     shm = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert shm == [{"name": "mine", "mountPath": "/dev/shm"}]
+
+
+@pytest.mark.parametrize("template, mounted, account", [
+    ({}, False, None),
+    ({"serviceAccountName": "trainer"}, False, "trainer"),
+    ({"automountServiceAccountToken": False}, False, None),
+    ({"serviceAccountName": "trainer", "automountServiceAccountToken": True}, True, "trainer"),
+], ids=["default", "a named account still gets no token", "explicitly off", "asked for"])
+def test_training_pods_get_an_api_token_only_when_the_job_asks(template: dict, mounted: bool,
+                                                               account: str | None) -> None:
+    """Training code gets no Kubernetes credentials by default: the pod spec says false
+    explicitly, so a ServiceAccount (or namespace default) that automounts does not win."""
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["podTemplate"] = template
+    spec = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["spec"]
+    assert spec["automountServiceAccountToken"] is mounted
+    assert spec.get("serviceAccountName") == account
