@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import distributed as dist_util
+from .readiness import mark_ready
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -138,6 +139,8 @@ def save_checkpoint(output_dir: str | Path, step: int, registry: ResumeRegistry)
     dist_util.barrier()
     if local_main:
         _fsync_tree(tmp)
+        # The launcher's watcher commits a marked folder at first sight (readiness.py): every rank wrote.
+        mark_ready(tmp)
         if final.exists():  # re-saving a step (e.g. an emergency save right after a regular one)
             stale = root / f"{TMP_PREFIX}-{step}-replaced"
             shutil.rmtree(stale, ignore_errors=True)

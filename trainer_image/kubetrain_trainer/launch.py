@@ -78,6 +78,11 @@ class LaunchConfig:
     access_retry_s: float = 120.0
     """How long refused access or a missing bucket (S3 401/403/404) is retried at start before exit 82
     (KUBETRAIN_S3_AUTH_RETRY_SECONDS): a Secret, IAM policy or bucket may still be propagating."""
+    settle_s: float = 30.0
+    """How long an unmarked in-place checkpoint folder must stay unchanged before it is committed
+    (KUBETRAIN_CHECKPOINT_SETTLE_SECONDS, see readiness.py)."""
+    commit_mode: str = "auto"
+    """KUBETRAIN_CHECKPOINT_COMMIT: `auto` (ready markers, else quiescence) or `marker` (only marked folders)."""
     termination_log: Path = Path("/dev/termination-log")
     service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -117,6 +122,9 @@ class LaunchConfig:
         if builtin and trainer_args.get("output_dir"):
             local_dir = Path(str(trainer_args["output_dir"]))
         port = _int(env, "MASTER_PORT", 29500, minimum=1)
+        commit_mode = env.get("KUBETRAIN_CHECKPOINT_COMMIT") or "auto"
+        if commit_mode not in ("auto", "marker"):
+            raise ConfigError(f"KUBETRAIN_CHECKPOINT_COMMIT: unknown value {commit_mode!r}; allowed: auto, marker")
         if port > 65535:
             raise ConfigError(f"MASTER_PORT: {port} is not a TCP port")
         return cls(
@@ -139,6 +147,8 @@ class LaunchConfig:
             upload_wait_s=_float(env, "KUBETRAIN_UPLOAD_TIMEOUT_SECONDS", 1800.0),
             restore_timeout_s=_float(env, "KUBETRAIN_RESTORE_TIMEOUT_SECONDS", 600.0),
             access_retry_s=_float(env, "KUBETRAIN_S3_AUTH_RETRY_SECONDS", 120.0),
+            settle_s=_float(env, "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS", 30.0),
+            commit_mode=commit_mode,
             termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
             service_account_dir=Path(
                 env.get("KUBETRAIN_SERVICEACCOUNT_DIR") or "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -251,6 +261,11 @@ class Workers:
     def all_ok(self) -> bool:
         return all(p.returncode == 0 for p in self.procs)
 
+    @property
+    def exited_cleanly(self) -> bool:
+        """Every worker exited by itself with success or the contract's "preempted" (no signal, no crash)."""
+        return all(p.returncode in (EXIT_OK, EXIT_PREEMPTED) for p in self.procs)
+
     def terminate(self) -> None:
         if self._termed:
             return
@@ -348,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("workers finished after %.1fs; outcome exit code %d", time.monotonic() - started, code)
 
     if uploader is not None and watch is not None:
+        # Workers that stopped on their own terms wrote their last folder completely; dead ones may not have.
+        watch.writers_exited(clean=workers.exited_cleanly)
         watch.stop()  # one last scan: the emergency checkpoint
         if signalled_at is not None:
             uploader.keep_only_newest()
@@ -472,7 +489,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
     uploader = CheckpointUploader(
         store, settings, staging_dir=staging, on_commit=on_commit, on_lag=on_lag, initial=initial
     ).start()
-    watcher = FolderWatcher(cfg.local_dir)
+    watcher = FolderWatcher(cfg.local_dir, settle_s=cfg.settle_s, node_rank=cfg.node_rank, mode=cfg.commit_mode)
     stale = watcher.prime()
     if stale:
         log.warning("ignoring local checkpoints left from before this launch: %s", stale)

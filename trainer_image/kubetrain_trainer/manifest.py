@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Mapping
 
+from kubetrain_trainer.readiness import is_marker_name
+
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 _NODE_PART = re.compile(r"^manifest\.node-(\d+)\.json$")
@@ -290,14 +292,14 @@ def sha256_file(path: Path, *, chunk: int = 4 << 20) -> str:
 
 
 def scan_folder(folder: Path) -> tuple[FileEntry, ...]:
-    """Every regular file under `folder` (commit records excluded), hashed, sorted by path."""
+    """Every regular file under `folder` (commit records and ready markers excluded), hashed, sorted by path."""
     entries = []
     for root, dirs, files in os.walk(folder):
         dirs.sort()
         for name in sorted(files):
             full = Path(root) / name
             rel = full.relative_to(folder).as_posix()
-            if is_manifest_name(rel) or full.is_symlink() or not full.is_file():
+            if is_manifest_name(rel) or is_marker_name(name) or full.is_symlink() or not full.is_file():
                 continue
             entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=sha256_file(full)))
     return tuple(sorted(entries, key=lambda f: f.path))

@@ -29,7 +29,9 @@ Limits (by design, written down):
   node rank 0 waits `part_wait_s` for the other nodes' parts, else that step
   stays torn. Every node restores the whole checkpoint (all nodes' files).
 - The watcher polls (1 s): a checkpoint the trainer saves and rotates away
-  within one poll is skipped; only the newest matters for resume.
+  within one poll is skipped; only the newest matters for resume. Writers
+  that fill `checkpoint-<step>` in place are committed by the rule of
+  `readiness.py` (ready markers, else quiescence), never at first sight.
 - Fencing is check-then-write (plain S3 has no compare-and-swap across
   objects); it relies on the operator's guarantee that attempts never
   overlap and catches zombies at their next commit.
@@ -46,7 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from kubetrain_trainer.callbacks import TrainerCallback
 from kubetrain_trainer.manifest import (
@@ -64,6 +66,17 @@ from kubetrain_trainer.manifest import (
     plan_retention,
     scan_folder,
     utc_now_rfc3339,
+)
+from kubetrain_trainer.readiness import (
+    TRAINER_STATE,
+    CommitMode,
+    FolderView,
+    WriterView,
+    decide_commit,
+    is_hf_shaped,
+    is_marker_name,
+    markers_complete,
+    observe_folder,
 )
 from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageError, StoragePermanentError
 
@@ -408,43 +421,109 @@ class CheckpointUploader:
 
 
 class FolderWatcher:
-    """Finds checkpoint folders that appeared (or were replaced) under a local output folder.
+    """Finds local checkpoint folders that are complete, by the rule of `readiness.decide_commit`.
 
-    The trainer writes `tmp-checkpoint-<step>` and renames it: a folder under
-    its final name is complete locally. Folders holding a `manifest.json` were
-    restored from storage and are already committed. A folder re-saved at the
-    same step gets a new inode and is reported again.
+    A folder is reported once, when its writer marked it ready, or (writers
+    without markers) when it has been quiet for the settle period, an
+    HF-shaped one only after its trainer_state.json; kubetrain's own Trainer
+    renames a marked folder into place, so it is reported at first sight.
+    Folders holding a `manifest.json` were restored from storage and are
+    already committed. A folder re-saved at the same step gets a new inode and
+    is judged again. `clock` is injectable so the rule is tested without waiting.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, settle_s: float = 30.0, node_rank: int = 0, mode: CommitMode = "auto",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
+        self.settle_s = settle_s
+        self.node_rank = node_rank
+        self.clock = clock
         self._seen: dict[int, int] = {}
+        """step -> inode of the folder already reported, given up, or left from before this launch."""
+        self._pending: dict[int, _Pending] = {}
+        self._uses_markers = mode == "marker"
+        self._hf_writer = False
+        self._writers: Literal["running", "finished", "died"] = "running"
+        self._writers_end: float | None = None
+
+    def writers_exited(self, *, clean: bool) -> None:
+        """The workers are gone: clean (all exited 0 or 83) or not (a signal, a crash)."""
+        if self._writers_end is None:
+            self._writers_end = self.clock()
+            self._writers = "finished" if clean else "died"
 
     def prime(self) -> list[int]:
         """Mark every folder present now as seen (left from before this launch, not ours to upload)."""
-        return [step for step, _ in self.poll()]
+        return sorted(step for step, inode, _path in self._entries() if self._seen.setdefault(step, inode) == inode)
 
-    def poll(self) -> list[tuple[int, Path]]:
-        found = []
+    def _entries(self) -> list[tuple[int, int, Path]]:
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
             return []
+        out = []
         for entry in entries:
             step = parse_checkpoint_dirname(entry.name)
             if step is None or not entry.is_dir(follow_symlinks=False):
                 continue
             try:
-                inode = entry.inode()
+                out.append((step, entry.inode(), Path(entry.path)))
             except OSError:
                 continue
+        return out
+
+    def poll(self) -> list[tuple[int, Path]]:
+        now = self.clock()
+        for step, inode, path in self._entries():
             if self._seen.get(step) == inode:
                 continue
-            self._seen[step] = inode
-            if (Path(entry.path) / MANIFEST_NAME).exists():
+            if (path / MANIFEST_NAME).exists():
+                self._seen[step] = inode
                 continue
-            found.append((step, Path(entry.path)))
-        return sorted(found)
+            pending = self._pending.get(step)
+            if pending is None or pending.inode != inode:
+                self._pending[step] = _Pending(inode=inode, path=path, changed_at=now)
+        views: dict[int, tuple[frozenset[str], float]] = {}
+        for step, pending in list(self._pending.items()):
+            try:
+                signature, names = observe_folder(pending.path)
+            except OSError:
+                del self._pending[step]  # rotated away before it was complete: nothing to upload
+                continue
+            if signature != pending.signature:
+                pending.signature, pending.changed_at = signature, now
+            if any(is_marker_name(n) for n in names):
+                self._uses_markers = True
+            if TRAINER_STATE in names:
+                self._hf_writer = True
+            end = self._writers_end if self._writers_end is not None else now
+            views[step] = (names, max(0.0, end - pending.changed_at))
+        writer = WriterView(uses_markers=self._uses_markers, expects_trainer_state=self.node_rank == 0,
+                            state=self._writers)
+        found = []
+        for step, (names, quiet_s) in sorted(views.items()):
+            pending = self._pending[step]
+            view = FolderView(ready=markers_complete(names), hf_shaped=self._hf_writer or is_hf_shaped(names),
+                              has_trainer_state=TRAINER_STATE in names, quiet_s=quiet_s)
+            decision = decide_commit(view, writer, settle_s=self.settle_s)
+            if decision.action == "wait":
+                continue
+            del self._pending[step]
+            self._seen[step] = pending.inode
+            if decision.action == "commit":
+                log.info("local checkpoint-%d is complete: %s", step, decision.reason)
+                found.append((step, pending.path))
+            else:
+                log.warning("local checkpoint-%d is never committed: %s", step, decision.reason)
+        return found
+
+
+@dataclass
+class _Pending:
+    inode: int
+    path: Path
+    changed_at: float
+    signature: tuple | None = None
 
 
 class WatchLoop:
@@ -455,6 +534,7 @@ class WatchLoop:
         self.uploader = uploader
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._scan_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kubetrain-ckpt-watch", daemon=True)
 
     def start(self) -> "WatchLoop":
@@ -462,9 +542,13 @@ class WatchLoop:
         return self
 
     def scan_once(self) -> None:
-        for step, folder in self.watcher.poll():
-            log.info("new local checkpoint-%d: queued for upload", step)
-            self.uploader.submit(folder, step)
+        with self._scan_lock:
+            for step, folder in self.watcher.poll():
+                log.info("new local checkpoint-%d: queued for upload", step)
+                self.uploader.submit(folder, step)
+
+    def writers_exited(self, *, clean: bool) -> None:
+        self.watcher.writers_exited(clean=clean)
 
     def stop(self) -> None:
         """Stop polling, after one last scan (the emergency checkpoint lands just before the workers exit)."""

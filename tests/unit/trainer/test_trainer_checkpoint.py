@@ -80,8 +80,8 @@ def test_checkpoint_layout_and_rotation_in_a_run(tiny_gpt, tokens, make_args, tm
     out = tmp_path / "out"
     assert [s for s, _ in list_checkpoints(out)] == [6, 8]
     files = sorted(p.name for p in (out / "checkpoint-8").iterdir())
-    assert files == ["model.safetensors", "optimizer.pt", "rng_state_0.pth", "scheduler.pt",
-                     "trainer_state.json", "training_args.json"]
+    assert files == [".kubetrain-ready", "model.safetensors", "optimizer.pt", "rng_state_0.pth", "scheduler.pt",
+                     "trainer_state.json", "training_args.json"]  # the marker: complete on arrival (readiness.py)
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
     assert state["data_position"] == {"epoch": 1, "samples": 0}  # 30 samples / 4 = 8 batches: epoch 0 is done

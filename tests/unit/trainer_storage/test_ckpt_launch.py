@@ -58,6 +58,8 @@ def test_env_contract_is_read():
         ({"KUBETRAIN_TRAINER_ARGS": "{not json"}, [], "KUBETRAIN_TRAINER_ARGS"),
         ({"KUBETRAIN_TRAINER_ARGS": "[1]"}, [], "KUBETRAIN_TRAINER_ARGS"),
         ({"KUBETRAIN_TERMINATION_GRACE_SECONDS": "soon"}, [], "KUBETRAIN_TERMINATION_GRACE_SECONDS"),
+        ({"KUBETRAIN_CHECKPOINT_COMMIT": "sometimes"}, [], "KUBETRAIN_CHECKPOINT_COMMIT"),
+        ({"KUBETRAIN_CHECKPOINT_SETTLE_SECONDS": "0"}, [], "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS"),
         ({}, ["--"], "command"),
         ({}, ["train.py"], "command"),
     ],

@@ -23,6 +23,7 @@ from kubetrain_trainer.storage import (
     classify,
     retrying,
 )
+from kubetrain_trainer.readiness import mark_ready
 from kubetrain_trainer.sync import CheckpointUploader, FolderWatcher, SyncSettings
 
 FAST = Backoff(initial_s=0.01, maximum_s=0.05)
@@ -255,6 +256,7 @@ def test_folder_watcher_reports_complete_new_and_replaced_folders_once(tmp_path:
     assert w.prime() == [1]
     assert w.poll() == []
     (tmp_path / "tmp-checkpoint-2").mkdir()
+    mark_ready(tmp_path / "tmp-checkpoint-2")  # kubetrain's Trainer marks, then renames
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / MANIFEST_NAME).write_text("{}")  # restored: already committed
     assert w.poll() == []
@@ -263,6 +265,7 @@ def test_folder_watcher_reports_complete_new_and_replaced_folders_once(tmp_path:
     assert w.poll() == []
     (tmp_path / "checkpoint-2").rename(tmp_path / "old")
     (tmp_path / "checkpoint-2").mkdir()  # re-saved at the same step
+    mark_ready(tmp_path / "checkpoint-2")
     assert w.poll() == [(2, tmp_path / "checkpoint-2")]
 
 
