@@ -29,17 +29,29 @@ The API server rejects an invalid object at `kubectl apply` time, naming the
 field: types, enums, ranges and patterns below, plus the cross-field rules at
 the end. Unknown fields (e.g. inline S3 keys under `spec.checkpoint`) are
 rejected under strict field validation, the default of `kubectl apply`.
+What the pod API (or the kubelet) would refuse when the pods are created is
+refused here already: negative quantities, fractional extended resources
+(`nvidia.com/gpu: 0.5`), requests above limits, invalid label and annotation
+keys, tolerations the pod API rejects, mount paths with `.`, `..` or empty
+segments, subPaths that leave the volume, invalid names and keys.
 
 Names kubetrain keeps for itself (all enforced by the API server):
 
 - `metadata.name`: a DNS-1035 label of at most 50 characters (it names the
   headless Service, the pod hostnames `<name>-n<rank>` and a label value).
 - `spec.env[].name`: the variables of docs/contract.md (`NNODES`, `MASTER_ADDR`,
-  `KUBETRAIN_*` ...); `AWS_*` only while `spec.checkpoint` is set, so a job
-  without checkpoint storage may still read data from S3 with its own keys.
+  `KUBETRAIN_*` ...); `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`
+  and `AWS_ENDPOINT_URL` only while `spec.checkpoint` is set, so a job without
+  checkpoint storage may still read data from S3 with its own keys.
+- `spec.env[].value`: never a literal AWS credential or profile
+  (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+  `AWS_SECURITY_TOKEN`, `AWS_PROFILE`, ...), with or without `spec.checkpoint`:
+  take them from a Secret with `valueFrom.secretKeyRef`.
 - `spec.podTemplate.labels` / `annotations`: keys under `kubetrain.io/`.
 - `spec.podTemplate.volumes[].name`: the prefix `kubetrain-`;
-  `volumeMounts[].mountPath`: anything under `/etc/kubetrain`.
+  `volumeMounts[].mountPath`: `/`, `/dev`, `/dev/termination-log`, and `/proc`,
+  `/etc/kubetrain` and `/tmp/kubetrain` (the local checkpoints) with everything
+  below them. A volume at `/tmp` or `/dev/shm` replaces kubetrain's own.
 """
 
 

@@ -48,6 +48,7 @@ def spec(**patch) -> dict:
 
 
 ZERO3 = {"type": "zero3", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}
+VOLUME = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]}
 
 # (id, object, text the error must contain: the field path, plus the rule's words where we wrote them)
 MALFORMED = [
@@ -138,6 +139,162 @@ MALFORMED = [
     ("unknown-spec-field", spec(replicas=2), ["spec.replicas", "unknown field"]),
     ("name-too-long", merged(BASE, {"metadata": {"name": "x" * 51}}), ["metadata.name"]),
     ("name-with-dot", merged(BASE, {"metadata": {"name": "my.job"}}), ["metadata.name"]),
+    # What the pod API (or the kubelet) would refuse later is refused here, naming the field.
+    ("fractional-gpu-limit", spec(resources={"limits": {"nvidia.com/gpu": "0.5"}}),
+     ["spec.resources.limits", "nvidia.com/gpu must be a whole number"]),
+    ("fractional-extended-request",
+     spec(resources={"requests": {"example.com/fpga": "500m"}, "limits": {"example.com/fpga": "500m"}}),
+     ["spec.resources.requests", "example.com/fpga must be a whole number"]),
+    ("negative-integer-quantity", spec(resources={"limits": {"memory": -1}}),
+     ["spec.resources.limits", "memory must be a non-negative quantity"]),
+    ("requests-above-limits", spec(resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}),
+     ["spec.resources.requests", "cpu must not exceed spec.resources.limits"]),
+    ("extended-request-not-limit",
+     spec(resources={"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": 2}}),
+     ["spec.resources", "example.com/fpga must be set in limits"]),
+    ("unknown-resource-name", spec(resources={"limits": {"gpu": 1}}),
+     ["spec.resources.limits", "gpu is not a container resource"]),
+    ("negative-shm-size", spec(shmSize=-1), ["spec.shmSize", "non-negative"]),
+    ("mount-path-dotdot", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data/../etc"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "must be a clean absolute path"]),
+    ("mount-path-dot", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data/./x"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "must be a clean absolute path"]),
+    ("mount-path-trailing-slash", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/tmp/"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "must be a clean absolute path"]),
+    ("mount-path-empty-segment", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/dev//shm"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "must be a clean absolute path"]),
+    ("mount-path-relative", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "data"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath"]),
+    ("mount-path-termination-log",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/dev/termination-log"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "/dev/termination-log is reserved"]),
+    ("mount-path-local-checkpoints",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/tmp/kubetrain/checkpoints"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "is reserved"]),
+    ("mount-path-deepspeed-config",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/etc/kubetrain/deepspeed"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "is reserved"]),
+    ("mount-path-dev", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/dev"}]}),
+     ["spec.podTemplate.volumeMounts[0].mountPath", "is reserved"]),
+    ("subpath-dotdot",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data", "subPath": "a/../../b"}]}),
+     ["spec.podTemplate.volumeMounts[0].subPath", "must be a relative path inside the volume"]),
+    ("subpath-absolute",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data", "subPath": "/etc"}]}),
+     ["spec.podTemplate.volumeMounts[0].subPath", "must be a relative path inside the volume"]),
+    ("subpath-dot",
+     spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data", "subPath": "./models"}]}),
+     ["spec.podTemplate.volumeMounts[0].subPath", "must be a relative path inside the volume"]),
+    ("label-key-invalid", spec(podTemplate={"labels": {"team name": "ml"}}),
+     ["spec.podTemplate.labels", "team name is not a valid label key"]),
+    ("label-key-uppercase-prefix", spec(podTemplate={"labels": {"Example.com/team": "ml"}}),
+     ["spec.podTemplate.labels", "Example.com/team is not a valid label key"]),
+    ("label-value-invalid", spec(podTemplate={"labels": {"team": "-ml"}}), ["spec.podTemplate.labels.team"]),
+    ("annotation-key-invalid", spec(podTemplate={"annotations": {"a/b/c": "x"}}),
+     ["spec.podTemplate.annotations", "a/b/c is not a valid annotation key"]),
+    ("node-selector-key-empty-name", spec(podTemplate={"nodeSelector": {"example.com/": "x"}}),
+     ["spec.podTemplate.nodeSelector", "example.com/ is not a valid label key"]),
+    ("node-selector-value-invalid", spec(podTemplate={"nodeSelector": {"disk": "fast ssd"}}),
+     ["spec.podTemplate.nodeSelector.disk"]),
+    ("scheduler-name-invalid", spec(podTemplate={"schedulerName": "My Scheduler"}),
+     ["spec.podTemplate.schedulerName"]),
+    ("toleration-empty-key-equal", spec(podTemplate={"tolerations": [{"operator": "Equal", "value": "x"}]}),
+     ["spec.podTemplate.tolerations[0].operator", "must be Exists when key is empty"]),
+    ("toleration-seconds-without-noexecute",
+     spec(podTemplate={"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule",
+                                        "tolerationSeconds": 30}]}),
+     ["spec.podTemplate.tolerations[0].effect", "must be NoExecute when tolerationSeconds is set"]),
+    ("toleration-seconds-without-effect",
+     spec(podTemplate={"tolerations": [{"key": "k", "operator": "Exists", "tolerationSeconds": 30}]}),
+     ["spec.podTemplate.tolerations[0].effect", "must be NoExecute when tolerationSeconds is set"]),
+    ("toleration-unknown-effect", spec(podTemplate={"tolerations": [{"key": "k", "effect": "NoRun"}]}),
+     ["spec.podTemplate.tolerations[0].effect", "Unsupported value"]),
+    ("toleration-key-invalid", spec(podTemplate={"tolerations": [{"key": "dedicated to", "operator": "Exists"}]}),
+     ["spec.podTemplate.tolerations[0].key", "is not a valid label key"]),
+    ("toleration-value-invalid", spec(podTemplate={"tolerations": [{"key": "k", "value": "a b"}]}),
+     ["spec.podTemplate.tolerations[0].value"]),
+    ("aws-key-literal-without-checkpoint",
+     merged(BASE, {"spec": {"checkpoint": DELETE, "env": [{"name": "AWS_ACCESS_KEY_ID", "value": "AKIAEXAMPLE"}]}}),
+     ["spec.env[0].value", "AWS_ACCESS_KEY_ID is a credential"]),
+    ("aws-session-token-literal", spec(env=[{"name": "AWS_SESSION_TOKEN", "value": "FwoGZX"}]),
+     ["spec.env[0].value", "AWS_SESSION_TOKEN is a credential"]),
+    ("aws-security-token-literal",
+     merged(BASE, {"spec": {"checkpoint": DELETE, "env": [{"name": "A", "value": "1"},
+                                                          {"name": "AWS_SECURITY_TOKEN", "value": "x"}]}}),
+     ["spec.env[1].value", "AWS_SECURITY_TOKEN is a credential"]),
+    ("aws-profile-literal", spec(env=[{"name": "AWS_PROFILE", "value": "prod"}]),
+     ["spec.env[0].value", "AWS_PROFILE is a credential"]),
+    ("secret-key-ref-key-escapes",
+     spec(env=[{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "../token"}}}]),
+     ["spec.env[0].valueFrom.secretKeyRef.key"]),
+    ("config-map-key-ref-empty-name",
+     spec(env=[{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "", "key": "k"}}}]),
+     ["spec.env[0].valueFrom.configMapKeyRef.name"]),
+    ("field-ref-unsupported-path",
+     spec(env=[{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "spec.containers"}}}]),
+     ["spec.env[0].valueFrom.fieldRef.fieldPath"]),
+    ("resource-field-ref-unsupported",
+     spec(env=[{"name": "X", "valueFrom": {"resourceFieldRef": {"resource": "limits.nvidia.com/gpu"}}}]),
+     ["spec.env[0].valueFrom.resourceFieldRef.resource"]),
+    ("envfrom-empty-name", spec(envFrom=[{"configMapRef": {"name": ""}}]), ["spec.envFrom[0].configMapRef.name"]),
+    ("envfrom-prefix-with-equals", spec(envFrom=[{"prefix": "A=", "secretRef": {"name": "s"}}]),
+     ["spec.envFrom[0].prefix"]),
+    ("deepspeed-configmap-name-invalid",
+     spec(strategy={"type": "zero3", "deepspeed": {"configMapRef": {"name": "DS_Config"}}}),
+     ["spec.strategy.deepspeed.configMapRef.name"]),
+    ("credentials-key-invalid", spec(checkpoint={"credentialsSecret": {"name": "s3", "accessKeyIdKey": "../id"}}),
+     ["spec.checkpoint.credentialsSecret.accessKeyIdKey"]),
+    ("checkpoint-uri-dotdot", spec(checkpoint={"uri": "s3://kubetrain-test/jobs/../other"}),
+     ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
+    ("checkpoint-uri-dot", spec(checkpoint={"uri": "s3://kubetrain-test/./jobs"}),
+     ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
+    ("checkpoint-uri-trailing-dotdot", spec(checkpoint={"uri": "s3://kubetrain-test/jobs/.."}),
+     ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
+    ("checkpoint-uri-empty-segment", spec(checkpoint={"uri": "s3://kubetrain-test/jobs//a"}),
+     ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
+]
+
+# Counterparts of the rules above that a careless rule would refuse too.
+ACCEPTED = [
+    ("aws-key-from-secret-with-checkpoint",
+     spec(env=[{"name": "AWS_SESSION_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s3", "key": "token"}}},
+               {"name": "AWS_PROFILE", "valueFrom": {"configMapKeyRef": {"name": "aws", "key": "profile"}}}])),
+    ("aws-variables-that-are-not-credentials",
+     merged(BASE, {"spec": {"checkpoint": DELETE, "env": [
+         {"name": "AWS_REGION", "value": "eu-west-1"}, {"name": "AWS_PROFILE", "value": ""},
+         {"name": "AWS_ACCESS_KEY_ID_FILE_HINT", "value": "/var/run/keys"}]}})),
+    ("whole-extended-resources",
+     spec(resources={"requests": {"nvidia.com/gpu": 2, "cpu": "500m", "memory": "1.5Gi", "hugepages-2Mi": "64Mi"},
+                     "limits": {"nvidia.com/gpu": "2", "cpu": 1, "memory": "2Gi", "hugepages-2Mi": "64Mi",
+                                "example.com/fpga": "1000m"}})),
+    ("replacing-tmp-and-shm-and-mounting-below-them",
+     spec(podTemplate={"volumes": [{"name": "scratch", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                                   {"name": "data", "persistentVolumeClaim": {"claimName": "d"}}],
+                       "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"},
+                                        {"name": "shm", "mountPath": "/dev/shm"},
+                                        {"name": "data", "mountPath": "/tmp/data", "subPath": "models/gpt2"},
+                                        {"name": "data", "mountPath": "/data/.cache", "subPath": "cache/..data"},
+                                        {"name": "data", "mountPath": "/tmp/kubetrainer"}]})),
+    ("qualified-label-and-annotation-keys",
+     spec(podTemplate={"labels": {"example.com/team": "ml", "app": ""},
+                       "annotations": {"Example.com/Note": "free text: anything goes"},
+                       "nodeSelector": {"kubernetes.io/arch": "amd64", "node.kubernetes.io/instance-type": ""},
+                       "schedulerName": "volcano"})),
+    ("tolerations-of-the-pod-api",
+     spec(podTemplate={"tolerations": [
+         {"operator": "Exists"},
+         {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 60},
+         {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+          "tolerationSeconds": 300},
+         {"key": "nvidia.com/gpu", "effect": "NoSchedule"}]})),
+    ("env-references-of-the-pod-api",
+     spec(env=[{"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+               {"name": "IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+               {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}}},
+               {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf.token", "key": ".hf_token"}}}],
+          envFrom=[{"prefix": "DATA_", "configMapRef": {"name": "data-config"}}])),
+    ("checkpoint-uri-with-dotted-names-and-trailing-slash",
+     spec(checkpoint={"uri": "s3://my.bucket/jobs/v1.2/..hidden/"})),
 ]
 
 
@@ -148,6 +305,7 @@ def test_the_base_object_of_the_malformed_cases_is_valid(submit):
 
 def test_there_are_at_least_twenty_malformed_cases():
     assert len(MALFORMED) >= 20 and len({m[0] for m in MALFORMED}) == len(MALFORMED)
+    assert len({m[0] for m in ACCEPTED}) == len(ACCEPTED)
 
 
 @pytest.mark.parametrize("obj, expected", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
@@ -157,6 +315,13 @@ def test_malformed_trainingjob_is_rejected_naming_the_field(submit, obj, expecte
     assert info.value.status in (400, 422), info.value.text
     for text in expected:
         assert text in info.value.text, f"{text!r} not in:\n{info.value.text}"
+
+
+@pytest.mark.parametrize("obj", [a[1] for a in ACCEPTED], ids=[a[0] for a in ACCEPTED])
+def test_what_the_pod_api_allows_is_accepted(submit, obj):
+    """The rules that refuse MALFORMED cases refuse nothing a pod may have."""
+    stored = submit(obj)
+    assert stored["spec"]["image"] == obj["spec"]["image"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -171,7 +336,8 @@ def test_defaults_are_applied(submit):
     s = submit(minimal)["spec"]
     assert s["nodes"] == 1 and s["procsPerNode"] == 1 and s["masterPort"] == 29500
     assert s["strategy"] == {"type": "ddp"}
-    assert s["runPolicy"] == {"backoffLimit": 3, "backoffSeconds": 10, "suspend": False, "nodeLostGraceSeconds": 60}
+    assert s["runPolicy"] == {"backoffLimit": 3, "backoffSeconds": 10, "suspend": False, "nodeLostGraceSeconds": 60,
+                              "maxPreemptions": 30, "startupGraceSeconds": 300}
     assert "checkpoint" not in s
 
 
