@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any, Literal, Mapping
 
 GROUP = "kubetrain.io"
@@ -214,14 +215,14 @@ class Spec:
             procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
             shm_size=str(spec.get("shmSize") or "1Gi"),
-            resources=dict(spec.get("resources") or {}),
+            resources=_resources(spec.get("resources")),
             trainer=_trainer(spec.get("trainer")),
-            env=tuple(spec.get("env") or ()),
+            env=_env(spec.get("env")),
             env_from=tuple(spec.get("envFrom") or ()),
             strategy=_strategy(spec.get("strategy")),
             checkpoint=_checkpoint(spec.get("checkpoint")),
             run_policy=_run_policy(spec.get("runPolicy")),
-            pod_template=dict(spec.get("podTemplate") or {}),
+            pod_template=_pod_template(spec.get("podTemplate")),
         )
 
 
@@ -283,6 +284,10 @@ def _checkpoint(raw: Any) -> Checkpoint | None:
     uri = raw.get("uri")
     if not uri or not str(uri).startswith("s3://"):
         raise SpecError("checkpoint.uri", f"must be an s3:// URI, got {uri!r}")
+    path = str(uri)[len("s3://"):]
+    if any(seg in ("", ".", "..") for seg in (path[:-1] if path.endswith("/") else path).split("/")):
+        raise SpecError("checkpoint.uri", f"must be s3://bucket[/prefix] whose prefix has no '.', '..' or "
+                                          f"empty ('//') segments, got {uri!r}")
     secret = dict(raw.get("credentialsSecret") or {})
     if not secret.get("name"):
         raise SpecError("checkpoint.credentialsSecret.name", "is required")
@@ -309,6 +314,118 @@ def _run_policy(raw: Any) -> RunPolicy:
         node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
         startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0),
     )
+
+
+# The CRD refuses all of the following at admission; the operator checks them again (cheaply)
+# so that a spec stored before a rule existed fails as InvalidSpec naming the field, instead of
+# as pods the API server refuses on every attempt.
+
+CREDENTIAL_ENV_NAMES: frozenset[str] = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+})
+"""Variables that carry (or select) AWS credentials: only ever from a Secret, never a literal
+value stored in the TrainingJob (crds/trainingjob.yaml, spec.env[].value)."""
+RESERVED_MOUNT_PATHS: frozenset[str] = frozenset({"/", "/dev", "/dev/termination-log", "/proc"})
+RESERVED_MOUNT_TREES: tuple[str, ...] = ("/proc", "/etc/kubetrain", "/tmp/kubetrain")
+"""Mount points kubetrain or the runtime owns: the paths themselves and everything below them."""
+
+_QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?$")
+_SUFFIX = {"": 1, "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": 10**3,
+           "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           **{s: 2 ** (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}
+
+
+def _quantity(value: Any, path: str) -> Fraction:
+    """A resource quantity (4, "500m", "16Gi", "1e3") as an exact number; negative is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = Fraction(value)
+    else:
+        m = _QUANTITY.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+        suffix = m.group(2) or ""
+        scale = Fraction(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
+        number = Fraction(m.group(1)) * scale
+    if number < 0:
+        raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+    return number
+
+
+def _is_extended(name: str) -> bool:
+    """A resource outside the kubernetes.io domain (e.g. nvidia.com/gpu): integer, never overcommitted."""
+    return "/" in name and "kubernetes.io/" not in name
+
+
+def _resources(raw: Any) -> dict[str, Any]:
+    raw = dict(raw or {})
+    parsed: dict[str, dict[str, Fraction]] = {}
+    for which in ("requests", "limits"):
+        parsed[which] = {}
+        for name, value in dict(raw.get(which) or {}).items():
+            path = f"resources.{which}.{name}"
+            if "/" in name:
+                if not _QUALIFIED_NAME.match(name) or name.startswith("requests."):
+                    raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                          "hugepages-<size> or an extended resource <domain>/<name>")
+            elif name not in ("cpu", "memory", "ephemeral-storage") and not name.startswith("hugepages-"):
+                raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                      "hugepages-<size> or an extended resource <domain>/<name>")
+            number = parsed[which][name] = _quantity(value, path)
+            if _is_extended(name) and number.denominator != 1:
+                raise SpecError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
+    requests, limits = parsed["requests"], parsed["limits"]
+    for name, number in requests.items():
+        if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:
+            raise SpecError(f"resources.requests.{name}", "must be set in limits too, and equal to the limit "
+                                                         "(extended resources and hugepages cannot be overcommitted)")
+        if name in limits and number > limits[name]:
+            raise SpecError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
+    return raw
+
+
+def _env(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    env = tuple(raw or ())
+    for i, var in enumerate(env):
+        name = var.get("name") if isinstance(var, Mapping) else None
+        if name in CREDENTIAL_ENV_NAMES and var.get("value"):
+            raise SpecError(f"env[{i}].value", f"{name} is a credential and must not be written into the "
+                                               "TrainingJob; take it from a Secret with valueFrom.secretKeyRef")
+    return env
+
+
+def _pod_template(raw: Any) -> dict[str, Any]:
+    tpl = dict(raw or {})
+    p = "podTemplate."
+    for key in ("labels", "nodeSelector", "annotations"):
+        for name in dict(tpl.get(key) or {}):
+            if not _QUALIFIED_NAME.match(name.lower() if key == "annotations" else name):
+                raise SpecError(f"{p}{key}", f"{name!r} is not a valid key: an optional DNS subdomain prefix "
+                                             "and '/', then at most 63 letters, digits, '-', '_' or '.'")
+    for i, mount in enumerate(tpl.get("volumeMounts") or ()):
+        where = f"{p}volumeMounts[{i}]"
+        path, sub = str(mount.get("mountPath") or ""), mount.get("subPath")
+        segments = path.split("/")[1:]
+        if not path.startswith("/") or any(seg in ("", ".", "..") for seg in segments):
+            raise SpecError(f"{where}.mountPath", f"{path!r} must be a clean absolute path: no '.', '..' or "
+                                                  "empty segments and no trailing /")
+        if path in RESERVED_MOUNT_PATHS or any(path == t or path.startswith(t + "/") for t in RESERVED_MOUNT_TREES):
+            raise SpecError(f"{where}.mountPath", f"{path} is reserved: /, /dev, /dev/termination-log, /proc, "
+                                                  "/etc/kubetrain and /tmp/kubetrain (and below them)")
+        if sub and (str(sub).startswith("/") or any(seg in (".", "..") for seg in str(sub).split("/"))):
+            raise SpecError(f"{where}.subPath", f"{sub!r} must be a relative path inside the volume, "
+                                                "without '.' or '..' segments")
+    for i, tol in enumerate(tpl.get("tolerations") or ()):
+        where = f"{p}tolerations[{i}]"
+        if not tol.get("key") and tol.get("operator") != "Exists":
+            raise SpecError(f"{where}.operator", "must be Exists when key is empty (a toleration of every taint)")
+        if tol.get("tolerationSeconds") is not None and tol.get("effect") != "NoExecute":
+            raise SpecError(f"{where}.effect", "must be NoExecute when tolerationSeconds is set")
+        if tol.get("operator") == "Exists" and tol.get("value"):
+            raise SpecError(f"{where}.value", "must be empty when operator is Exists")
+    return tpl
 
 
 # ------------------------------------------------------------------- status

@@ -1,0 +1,147 @@
+"""The operator's second look at a spec (kubetrain.api.Spec.from_storage): a TrainingJob
+stored before the CRD refused something the pod API refuses fails as InvalidSpec naming
+the field, instead of as pod creates that are refused on every attempt. The CRD is the
+first line (tests/integration/api/test_trainingjob_validation.py); these rules mirror
+its important ones, and the tests at the end keep the two lists in step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kubetrain.api import CREDENTIAL_ENV_NAMES, RESERVED_MOUNT_PATHS, RESERVED_MOUNT_TREES, Spec, SpecError
+
+BASE = {"image": "i", "trainer": {"builtin": {"task": "regression"}}}
+VOLUME = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]}
+
+
+def mount(path: str, sub: str | None = None) -> dict:
+    m = {"name": "data", "mountPath": path, **({"subPath": sub} if sub is not None else {})}
+    return {"podTemplate": {**VOLUME, "volumeMounts": [m]}}
+
+
+def tolerations(*items: dict) -> dict:
+    return {"podTemplate": {"tolerations": list(items)}}
+
+
+CKPT = {"credentialsSecret": {"name": "s3"}}
+
+REFUSED = [
+    ({"resources": {"limits": {"nvidia.com/gpu": "0.5"}}}, "resources.limits.nvidia.com/gpu", "whole number"),
+    ({"resources": {"limits": {"example.com/fpga": "1500m"}}}, "resources.limits.example.com/fpga", "whole number"),
+    ({"resources": {"limits": {"memory": -1}}}, "resources.limits.memory", "non-negative"),
+    ({"resources": {"requests": {"cpu": "-500m"}}}, "resources.requests.cpu", "non-negative"),
+    ({"resources": {"requests": {"cpu": "lots"}}}, "resources.requests.cpu", "quantity"),
+    ({"resources": {"requests": {"cpu": True}}}, "resources.requests.cpu", "quantity"),
+    ({"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}}, "resources.requests.cpu", "exceed"),
+    ({"resources": {"requests": {"memory": "1.5Gi"}, "limits": {"memory": "1G"}}}, "resources.requests.memory",
+     "exceed"),
+    ({"resources": {"requests": {"nvidia.com/gpu": 1}}}, "resources.requests.nvidia.com/gpu", "set in limits"),
+    ({"resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 2}}},
+     "resources.requests.nvidia.com/gpu", "equal to the limit"),
+    ({"resources": {"requests": {"hugepages-2Mi": "64Mi"}, "limits": {"hugepages-2Mi": "128Mi"}}},
+     "resources.requests.hugepages-2Mi", "equal to the limit"),
+    ({"resources": {"limits": {"gpu": 1}}}, "resources.limits.gpu", "not a container resource"),
+    ({"resources": {"limits": {"Example.com/gpu": 1}}}, "resources.limits.Example.com/gpu", "not a container resource"),
+    (mount("/data/../etc"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("/data/./x"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("/tmp/"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("/dev//shm"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("data"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("/"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
+    (mount("/dev"), "podTemplate.volumeMounts[0].mountPath", "reserved"),
+    (mount("/dev/termination-log"), "podTemplate.volumeMounts[0].mountPath", "reserved"),
+    (mount("/proc/sys"), "podTemplate.volumeMounts[0].mountPath", "reserved"),
+    (mount("/etc/kubetrain"), "podTemplate.volumeMounts[0].mountPath", "reserved"),
+    (mount("/tmp/kubetrain/checkpoints"), "podTemplate.volumeMounts[0].mountPath", "reserved"),
+    (mount("/data", "../x"), "podTemplate.volumeMounts[0].subPath", "relative path"),
+    (mount("/data", "a/.."), "podTemplate.volumeMounts[0].subPath", "relative path"),
+    (mount("/data", "./a"), "podTemplate.volumeMounts[0].subPath", "relative path"),
+    (mount("/data", "/abs"), "podTemplate.volumeMounts[0].subPath", "relative path"),
+    ({"podTemplate": {"labels": {"team name": "ml"}}}, "podTemplate.labels", "'team name'"),
+    ({"podTemplate": {"labels": {"a/b/c": "x"}}}, "podTemplate.labels", "'a/b/c'"),
+    ({"podTemplate": {"nodeSelector": {"example.com/": "x"}}}, "podTemplate.nodeSelector", "'example.com/'"),
+    ({"podTemplate": {"annotations": {"-a": "x"}}}, "podTemplate.annotations", "'-a'"),
+    (tolerations({"operator": "Equal", "value": "x"}), "podTemplate.tolerations[0].operator", "Exists"),
+    (tolerations({"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 5}),
+     "podTemplate.tolerations[0].effect", "NoExecute"),
+    (tolerations({"operator": "Exists"}, {"key": "k", "tolerationSeconds": 5}),
+     "podTemplate.tolerations[1].effect", "NoExecute"),
+    (tolerations({"key": "k", "operator": "Exists", "value": "v"}), "podTemplate.tolerations[0].value", "empty"),
+    ({"env": [{"name": "AWS_ACCESS_KEY_ID", "value": "AKIAEXAMPLE"}]}, "env[0].value", "AWS_ACCESS_KEY_ID"),
+    ({"env": [{"name": "X", "value": "1"}, {"name": "AWS_SESSION_TOKEN", "value": "t"}]}, "env[1].value",
+     "AWS_SESSION_TOKEN"),
+    ({"env": [{"name": "AWS_PROFILE", "value": "prod"}]}, "env[0].value", "Secret"),
+    ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/a/../b"}}, "checkpoint.uri", "'..'"),
+    ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/./a"}}, "checkpoint.uri", "'.'"),
+    ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/a/.."}}, "checkpoint.uri", "'..'"),
+    ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/a//b"}}, "checkpoint.uri", "'//'"),
+    ({"checkpoint": {**CKPT, "uri": "s3://bucket-name//"}}, "checkpoint.uri", "'//'"),
+]
+
+
+@pytest.mark.parametrize("patch, field, words", REFUSED, ids=[f"{r[1]}-{i}" for i, r in enumerate(REFUSED)])
+def test_what_pods_would_refuse_is_an_invalid_spec_naming_the_field(patch: dict, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as err:
+        Spec.from_storage({**BASE, **patch})
+    assert err.value.field_path == field
+    assert str(err.value).startswith(f"spec.{field}: ") and words in str(err.value)
+
+
+ACCEPTED = [
+    {"resources": {"requests": {"nvidia.com/gpu": 2, "cpu": "500m", "memory": "1.5Gi", "hugepages-2Mi": "64Mi"},
+                   "limits": {"nvidia.com/gpu": "2", "cpu": 1, "memory": "2Gi", "hugepages-2Mi": "64Mi",
+                              "example.com/fpga": "1000m", "ephemeral-storage": "1e3"}}},
+    {"resources": {"requests": {"cpu": ".5", "memory": "+128Mi"}, "limits": {"cpu": "0.5", "memory": "134217728"}}},
+    {"podTemplate": {"volumes": VOLUME["volumes"] + [{"name": "scratch", "emptyDir": {}}],
+                     "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"},
+                                      {"name": "scratch", "mountPath": "/dev/shm", "subPath": "shm"},
+                                      {"name": "data", "mountPath": "/tmp/data", "subPath": "models/gpt2"},
+                                      {"name": "data", "mountPath": "/data/.cache", "subPath": "cache/..data/"},
+                                      {"name": "data", "mountPath": "/tmp/kubetrainer"},
+                                      {"name": "data", "mountPath": "/etc/kubetrain-extra"}]}},
+    {"podTemplate": {"labels": {"example.com/team": "ml", "app": ""}, "annotations": {"Example.com/Note": "x y"},
+                     "nodeSelector": {"kubernetes.io/arch": "amd64"}}},
+    tolerations({"operator": "Exists"},
+                {"key": "dedicated", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 60},
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}),
+    {"env": [{"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+             {"name": "AWS_PROFILE", "value": ""}, {"name": "AWS_REGION", "value": "eu-west-1"}]},
+    {"checkpoint": {**CKPT, "uri": "s3://my.bucket/jobs/v1.2/..hidden/"}},
+    {"checkpoint": {**CKPT, "uri": "s3://bucket-name"}},
+]
+
+
+@pytest.mark.parametrize("patch", ACCEPTED, ids=range(len(ACCEPTED)))
+def test_what_pods_allow_is_parsed(patch: dict) -> None:
+    spec = Spec.from_storage({**BASE, **patch})
+    assert spec.pod_template == patch.get("podTemplate", {})
+    assert spec.resources == patch.get("resources", {})
+    assert list(spec.env) == patch.get("env", [])
+
+
+def _crd_rule_text(schema: dict, *path: str) -> str:
+    node = schema
+    for p in path:
+        node = node["items"] if p == "[]" else node["properties"][p]
+    return " ".join(r["rule"] for r in node["x-kubernetes-validations"])
+
+
+def test_credential_names_are_the_crds(schema: dict) -> None:
+    """The operator refuses literal values of exactly the variables the CRD does."""
+    text = _crd_rule_text(schema, "spec", "env", "[]")
+    in_crd = {n for n in re.findall(r"'([A-Z][A-Z0-9_]+)'", text)}
+    assert in_crd == CREDENTIAL_ENV_NAMES
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"} <= in_crd
+
+
+def test_reserved_mount_paths_are_the_crds(schema: dict) -> None:
+    text = _crd_rule_text(schema, "spec", "podTemplate", "volumeMounts", "[]", "mountPath")
+    for path in RESERVED_MOUNT_PATHS:
+        assert f"'{path}'" in text, path
+    for tree in RESERVED_MOUNT_TREES:
+        assert f"startsWith('{tree}/')" in text, tree
+    # The operator's own mounts are covered: builders.DEEPSPEED_DIR and the local checkpoints.
+    from kubetrain import builders
+    assert builders.DEEPSPEED_DIR.startswith("/etc/kubetrain/") and builders.HOME_DIR.startswith("/tmp/kubetrain/")
