@@ -402,6 +402,43 @@ def newest_complete(checkpoints: Iterable[RemoteCheckpoint], *, exclude: Iterabl
     return best
 
 
+def is_already_committed(existing: RemoteCheckpoint | None, *, attempt: int, files: Iterable[FileEntry],
+                         nnodes: int) -> bool:
+    """Whether `existing` is this attempt's complete commit of a checkpoint holding this node's `files`.
+
+    Single node: the manifest lists exactly these files. Multi-node: the
+    manifest is the merge of every node's part, so this node's files must be
+    a subset of it (same path, size and digest), never equal to it. Getting
+    this wrong on node rank 0 un-commits its own newest checkpoint on a retry.
+    """
+    if existing is None or not existing.complete or existing.manifest is None or existing.manifest.attempt != attempt:
+        return False
+    own, committed = set(files), set(existing.manifest.files)
+    return own == committed if nnodes == 1 else own <= committed
+
+
+@dataclass(frozen=True)
+class MultipartUpload:
+    """An incomplete multipart upload under the job's prefix (what S3 bills for until it is aborted)."""
+
+    key: str
+    upload_id: str
+    initiated: datetime
+
+
+def stale_multipart_uploads(uploads: Iterable[MultipartUpload], *, attempt_started: datetime,
+                            margin_s: float = 300.0) -> list[MultipartUpload]:
+    """The incomplete multipart uploads that an earlier attempt left behind (killed mid-upload).
+
+    Attempts never overlap, so an upload begun before this attempt started
+    belongs to a writer that is gone. `margin_s` absorbs clock skew between
+    this node and the S3 server; uploads begun within it are left alone (they
+    waste space at worst, and a later attempt aborts them).
+    """
+    limit = attempt_started.timestamp() - margin_s
+    return [u for u in uploads if u.initiated.timestamp() < limit]
+
+
 @dataclass(frozen=True)
 class Fence:
     """Whether an attempt may commit a checkpoint at a step."""
@@ -568,6 +605,9 @@ __all__ = [
     "best_step",
     "build_manifest",
     "check_fence",
+    "is_already_committed",
+    "stale_multipart_uploads",
+    "MultipartUpload",
     "checkpoint_dirname",
     "merge_parts",
     "newest_complete",

@@ -35,6 +35,7 @@ from kubetrain_trainer.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    MultipartUpload,
     NodePart,
     RemoteCheckpoint,
     checkpoint_dirname,
@@ -360,6 +361,24 @@ class CheckpointStore:
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             self._call("delete", folder, lambda: self._client.delete_objects(Bucket=self.location.bucket, Delete=batch))
+
+    def list_multipart_uploads(self) -> list[MultipartUpload]:
+        """Incomplete multipart uploads under this job's prefix."""
+        base = self.location.key() + "/" if self.location.prefix else ""
+
+        def run() -> list[MultipartUpload]:
+            out: list[MultipartUpload] = []
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=base):
+                for u in page.get("Uploads", []):
+                    out.append(MultipartUpload(key=u["Key"], upload_id=u["UploadId"], initiated=u["Initiated"]))
+            return out
+
+        return self._call("list uploads", base, run)
+
+    def abort_multipart_upload(self, upload: MultipartUpload) -> None:
+        self._call("abort upload", upload.key, lambda: self._client.abort_multipart_upload(
+            Bucket=self.location.bucket, Key=upload.key, UploadId=upload.upload_id))
 
     def upload_files(self, step: int, folder: Path, files: tuple[FileEntry, ...]) -> None:
         for f in files:

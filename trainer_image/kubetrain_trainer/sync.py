@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -59,6 +60,8 @@ from kubetrain_trainer.manifest import (
     RetentionPolicy,
     build_manifest,
     check_fence,
+    is_already_committed,
+    stale_multipart_uploads,
     checkpoint_dirname,
     merge_parts,
     node_part_name,
@@ -109,6 +112,8 @@ class SyncSettings:
     status_interval_s: float = 30.0
     history: frozenset[tuple[int, int]] = frozenset()
     """(step, attempt) of every manifest seen at start (see `check_fence`)."""
+    stale_upload_margin_s: float = 300.0
+    """Incomplete multipart uploads begun this long before the uploader started are aborted (clock skew margin)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ class CheckpointUploader:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kubetrain-ckpt-upload", daemon=True)
         self._last_status = 0.0
+        self._started_at = datetime.now(timezone.utc)
+        """When this attempt's uploader started: multipart uploads begun before it are an earlier attempt's."""
 
     # ------------------------------------------------------------ public
 
@@ -330,8 +337,7 @@ class CheckpointUploader:
             raise FencedError(fence.reason)
         existing = next((c for c in remote if c.step == job.step), None)
         if existing is not None and existing.manifest is not None:
-            same = existing.complete and existing.manifest.attempt == s.attempt and existing.manifest.files == job.files
-            if same:
+            if is_already_committed(existing, attempt=s.attempt, files=job.files, nnodes=s.nnodes):
                 log.info("checkpoint-%d is already committed with the same content", job.step)
                 self._committed(job.step)
                 return
@@ -411,13 +417,27 @@ class CheckpointUploader:
                 log.exception("on_commit hook failed")
 
     def _apply_retention(self) -> None:
+        """Node rank 0, after a commit: remote retention, then aborting uploads an earlier attempt left torn.
+
+        Best effort by design: the commit before it stands whatever fails here
+        (a failure must never send the committed step back through the upload
+        path); what is left over is retried after the next commit.
+        """
         if self.settings.node_rank != 0:
             return
-        remote = self.store.list_checkpoints()
-        plan = plan_retention(remote, self.settings.retention, in_flight=self.pending_steps())
-        for step in plan.delete:
-            log.info("deleting remote checkpoint-%d (retention; kept %s)", step, dict(plan.protected))
-            self.store.delete_checkpoint(step)
+        try:
+            remote = self.store.list_checkpoints()
+            plan = plan_retention(remote, self.settings.retention, in_flight=self.pending_steps())
+            for step in plan.delete:
+                log.info("deleting remote checkpoint-%d (retention; kept %s)", step, dict(plan.protected))
+                self.store.delete_checkpoint(step)
+            for upload in stale_multipart_uploads(self.store.list_multipart_uploads(),
+                                                  attempt_started=self._started_at,
+                                                  margin_s=self.settings.stale_upload_margin_s):
+                log.info("aborting an incomplete multipart upload of %s left by an earlier attempt", upload.key)
+                self.store.abort_multipart_upload(upload)
+        except (StorageError, OSError) as e:
+            log.warning("remote retention incomplete (%s); retried after the next commit", e)
 
 
 class FolderWatcher:

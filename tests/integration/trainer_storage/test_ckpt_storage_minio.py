@@ -179,3 +179,20 @@ def test_unreachable_endpoint_is_a_temporary_error(ckpt_env):
     store = _store(dict(ckpt_env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}"), connect_timeout_s=0.5)
     with pytest.raises(StorageTemporaryError):
         store.list_checkpoints()
+
+
+def test_multipart_uploads_an_earlier_attempt_left_torn_are_aborted_after_a_commit(minio, ckpt_env, tmp_path):
+    """A trainer killed with -9 mid-upload leaves an incomplete multipart upload (billed, invisible to listings);
+    node rank 0 of the next attempt aborts it after its first commit."""
+    store = _store(ckpt_env)
+    client = minio.client()
+    key = store.location.key("checkpoint-3", "big.bin")
+    torn = client.create_multipart_upload(Bucket=minio.bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=minio.bucket, Key=key, UploadId=torn, PartNumber=1, Body=os.urandom(5 * MiB))
+    assert [u.upload_id for u in store.list_multipart_uploads()] == [torn]
+    time.sleep(1.1)  # the server's Initiated time has a one-second resolution: the attempt starts after it
+    up = _uploader(store, tmp_path, attempt=2, stale_upload_margin_s=0)
+    assert up.submit(_checkpoint(tmp_path / "out", 4), 4)
+    assert up.close(120), up.status_line()
+    assert store.list_multipart_uploads() == []
+    assert [c.step for c in store.list_checkpoints() if c.complete] == [4]

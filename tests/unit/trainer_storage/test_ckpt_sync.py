@@ -89,6 +89,13 @@ class MemoryStore:
         for k in [k for k in self.objects if k.startswith(f"checkpoint-{step}/")]:
             del self.objects[k]
 
+    def list_multipart_uploads(self):
+        self._maybe_fail()
+        return []
+
+    def abort_multipart_upload(self, upload) -> None:
+        raise AssertionError("nothing to abort in memory")
+
 
 def _local_checkpoint(root: Path, step: int, *, loss: float | None = None) -> Path:
     folder = root / f"checkpoint-{step}"
@@ -225,6 +232,46 @@ def test_multi_node_commit_waits_for_every_nodes_part(tmp_path: Path):
     assert node1.close(10) and node0.close(10)
     m = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
     assert [f.path for f in m.files] == ["rng_state_0.pth", "rng_state_1.pth"]
+
+
+class DeleteFailsOnce(MemoryStore):
+    """S3 answers everything but the first retention delete (a 503 in the middle of retention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delete_failures = 1
+
+    def delete_checkpoint(self, step: int) -> None:
+        if self.delete_failures:
+            self.delete_failures -= 1
+            raise StorageTemporaryError(f"delete checkpoint-{step}: 503 SlowDown")
+        super().delete_checkpoint(step)
+
+
+def test_a_retention_failure_never_uncommits_the_newest_step_on_two_nodes(tmp_path: Path):
+    """Node rank 0 commits the merged manifest of both nodes; retention then fails. The commit stands:
+    the step is not sent back through the upload path (where node 0's own files never equal the merged
+    manifest, and the retry used to un-commit the newest checkpoint)."""
+    store = DeleteFailsOnce()
+    kw = dict(nnodes=2, part_wait_s=10, retention=RetentionPolicy(save_total_limit=1))
+    node0 = _uploader(tmp_path / "n0", store, node_rank=0, **kw)
+    node1 = _uploader(tmp_path / "n1", store, node_rank=1, **kw)
+    for step in (1, 2, 3):
+        for rank, up in ((1, node1), (0, node0)):
+            folder = tmp_path / f"o{rank}" / f"checkpoint-{step}"
+            folder.mkdir(parents=True)
+            (folder / f"rng_state_{rank}.pth").write_bytes(b"%d-%d" % (rank, step))
+            up.submit(folder, step)
+        assert node1.wait(10) and node0.wait(10)
+        assert f"checkpoint-{step}/manifest.json" in store.objects  # committed, and it stays so
+    assert node1.close(10) and node0.close(10)
+    assert not [w for w in store.writes if w.startswith("uncommit") and w != "uncommit checkpoint-1"
+                and w != "uncommit checkpoint-2"], store.writes
+    assert [w for w in store.writes if w.endswith("/manifest.json")] == [
+        "checkpoint-1/manifest.json", "checkpoint-2/manifest.json", "checkpoint-3/manifest.json"]
+    # the failed deletion was made up for after the next commit: only the newest is left
+    assert [c.step for c in store.list_checkpoints() if c.complete] == [3]
+    assert node0.last_error is None
 
 
 def test_a_step_another_node_skipped_does_not_stall_node0(tmp_path: Path):
