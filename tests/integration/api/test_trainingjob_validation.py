@@ -196,8 +196,6 @@ MALFORMED = [
      ["spec.podTemplate.nodeSelector", "example.com/ is not a valid label key"]),
     ("node-selector-value-invalid", spec(podTemplate={"nodeSelector": {"disk": "fast ssd"}}),
      ["spec.podTemplate.nodeSelector.disk"]),
-    ("scheduler-name-invalid", spec(podTemplate={"schedulerName": "My Scheduler"}),
-     ["spec.podTemplate.schedulerName"]),
     ("toleration-empty-key-equal", spec(podTemplate={"tolerations": [{"operator": "Equal", "value": "x"}]}),
      ["spec.podTemplate.tolerations[0].operator", "must be Exists when key is empty"]),
     ("toleration-seconds-without-noexecute",
