@@ -33,7 +33,8 @@ What the pod API (or the kubelet) would refuse when the pods are created is
 refused here already: negative quantities, fractional extended resources
 (`nvidia.com/gpu: 0.5`), requests above limits, invalid label and annotation
 keys, tolerations the pod API rejects, mount paths with `.`, `..` or empty
-segments, subPaths that leave the volume, invalid names and keys.
+segments, subPaths or volume item paths that leave the volume, volumes with
+two sources, invalid names and keys.
 
 Names kubetrain keeps for itself (all enforced by the API server):
 
