@@ -192,6 +192,8 @@ MALFORMED = [
     ("label-value-invalid", spec(podTemplate={"labels": {"team": "-ml"}}), ["spec.podTemplate.labels.team"]),
     ("annotation-key-invalid", spec(podTemplate={"annotations": {"a/b/c": "x"}}),
      ["spec.podTemplate.annotations", "a/b/c is not a valid annotation key"]),
+    ("annotations-too-large", spec(podTemplate={"annotations": {"note": "x" * 200_000, "more": "y" * 62_200}}),
+     ["spec.podTemplate.annotations", "at most 256 KiB"]),
     ("node-selector-key-empty-name", spec(podTemplate={"nodeSelector": {"example.com/": "x"}}),
      ["spec.podTemplate.nodeSelector", "example.com/ is not a valid label key"]),
     ("node-selector-value-invalid", spec(podTemplate={"nodeSelector": {"disk": "fast ssd"}}),
