@@ -23,3 +23,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "kubetrain.serviceAccountName" -}}
 {{- default (include "kubetrain.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /*
+Namespaces whose TrainingJobs the operator manages, comma-separated: .Values.namespaces,
+or the release namespace when that list is empty; empty with clusterWide (every namespace).
+*/ -}}
+{{- define "kubetrain.watchedNamespaces" -}}
+{{- if and .Values.clusterWide .Values.namespaces -}}
+{{- fail "clusterWide=true manages every namespace: leave namespaces empty, or set clusterWide=false to manage only the listed ones" -}}
+{{- end -}}
+{{- if not .Values.clusterWide -}}
+{{- join "," (.Values.namespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+{{- end -}}

@@ -1,7 +1,8 @@
 """The Helm chart renders what the operator needs and nothing more: its CRD is
-the repository's crds/ file (a symlink, never a twin), RBAC is exactly the
-agreed rule set, the Deployment runs `kubetrain operator run` as non-root with
-kopf's liveness endpoint, and values.schema.json rejects bad values.
+the repository's crds/ file (a symlink, never a twin), RBAC grants exactly what
+the operator's code calls (derived from the code by tests/kubetrain_rbac.py) and
+only in the namespaces it manages, the Deployment runs `kubetrain operator run`
+as non-root with kopf's liveness endpoint, and values.schema.json rejects bad values.
 Runs the real helm from the testbed's bin folder (skipped until it is built)."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+import kubetrain_rbac
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "kubetrain"
@@ -86,58 +89,116 @@ def test_packaged_chart_contains_the_crd_bytes(tmp_path):
         assert member is not None and member.read() == CRD_FILE.read_bytes()
 
 
-EXPECTED_RULES = {
-    ("kubetrain.io", "trainingjobs"): {"get", "list", "watch", "patch", "update", "delete"},
-    ("kubetrain.io", "trainingjobs/status"): {"get", "patch", "update"},
-    ("", "pods"): {"get", "list", "watch", "create", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "delete", "patch"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
-    ("", "nodes"): {"get", "list", "watch"},
-    ("", "namespaces"): {"list", "watch"},
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("coordination.k8s.io", "leases"): {"get", "create", "update"},
-}
+RELEASE_NS = "kubetrain-system"
 
 
-def granted(docs: list[dict]) -> dict[tuple[str, str], set[str]]:
-    out: dict[tuple[str, str], set[str]] = {}
-    for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
-        for rule in role["rules"]:
-            for group in rule["apiGroups"]:
-                for res in rule["resources"]:
-                    out.setdefault((group, res), set()).update(rule["verbs"])
+def expected_grants(*, managed: list[str] | None, leader_election: bool = True) -> dict:
+    """What the chart must grant, from what the code calls (tests/kubetrain_rbac.py):
+    `managed` namespaces get the namespaced uses (None: cluster-wide), the release
+    namespace the Lease, the cluster the cluster-scoped reads."""
+    use = kubetrain_rbac.used()
+    out: dict = {None: {k: set(v) for k, v in use[kubetrain_rbac.CLUSTER].items()}}
+    for ns in managed if managed is not None else [None]:
+        for key, verbs in use[kubetrain_rbac.WATCHED].items():
+            out.setdefault(ns, {}).setdefault(key, set()).update(verbs)
+    if leader_election:
+        for key, verbs in use[kubetrain_rbac.OWN].items():
+            out.setdefault(RELEASE_NS, {}).setdefault(key, set()).update(verbs)
     return out
 
 
+def assert_same_grants(docs: list[dict], expected: dict) -> None:
+    got = kubetrain_rbac.granted(docs)
+    problems = []
+    for where in sorted(set(got) | set(expected), key=str):
+        scope = where or "cluster-wide"
+        have, need = got.get(where, {}), expected.get(where, {})
+        for (group, res) in sorted(set(have) | set(need)):
+            extra = have.get((group, res), set()) - need.get((group, res), set())
+            missing = need.get((group, res), set()) - have.get((group, res), set())
+            if extra:
+                problems.append(f"{scope}: {group or 'core'}/{res} {sorted(extra)} granted, never called by the code")
+            if missing:
+                problems.append(f"{scope}: {group or 'core'}/{res} {sorted(missing)} called by the code, not granted")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_derived_uses_cover_every_part_of_the_operator():
+    """The derivation found the calls of each module that talks to the API (a broken
+    parser that finds nothing would make the chart comparison meaningless)."""
+    where = {u.where.split(":")[0].split(" ")[0] for u in kubetrain_rbac.uses()}
+    assert {"k8s", "informer", "leader", "handlers", "builders"} <= where, where
+    use = kubetrain_rbac.used()
+    assert "create" in use[kubetrain_rbac.WATCHED][("", "pods")]
+    assert use[kubetrain_rbac.CLUSTER] == {("", "nodes"): {"list", "watch"}}, "kopf scanning must stay off"
+
+
+@pytest.mark.parametrize("snippet, expected", [
+    ("api.core.patch_namespaced_pod(name, ns, body)", [("managed namespaces", "", "pods", "patch")]),
+    ("api.call('x', api.core.read_namespaced_secret, name, ns)", [("managed namespaces", "", "secrets", "get")]),
+    ("api.call('x', api.custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL)",
+     [("managed namespaces", "kubetrain.io", "trainingjobs", "list")]),
+    ("def f(**kw):\n    return core.list_config_map_for_all_namespaces(**kw)\nf(watch=True)",
+     [("managed namespaces", "", "configmaps", "list"), ("managed namespaces", "", "configmaps", "watch")]),
+    ("api.core.delete_collection_namespaced_pod(ns)", [("managed namespaces", "", "pods", "deletecollection")]),
+    ("api.core.read_node(name)", [("cluster", "", "nodes", "get")]),
+])
+def test_the_derivation_reads_calls_from_code(snippet, expected):
+    import ast
+
+    from kubernetes import client
+
+    tree = ast.parse(snippet)
+    found = kubetrain_rbac._client_uses("k8s", tree, [client.CoreV1Api, client.CustomObjectsApi])
+    assert sorted(u.key for u in found) == sorted(expected)
+
+
 @needs_helm
-def test_rbac_is_exactly_what_the_operator_needs():
+@pytest.mark.parametrize("sets, managed, leader_election", [
+    ((), [RELEASE_NS], True),
+    (('namespaces=["ml","research"]',), ["ml", "research"], True),
+    (('namespaces=["ml"]', 'leaderElection={"enabled":false}'), ["ml"], False),
+    (("clusterWide=true",), None, True),
+], ids=["default: the release namespace", "listed namespaces", "no leader election", "cluster-wide"])
+def test_rbac_grants_exactly_what_the_code_calls(sets, managed, leader_election):
+    """Both ways: every (resource, verb) the operator's code calls is granted where it calls it,
+    and every granted verb is one the code calls. No rights in namespaces it does not manage."""
+    docs = render(*sets)
+    assert_same_grants(docs, expected_grants(managed=managed, leader_election=leader_election))
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBETRAIN_NAMESPACES"] == ",".join(managed or [])
+    from kubetrain.config import Settings
+
+    assert Settings.from_env({"KUBETRAIN_NAMESPACES": env["KUBETRAIN_NAMESPACES"]}).namespaces == tuple(managed or ())
+
+
+@needs_helm
+def test_only_the_release_lease_can_be_read_or_written():
     docs = render()
-    assert granted(docs) == EXPECTED_RULES
-    (sa,) = by_kind(docs, "ServiceAccount")
-    subjects = [s for b in by_kind(docs, "ClusterRoleBinding") for s in b["subjects"]]
-    assert len(subjects) == 2  # cluster reads + jobs, cluster-wide by default
-    assert all(s == {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-                     "namespace": "kubetrain-system"} for s in subjects)
-    (lease_rb,) = by_kind(docs, "RoleBinding")  # Leases, in the release namespace only
-    assert lease_rb["metadata"]["namespace"] == "kubetrain-system"
-    assert lease_rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                   "name": "kt-kubetrain-leader-election"}
-    (role,) = by_kind(docs, "Role")
-    assert role["metadata"]["namespace"] == "kubetrain-system"
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == RELEASE_NS
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for rule in role["rules"]:
+        assert rule["verbs"] == ["create"] or rule["resourceNames"] == [env["KUBETRAIN_LEADER_ELECTION_ID"]], rule
 
 
 @needs_helm
-def test_watched_namespaces_get_rolebindings_not_cluster_wide_jobs_access():
-    docs = render('namespaces=["ml","research"]')
-    rbs = [rb for rb in by_kind(docs, "RoleBinding") if rb["roleRef"]["kind"] == "ClusterRole"]
-    assert sorted(rb["metadata"]["namespace"] for rb in rbs) == ["ml", "research"]
-    assert all(rb["roleRef"]["name"].endswith("-jobs") for rb in rbs)
-    crbs = by_kind(docs, "ClusterRoleBinding")
-    assert [b["roleRef"]["name"] for b in crbs] == ["kt-kubetrain-cluster"]
-    env = {e["name"]: e.get("value") for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["KUBETRAIN_NAMESPACES"] == "ml,research"
+def test_all_bindings_name_the_chart_serviceaccount_only():
+    docs = render('namespaces=["ml"]')
+    (sa,) = by_kind(docs, "ServiceAccount")
+    subjects = [s for b in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding") for s in b["subjects"]]
+    assert subjects and all(s == {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": RELEASE_NS}
+                            for s in subjects)
+
+
+@needs_helm
+def test_cluster_wide_with_listed_namespaces_is_refused():
+    proc = helm("template", "kt", str(CHART), "--set-json", "clusterWide=true", "--set-json", 'namespaces=["ml"]',
+                check=False)
+    assert proc.returncode != 0
+    assert "clusterWide=true manages every namespace" in proc.stderr, proc.stderr
 
 
 @needs_helm
@@ -153,7 +214,7 @@ def test_deployment_runs_the_operator_non_root_with_liveness():
     assert c["command"] == ["kubetrain", "operator", "run", "--liveness=http://0.0.0.0:8080/healthz"]
     assert c["image"] == "kubetrain/operator:0.1.0"
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env == {"KUBETRAIN_NAMESPACES": "", "KUBETRAIN_LOG_LEVEL": "debug",
+    assert env == {"KUBETRAIN_NAMESPACES": "kubetrain-system", "KUBETRAIN_LOG_LEVEL": "debug",
                    "KUBETRAIN_DEFAULT_IMAGE": "reg.local/trainer:9"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
@@ -199,6 +260,7 @@ def test_several_replicas_without_leader_election_are_refused():
     ('healthPort=80', "healthPort"),
     ('replicaCount=0', "replicaCount"),
     ('replicas=3', "replicas"),
+    ('clusterWide="yes"', "clusterWide"),
     ('leaderElection={"enabled":"yes"}', "enabled"),
     ('leaderElection={"leaseDurationSeconds":1}', "leaseDurationSeconds"),
     ('serviceAccount={"create":"yes"}', "create"),
