@@ -196,3 +196,46 @@ def test_job_name_fits_hostnames_and_labels(schema, name, ok):
     # <name>-n<rank> is a pod hostname (a DNS label, <= 63) for ranks up to nodes.maximum-1.
     max_rank = schema["properties"]["spec"]["properties"]["nodes"]["maximum"] - 1
     assert meta["maxLength"] + len(f"-n{max_rank}") <= 63
+
+
+def _env_ref(schema, ref: str, name: str) -> re.Pattern:
+    value_from = schema["properties"]["spec"]["properties"]["env"]["items"]["properties"]["valueFrom"]
+    return re.compile(value_from["properties"][ref]["properties"][name]["pattern"])
+
+
+@pytest.mark.parametrize("key, ok", [
+    ("accessKeyId", True), ("ds_config.json", True), (".hidden", True), ("a..b", True), ("-x_1", True),
+    ("", False), (".", False), ("..", False), ("..data", False), ("../id", False), ("a/b", False), ("a b", False),
+])
+def test_config_and_secret_key_pattern_is_the_pod_apis(schema, key, ok):
+    """IsConfigMapKey: [-._a-zA-Z0-9]+, not '.', not '..', not starting with '..'."""
+    for ref in ("configMapKeyRef", "secretKeyRef"):
+        assert bool(_env_ref(schema, ref, "key").match(key)) is ok
+
+
+@pytest.mark.parametrize("path, ok", [
+    ("metadata.name", True), ("metadata.uid", True), ("spec.nodeName", True), ("status.podIPs", True),
+    ("metadata.labels['app']", True), ("metadata.annotations['example.com/x']", True),
+    ("metadata.labels", False), ("spec.containers", False), ("status.podIP ", False), ("", False),
+])
+def test_env_field_ref_paths_are_the_pod_apis(schema, path, ok):
+    assert bool(_env_ref(schema, "fieldRef", "fieldPath").match(path)) is ok
+
+
+@pytest.mark.parametrize("resource, ok", [
+    ("limits.cpu", True), ("requests.memory", True), ("limits.ephemeral-storage", True),
+    ("requests.hugepages-2Mi", True), ("limits.nvidia.com/gpu", False), ("cpu", False), ("", False),
+])
+def test_env_resource_field_refs_are_the_pod_apis(schema, resource, ok):
+    assert bool(_env_ref(schema, "resourceFieldRef", "resource").match(resource)) is ok
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("", True), ("ml", True), ("a.b_c-d", True), ("x" * 63, True),
+    ("-ml", False), ("ml-", False), ("a b", False), ("a/b", False),
+])
+def test_label_value_patterns_agree(schema, value, ok):
+    pt = schema["properties"]["spec"]["properties"]["podTemplate"]["properties"]
+    for node in (pt["labels"]["additionalProperties"], pt["nodeSelector"]["additionalProperties"],
+                 pt["tolerations"]["items"]["properties"]["value"]):
+        assert bool(re.match(node["pattern"], value)) is ok
