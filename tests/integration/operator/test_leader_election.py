@@ -4,14 +4,17 @@ The elector is driven directly first (handover on release, takeover after a dead
 leader's lease expires, a leader that loses its Lease is told), then two real
 operator processes share a Lease: the standby answers its liveness probe,
 creates nothing while the leader lives, and takes the job over when the leader
-is SIGKILLed, with no duplicate pods."""
+is SIGKILLed, with no duplicate pods; a leader whose connection to the API
+server hangs stops before the standby takes over."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -167,3 +170,103 @@ def _get_json(url: str):
         return json.loads(urllib.request.urlopen(url, timeout=10).read())
     except OSError:
         return None
+
+
+class StallingProxy:
+    """A loopback TCP proxy in front of the API server that can stall: once stalled it keeps every
+    connection open and accepts new ones, but passes no byte in either direction (a half-open path,
+    an API server that accepts and never answers). TLS goes through untouched."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.stalled = threading.Event()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.server.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                continue
+            self.sockets += [conn, upstream]
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                while self.stalled.is_set() and not self.closed.is_set():
+                    time.sleep(0.05)   # hold the bytes: nothing passes while stalled
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed.set()
+        for s in [self.server, *self.sockets]:
+            s.close()
+
+
+def _proxied_kubeconfig(testbed, port: int, path) -> str:
+    import yaml
+
+    config = yaml.safe_load(open(testbed.kubeconfig).read())
+    api = urllib.parse.urlparse(testbed.api_server)
+    for cluster in config["clusters"]:
+        cluster["cluster"]["server"] = f"https://{api.hostname}:{port}"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_leader_whose_connection_hangs_stops_before_the_standby_starts(make_operator, namespace, kube_api, jobs,
+                                                                        testbed, tmp_path) -> None:
+    """The old leader reaches the API server through a proxy that then stalls: its renewal hangs
+    (no error, no answer). It must stop acting (the operator exits) before the standby takes the
+    Lease over; without a clock-kept renew deadline it would hang, still leading, forever."""
+    api = urllib.parse.urlparse(testbed.api_server)
+    proxy = StallingProxy(api.hostname, api.port)
+    lease = f"kubetrain-{secrets.token_hex(3)}"
+    election = {"KUBETRAIN_LEADER_ELECTION": "true", "KUBETRAIN_LEADER_ELECTION_NAMESPACE": namespace,
+                "KUBETRAIN_LEADER_ELECTION_ID": lease, "KUBETRAIN_LEASE_DURATION_SECONDS": "8",
+                "KUBETRAIN_RENEW_DEADLINE_SECONDS": "4", "KUBETRAIN_RETRY_PERIOD_SECONDS": "0.5"}
+    old = make_operator("old", {**election, "KUBETRAIN_LEADER_ELECTION_IDENTITY": "op-old",
+                                "KUBECONFIG": _proxied_kubeconfig(testbed, proxy.port, tmp_path / "proxied.kubeconfig")})
+    new = make_operator("new", {**election, "KUBETRAIN_LEADER_ELECTION_IDENTITY": "op-new"})
+    try:
+        old.start()
+        wait_until(lambda: _holder(kube_api, namespace, lease), lambda h: h == "op-old", timeout=120,
+                   what="op-old holds the Lease (through the proxy)")
+        new.start()
+        wait_until(lambda: "standing by" in new.log_tail(200), timeout=120, what="op-new standing by")
+        jobs.create("first", spec(nodes=1))
+        jobs.wait_phase("first", "Running", nodesReady=1, timeout=120)  # the old leader acts through the proxy
+        assert old.proc is not None and old.proc.poll() is None, f"op-old died early:\n{old.log_tail()}"
+
+        exited: list[float] = []
+        threading.Thread(target=lambda: (old.proc.wait(), exited.append(time.time())), daemon=True).start()
+        proxy.stalled.set()
+        wait_until(lambda: _holder(kube_api, namespace, lease), lambda h: h == "op-new", timeout=120,
+                   what="op-new takes the Lease over")
+        taken = read_lease(kube_api, namespace, lease).acquire_time.timestamp()  # op-new's clock, before it acts
+        assert exited, "op-old still runs, stalled, after op-new took the Lease over"
+        assert exited[0] < taken, f"op-old exited {exited[0] - taken:.2f}s after op-new took the Lease"
+        assert "could not renew" in old.log_tail(200), old.log_tail()
+        # the new leader acts: a job created now runs
+        jobs.create("second", spec(nodes=1))
+        jobs.wait_phase("second", "Running", nodesReady=1, timeout=120)
+    finally:
+        proxy.close()
+        for who, op in (("old", old), ("new", new)):
+            print(f"--- operator {who} log tail ---\n{op.log_tail(20)}")
