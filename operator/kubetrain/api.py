@@ -577,6 +577,14 @@ class Job:
     status: Status
     deleting: bool = False
     spec_error: str | None = None
+    created: dt.datetime | None = None
+    """metadata.creationTimestamp: orders incarnations of a name (a name is unique at any moment,
+    so a job re-created under it is always created later than the one it replaces)."""
+
+    @property
+    def incarnation(self) -> int:
+        """KUBETRAIN_JOB_INCARNATION: the creation time in epoch seconds (0 when unknown)."""
+        return int(self.created.timestamp()) if self.created else 0
 
     @property
     def checkpoint_uri(self) -> str:
@@ -596,4 +604,12 @@ class Job:
             name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
             generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),
             deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
+            created=_created(meta.get("creationTimestamp")),
         )
+
+
+def _created(value: Any) -> dt.datetime | None:
+    try:
+        return parse_time(value)
+    except (TypeError, ValueError, OverflowError):
+        return None

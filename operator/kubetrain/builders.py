@@ -89,6 +89,7 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
         _var("KUBETRAIN_JOB_NAME", job.name),
         _var("KUBETRAIN_NAMESPACE", job.namespace),
         _var("KUBETRAIN_ATTEMPT", attempt),
+        _var("KUBETRAIN_JOB_INCARNATION", job.incarnation),
         {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         _var("KUBETRAIN_CHECKPOINT_URI", get_checkpoint_uri(job)),
     ]

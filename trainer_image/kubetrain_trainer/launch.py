@@ -58,6 +58,8 @@ class LaunchConfig:
     master_addr: str
     master_port: int
     attempt: int
+    incarnation: int
+    """KUBETRAIN_JOB_INCARNATION (the job's creation time; 0 when not given)."""
     strategy: str
     checkpoint_uri: str | None
     """None: the job has no checkpoint storage (nothing restored or uploaded)."""
@@ -134,6 +136,7 @@ class LaunchConfig:
             master_addr=env.get("MASTER_ADDR") or ("127.0.0.1" if nnodes == 1 else _missing("MASTER_ADDR")),
             master_port=port,
             attempt=_int(env, "KUBETRAIN_ATTEMPT", 1, minimum=1),
+            incarnation=_int(env, "KUBETRAIN_JOB_INCARNATION", 0, minimum=0),
             strategy=strategy,
             checkpoint_uri=uri,
             trainer_args=trainer_args,
@@ -392,8 +395,8 @@ class Restored:
     """The restored local folder (None: no complete checkpoint, start from scratch)."""
     committed: Any
     """`sync.CommittedCheckpoint` of the restored one, or None."""
-    history: frozenset[tuple[int, int]]
-    """(step, attempt) of every manifest in storage at start, for write fencing."""
+    history: frozenset[tuple[int, int, int]]
+    """(step, incarnation, attempt) of every manifest in storage at start, for write fencing."""
 
 
 def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,
@@ -412,7 +415,7 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
     sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
     remote = retrying(store.list_checkpoints, deadline=deadline, access_deadline=access_deadline,
                       cancelled=cancelled, sleep=sleep, what="listing checkpoints")
-    history = frozenset((c.step, c.manifest.attempt) for c in remote if c.manifest is not None)
+    history = frozenset((c.step, *c.manifest.writer) for c in remote if c.manifest is not None)
     bad: set[int] = set()
     while (chosen := newest_complete(remote, exclude=bad)) is not None:
         if stop is not None and stop.is_set():
@@ -477,6 +480,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
 
     settings = SyncSettings(
         attempt=cfg.attempt,
+        incarnation=cfg.incarnation,
         world_size=cfg.world_size,
         strategy=cfg.strategy,
         node_rank=cfg.node_rank,

@@ -130,7 +130,14 @@ class Manifest:
     created: str = ""
     best: BestCheckpoint | None = None
     """Optional extension: the trainer's best checkpoint at save time (from trainer_state.json)."""
+    incarnation: int = 0
+    """KUBETRAIN_JOB_INCARNATION of the writer (0: unknown, e.g. written before it existed)."""
     format: int = FORMAT
+
+    @property
+    def writer(self) -> tuple[int, int]:
+        """(incarnation, attempt): the order of writers the fence enforces."""
+        return (self.incarnation, self.attempt)
 
     @property
     def total_bytes(self) -> int:
@@ -147,6 +154,8 @@ class Manifest:
             "metrics": dict(self.metrics),
             "created": self.created,
         }
+        if self.incarnation:
+            out["incarnation"] = self.incarnation
         if self.best is not None:
             out["best"] = self.best.for_storage()
         return out
@@ -190,6 +199,7 @@ class Manifest:
             metrics=_numeric_only(metrics_raw),
             created=created,
             best=BestCheckpoint.from_storage(raw.get("best")),
+            incarnation=_int_field(raw, "incarnation", minimum=0) if "incarnation" in raw else 0,
         )
 
     @classmethod
@@ -227,18 +237,23 @@ class NodePart:
     step: int
     attempt: int
     files: tuple[FileEntry, ...]
+    incarnation: int = 0
+
+    @property
+    def writer(self) -> tuple[int, int]:
+        return (self.incarnation, self.attempt)
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "node_rank": self.node_rank,
-                "step": self.step,
-                "attempt": self.attempt,
-                "files": [f.for_storage() for f in self.files],
-            },
-            sort_keys=True,
-        ).encode()
+        out: dict[str, Any] = {
+            "format": FORMAT,
+            "node_rank": self.node_rank,
+            "step": self.step,
+            "attempt": self.attempt,
+            "files": [f.for_storage() for f in self.files],
+        }
+        if self.incarnation:
+            out["incarnation"] = self.incarnation
+        return json.dumps(out, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "NodePart":
@@ -256,17 +271,19 @@ class NodePart:
             step=_int_field(raw, "step", minimum=0),
             attempt=_int_field(raw, "attempt", minimum=1),
             files=tuple(FileEntry.from_storage(f) for f in files_raw),
+            incarnation=_int_field(raw, "incarnation", minimum=0) if "incarnation" in raw else 0,
         )
 
 
-def merge_parts(parts: Iterable[NodePart], *, step: int, attempt: int, nnodes: int) -> tuple[FileEntry, ...]:
+def merge_parts(parts: Iterable[NodePart], *, step: int, attempt: int, nnodes: int,
+                incarnation: int = 0) -> tuple[FileEntry, ...]:
     """All nodes' files for one checkpoint, or ManifestError when they cannot be committed.
 
-    Parts of another attempt or step never count (a zombie's upload is not ours).
+    Parts of another attempt, incarnation or step never count (a zombie's upload is not ours).
     The same path from two nodes must have the same content: otherwise which
     copy is in storage depends on upload order, and that is not a checkpoint.
     """
-    by_rank = {p.node_rank: p for p in parts if p.step == step and p.attempt == attempt}
+    by_rank = {p.node_rank: p for p in parts if p.step == step and p.writer == (incarnation, attempt)}
     missing = [r for r in range(nnodes) if r not in by_rank]
     if missing:
         raise ManifestError(f"node parts missing for node ranks {missing}")
@@ -359,12 +376,14 @@ def build_manifest(
     strategy: str,
     files: tuple[FileEntry, ...] | None = None,
     created: str | None = None,
+    incarnation: int = 0,
 ) -> Manifest:
     """The manifest for a complete local checkpoint folder (files hashed unless given)."""
     metrics, best = read_trainer_metrics(folder, step)
     return Manifest(
         step=step,
         attempt=attempt,
+        incarnation=incarnation,
         world_size=world_size,
         strategy=strategy,
         files=files if files is not None else scan_folder(folder),
@@ -403,7 +422,7 @@ def newest_complete(checkpoints: Iterable[RemoteCheckpoint], *, exclude: Iterabl
 
 
 def is_already_committed(existing: RemoteCheckpoint | None, *, attempt: int, files: Iterable[FileEntry],
-                         nnodes: int) -> bool:
+                         nnodes: int, incarnation: int = 0) -> bool:
     """Whether `existing` is this attempt's complete commit of a checkpoint holding this node's `files`.
 
     Single node: the manifest lists exactly these files. Multi-node: the
@@ -411,7 +430,8 @@ def is_already_committed(existing: RemoteCheckpoint | None, *, attempt: int, fil
     a subset of it (same path, size and digest), never equal to it. Getting
     this wrong on node rank 0 un-commits its own newest checkpoint on a retry.
     """
-    if existing is None or not existing.complete or existing.manifest is None or existing.manifest.attempt != attempt:
+    if existing is None or not existing.complete or existing.manifest is None \
+            or existing.manifest.writer != (incarnation, attempt):
         return False
     own, committed = set(files), set(existing.manifest.files)
     return own == committed if nnodes == 1 else own <= committed
@@ -452,29 +472,39 @@ def check_fence(
     *,
     step: int,
     attempt: int,
-    history: frozenset[tuple[int, int]] = frozenset(),
+    history: frozenset[tuple[int, int, int]] = frozenset(),
+    incarnation: int = 0,
 ) -> Fence:
-    """Write fencing: a lower attempt never overwrites, nor runs beside, a higher one.
+    """Write fencing: an older writer never overwrites, nor runs beside, a newer one.
 
-    - A step committed by a higher attempt is never overwritten.
+    Writers are ordered by (incarnation, attempt): the job's creation time
+    first (a TrainingJob deleted and re-created under the same name is a newer
+    incarnation, whose attempts restart at 1), then the attempt.
+    - A step committed by a newer writer is never overwritten.
     - Attempts never overlap (the operator removes attempt N before N+1
-      starts), so a higher-attempt manifest that appeared after this process
-      started (not in `history`, the (step, attempt) pairs seen at start)
-      means this process is a zombie of an older attempt: it commits nothing.
-    Higher-attempt manifests already present at start are history (e.g. a
-    TrainingJob deleted and re-created under the same name restarts at
-    attempt 1): only their own steps are protected.
+      starts), so a newer writer's manifest that appeared after this process
+      started (not in `history`, the (step, incarnation, attempt) triples seen
+      at start) means this process is a zombie: it commits nothing.
+    Newer manifests already present at start are history (written before the
+    incarnation was recorded, or by a job whose clock ran ahead): only their
+    own steps are protected.
     """
+    me = (incarnation, attempt)
     for c in checkpoints:
-        if c.manifest is None or c.manifest.attempt <= attempt:
+        if c.manifest is None or c.manifest.writer <= me:
             continue
+        who = _writer_name(c.manifest.writer, me)
         if c.step == step:
-            return Fence(False, f"checkpoint-{step} is committed by attempt {c.manifest.attempt} > {attempt}")
-        if (c.step, c.manifest.attempt) not in history:
-            return Fence(
-                False, f"attempt {c.manifest.attempt} committed checkpoint-{c.step} while attempt {attempt} runs"
-            )
-    return Fence(True, "no higher attempt is in the way")
+            return Fence(False, f"checkpoint-{step} is committed by {who}")
+        if (c.step, *c.manifest.writer) not in history:
+            return Fence(False, f"{who} committed checkpoint-{c.step} while this writer runs")
+    return Fence(True, "no newer writer is in the way")
+
+
+def _writer_name(writer: tuple[int, int], me: tuple[int, int]) -> str:
+    if writer[0] != me[0]:
+        return f"a newer incarnation of the job (created at {writer[0]} > {me[0]}, attempt {writer[1]})"
+    return f"attempt {writer[1]} > {me[1]}"
 
 
 @dataclass(frozen=True)

@@ -110,8 +110,10 @@ class SyncSettings:
     max_queued: int = 2
     """Snapshots waiting behind the one uploading; older waiting ones are dropped beyond this."""
     status_interval_s: float = 30.0
-    history: frozenset[tuple[int, int]] = frozenset()
-    """(step, attempt) of every manifest seen at start (see `check_fence`)."""
+    history: frozenset[tuple[int, int, int]] = frozenset()
+    """(step, incarnation, attempt) of every manifest seen at start (see `check_fence`)."""
+    incarnation: int = 0
+    """KUBETRAIN_JOB_INCARNATION: orders this job's writers after those of a job it replaced."""
     stale_upload_margin_s: float = 300.0
     """Incomplete multipart uploads begun this long before the uploader started are aborted (clock skew margin)."""
 
@@ -332,12 +334,13 @@ class CheckpointUploader:
         if job.files is None:
             job.files = scan_folder(job.folder)  # hashing once, not per retry
         remote = self.store.list_checkpoints()
-        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history)
+        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history, incarnation=s.incarnation)
         if not fence.allowed:
             raise FencedError(fence.reason)
         existing = next((c for c in remote if c.step == job.step), None)
         if existing is not None and existing.manifest is not None:
-            if is_already_committed(existing, attempt=s.attempt, files=job.files, nnodes=s.nnodes):
+            if is_already_committed(existing, attempt=s.attempt, files=job.files, nnodes=s.nnodes,
+                                    incarnation=s.incarnation):
                 log.info("checkpoint-%d is already committed with the same content", job.step)
                 self._committed(job.step)
                 return
@@ -350,16 +353,19 @@ class CheckpointUploader:
                 job.uploaded.add(f.path)
         files = job.files
         if s.nnodes > 1:
-            self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files))
+            self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files,
+                                                incarnation=s.incarnation))
             if s.node_rank != 0:
                 log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
                 return
             files = self._wait_for_parts(job.step)
         manifest = build_manifest(
-            job.folder, step=job.step, attempt=s.attempt, world_size=s.world_size, strategy=s.strategy, files=files
+            job.folder, step=job.step, attempt=s.attempt, world_size=s.world_size, strategy=s.strategy, files=files,
+            incarnation=s.incarnation,
         )
         # Re-check right before the commit: a newer attempt may have started meanwhile.
-        fence = check_fence(self.store.list_checkpoints(), step=job.step, attempt=s.attempt, history=s.history)
+        fence = check_fence(self.store.list_checkpoints(), step=job.step, attempt=s.attempt, history=s.history,
+                            incarnation=s.incarnation)
         if not fence.allowed:
             raise FencedError(fence.reason)
         self.store.commit(manifest)
@@ -373,7 +379,7 @@ class CheckpointUploader:
         while True:
             parts = self.store.read_node_parts(step)
             try:
-                return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes)
+                return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes, incarnation=s.incarnation)
             except ManifestError as e:
                 if "missing" not in str(e) or time.monotonic() > deadline:
                     raise
@@ -381,7 +387,7 @@ class CheckpointUploader:
             # without one queued here, nobody moved on, and the remote listing is not worth reading.
             with self._lock:
                 newer_waiting = bool(self._queue)
-            have = {p.node_rank for p in parts if p.step == step and p.attempt == s.attempt}
+            have = {p.node_rank for p in parts if p.step == step and p.writer == (s.incarnation, s.attempt)}
             moved_on = self._moved_past(step, set(range(s.nnodes)) - have) if newer_waiting else set()
             if moved_on:
                 raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
@@ -399,7 +405,7 @@ class CheckpointUploader:
             if remote.step <= step or not any(node_part_name(r) in remote.listing for r in missing - seen):
                 continue
             for part in self.store.read_node_parts(remote.step):
-                if part.attempt == self.settings.attempt and part.node_rank in missing:
+                if part.writer == (self.settings.incarnation, self.settings.attempt) and part.node_rank in missing:
                     seen.add(part.node_rank)
             if seen == missing:
                 return missing
@@ -605,6 +611,7 @@ class CheckpointSyncCallback(TrainerCallback):
             store = CheckpointStore(StorageConfig.from_env(env))
             settings = SyncSettings(
                 attempt=int(env.get("KUBETRAIN_ATTEMPT", "1")),
+                incarnation=int(env.get("KUBETRAIN_JOB_INCARNATION", "0")),
                 world_size=int(env.get("WORLD_SIZE", "1")),
                 strategy=env.get("KUBETRAIN_STRATEGY", "ddp"),
             )
@@ -658,7 +665,7 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
         retrying(lambda: store.upload_file(step, output_dir / f.path, f.path, folder=FINAL_FOLDER),
                  deadline=deadline, backoff=settings.backoff, what=f"final/{f.path}")
     manifest = Manifest(step=step, attempt=settings.attempt, world_size=settings.world_size,
-                        strategy=settings.strategy, files=files, created=now())
+                        strategy=settings.strategy, files=files, created=now(), incarnation=settings.incarnation)
     retrying(lambda: store.put_bytes(step, MANIFEST_NAME, manifest.to_json(), folder=FINAL_FOLDER),
              deadline=deadline, backoff=settings.backoff, what="final/manifest.json")
     log.info("final model uploaded to %s (%d files)", store.folder_uri(FINAL_FOLDER), len(files))

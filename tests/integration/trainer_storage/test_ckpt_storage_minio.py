@@ -74,7 +74,7 @@ def test_commit_and_restore_round_trip_is_byte_exact_with_multipart(ckpt_env, mi
     restored = restore_newest(store, tmp_path / "restore", deadline=time.monotonic() + 120)
     assert restored.path == tmp_path / "restore" / "checkpoint-40"
     assert restored.committed.step == 40 and restored.committed.uri.endswith("/ns/job/checkpoint-40")
-    assert restored.history == {(40, 1)}
+    assert restored.history == {(40, 0, 1)}
     _same_tree(src, restored.path)
 
 

@@ -12,7 +12,8 @@ from kubetrain.config import ConfigError, Settings
 from kubetrain.plan import PodView
 
 BODY = {
-    "metadata": {"name": "gpt-small", "namespace": "ml", "uid": "u-1", "generation": 1},
+    "metadata": {"name": "gpt-small", "namespace": "ml", "uid": "u-1", "generation": 1,
+                 "creationTimestamp": "2026-12-03T13:00:00Z"},
     "spec": {
         "image": "reg/trainer:0.1.0", "nodes": 4, "procsPerNode": 2,
         "resources": {"limits": {"nvidia.com/gpu": 2}},
@@ -57,6 +58,7 @@ def test_env_contract() -> None:
     assert values["MASTER_ADDR"] == "gpt-small-n0.gpt-small.ml.svc" and values["MASTER_PORT"] == "29500"
     assert values["KUBETRAIN_JOB_NAME"] == "gpt-small" and values["KUBETRAIN_NAMESPACE"] == "ml"
     assert values["KUBETRAIN_ATTEMPT"] == "3"
+    assert values["KUBETRAIN_JOB_INCARNATION"] == "1796302800"  # 2026-12-03T13:00:00Z
     assert env["KUBETRAIN_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert values["KUBETRAIN_CHECKPOINT_URI"] == "s3://bucket/prefix/ml/gpt-small"
     assert values["AWS_ENDPOINT_URL"] == "http://minio:9000" and values["AWS_REGION"] == "us-east-1"

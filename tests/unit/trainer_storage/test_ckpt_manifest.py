@@ -27,10 +27,11 @@ from kubetrain_trainer.manifest import (
 SHA = "a" * 64
 
 
-def _m(step: int, *, attempt: int = 1, metrics=None, best=None, files=None) -> Manifest:
+def _m(step: int, *, attempt: int = 1, metrics=None, best=None, files=None, incarnation: int = 0) -> Manifest:
     return Manifest(
         step=step,
         attempt=attempt,
+        incarnation=incarnation,
         world_size=2,
         strategy="ddp",
         files=files if files is not None else (FileEntry("model.safetensors", 10, SHA),),
@@ -128,19 +129,25 @@ def test_newest_complete_skips_torn_and_excluded():
 
 
 @pytest.mark.parametrize(
-    "existing, step, attempt, history, allowed",
+    "existing, step, me, history, allowed",
     [
-        ([(10, 1)], 20, 1, set(), True),  # same attempt
-        ([(10, 1)], 20, 2, set(), True),  # newer attempt goes on
-        ([(10, 1)], 10, 2, set(), True),  # newer attempt may overwrite an older one's step
-        ([(10, 2)], 10, 1, {(10, 2)}, False),  # never overwrite a higher attempt's step
-        ([(10, 2)], 20, 1, set(), False),  # a higher attempt appeared while we run: zombie
-        ([(10, 2)], 20, 1, {(10, 2)}, True),  # higher attempt from history (job re-created)
+        ([(10, 0, 1)], 20, (0, 1), set(), True),  # same attempt
+        ([(10, 0, 1)], 20, (0, 2), set(), True),  # newer attempt goes on
+        ([(10, 0, 1)], 10, (0, 2), set(), True),  # newer attempt may overwrite an older one's step
+        ([(10, 0, 2)], 10, (0, 1), {(10, 0, 2)}, False),  # never overwrite a higher attempt's step
+        ([(10, 0, 2)], 20, (0, 1), set(), False),  # a higher attempt appeared while we run: zombie
+        ([(10, 0, 2)], 20, (0, 1), {(10, 0, 2)}, True),  # higher attempt from history (before incarnations)
+        # A job deleted and re-created under the same name (incarnation = creation time):
+        ([(10, 100, 5)], 20, (200, 1), set(), True),  # the old job's late commit never fences the new one
+        ([(10, 100, 5)], 10, (200, 1), set(), True),  # ...and the new one may replace its step
+        ([(10, 200, 1)], 20, (100, 5), set(), False),  # the old job's zombie is fenced by the new job
+        ([(10, 200, 1)], 10, (100, 5), {(10, 200, 1)}, False),  # and never overwrites its step
+        ([(10, 100, 2)], 20, (100, 5), set(), True),  # same incarnation: attempts order as before
     ],
 )
-def test_write_fencing(existing, step, attempt, history, allowed):
-    cps = [_c(s, attempt=a) for s, a in existing]
-    fence = check_fence(cps, step=step, attempt=attempt, history=frozenset(history))
+def test_write_fencing(existing, step, me, history, allowed):
+    cps = [_c(s, incarnation=i, attempt=a) for s, i, a in existing]
+    fence = check_fence(cps, step=step, incarnation=me[0], attempt=me[1], history=frozenset(history))
     assert fence.allowed is allowed, fence.reason
 
 
@@ -207,6 +214,24 @@ def test_merge_parts_needs_every_node_of_this_attempt():
         merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 64),))],
                     step=10, attempt=2, nnodes=2)
     assert NodePart.from_json(parts[1].to_json()) == parts[1]
+
+
+def test_merge_parts_ignores_a_part_of_the_same_attempt_from_another_incarnation():
+    a = FileEntry("rng_state_0.pth", 1, "0" * 64)
+    b = FileEntry("rng_state_1.pth", 1, "1" * 64)
+    ours = [NodePart(0, 10, 1, (a,), incarnation=200), NodePart(1, 10, 1, (b,), incarnation=200)]
+    assert len(merge_parts(ours, step=10, attempt=1, nnodes=2, incarnation=200)) == 2
+    old_job = NodePart(1, 10, 1, (b,), incarnation=100)
+    with pytest.raises(ManifestError, match="missing"):
+        merge_parts([ours[0], old_job], step=10, attempt=1, nnodes=2, incarnation=200)
+    assert NodePart.from_json(ours[1].to_json()) == ours[1]
+
+
+def test_manifest_records_its_incarnation_and_reads_old_manifests_without_one():
+    m = _m(10, attempt=3, incarnation=1796302800)
+    assert Manifest.from_json(m.to_json()) == m and m.writer == (1796302800, 3)
+    legacy = _m(10, attempt=3)
+    assert "incarnation" not in legacy.for_storage() and Manifest.from_json(legacy.to_json()).writer == (0, 3)
 
 
 def test_verify_local_detects_size_and_content_changes(tmp_path: Path):

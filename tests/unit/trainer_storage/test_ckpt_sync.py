@@ -189,12 +189,33 @@ def test_a_lower_attempt_never_overwrites_nor_runs_beside_a_higher_one(tmp_path:
     assert not zombie.submit(tmp_path / "out1" / "checkpoint-20", 20)
 
 
+def test_a_job_re_created_under_the_same_name_is_never_fenced_by_the_old_jobs_late_commit(tmp_path: Path):
+    """The old job's pods commit an emergency checkpoint after the new job (a newer incarnation,
+    attempt 1) started: the new job goes on committing; the old writer is fenced from then on."""
+    store = MemoryStore()
+    old = _uploader(tmp_path / "old", store, attempt=5, incarnation=100)  # the deleted job's attempt 5
+    new = _uploader(tmp_path / "new", store, attempt=1, incarnation=200)  # its successor, started meanwhile
+    old.submit(_local_checkpoint(tmp_path / "o", 30), 30)  # the old pods' emergency commit lands late
+    assert old.wait(10)
+    assert Manifest.from_json(store.objects["checkpoint-30/manifest.json"]).writer == (100, 5)
+    new.submit(_local_checkpoint(tmp_path / "n", 10), 10)
+    assert new.wait(10)
+    new.submit(_local_checkpoint(tmp_path / "n", 40), 40)
+    assert new.close(10) and not new.fenced, new.fenced
+    assert Manifest.from_json(store.objects["checkpoint-40/manifest.json"]).writer == (200, 1)
+    before = dict(store.objects)
+    old.submit(_local_checkpoint(tmp_path / "o", 50), 50)
+    old.close(10)
+    assert old.fenced and "newer incarnation" in old.fenced
+    assert store.objects == before
+
+
 def test_a_newer_attempt_replaces_an_older_commit_at_the_same_step_uncommitting_first(tmp_path: Path):
     store = MemoryStore()
     old = _uploader(tmp_path / "a1", store, attempt=1)
     old.submit(_local_checkpoint(tmp_path / "out1", 10), 10)
     assert old.close(10)
-    new = _uploader(tmp_path / "a2", store, attempt=2, history=frozenset({(10, 1)}))
+    new = _uploader(tmp_path / "a2", store, attempt=2, history=frozenset({(10, 0, 1)}))
     src = _local_checkpoint(tmp_path / "out2", 10)
     (src / "model.safetensors").write_bytes(b"different")
     new.submit(src, 10)
