@@ -341,6 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             uploader, watch, resume_from = _start_sync(cfg, stop)
+        except RestoreAgreementError as e:
+            if stop.is_set():
+                return EXIT_PREEMPTED
+            log.error("restore: %s; this pod fails so that the gang restarts and decides again", e)
+            return EXIT_STORAGE
         except StorageError as e:
             if stop.is_set():
                 log.warning("SIGTERM while restoring (%s)", e)
@@ -399,8 +404,55 @@ class Restored:
     """(step, incarnation, attempt) of every manifest in storage at start, for write fencing."""
 
 
+class RestoreAgreementError(Exception):
+    """This rank cannot restore the step node rank 0 decided for the attempt (or no decision came):
+    the ranks never resume from different steps, so this pod fails and the gang restarts."""
+
+
+def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attempt: int, deadline: float,
+                   stop: threading.Event | None = None, access_deadline: float | None = None,
+                   poll_s: float = 1.0) -> Restored:
+    """Restore what every rank of this attempt restores, decided once by node rank 0.
+
+    Node rank 0 first claims the attempt (`AttemptClaim`, undecided): from then on every older
+    writer (a zombie of an earlier attempt, or of a deleted job of the same name) is fenced and
+    deletes nothing, so the checkpoint about to be restored cannot vanish by retention. It then
+    restores the newest complete checkpoint (falling back past corrupt ones) and records the step
+    in the claim. The other ranks wait for that decision and restore exactly that step; if it is
+    no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
+    from kubetrain_trainer.manifest import AttemptClaim
+    from kubetrain_trainer.storage import retrying
+
+    cancelled = stop.is_set if stop is not None else (lambda: False)
+    sleep = stop.wait if stop is not None else time.sleep
+    if node_rank == 0:
+        claim = AttemptClaim(incarnation=incarnation, attempt=attempt)
+        retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
+                 cancelled=cancelled, sleep=sleep, what="claiming the attempt")
+        restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
+        step = restored.committed.step if restored.committed is not None else None
+        decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
+        retrying(lambda: store.write_claim(decided), deadline=deadline, access_deadline=access_deadline,
+                 cancelled=cancelled, sleep=sleep, what="recording the restore decision")
+        return restored
+    while True:
+        claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=deadline,
+                         access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore decision")
+        if claim is not None and claim.decided:
+            break
+        if cancelled():
+            raise RestoreAgreementError("stopped while waiting for node rank 0's restore decision")
+        if time.monotonic() > deadline:
+            raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt "
+                                        "before KUBETRAIN_RESTORE_TIMEOUT_SECONDS")
+        sleep(poll_s)
+    return restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline,
+                          only_step=claim.restore_step, agreed=True)
+
+
 def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,
-                   access_deadline: float | None = None) -> Restored:
+                   access_deadline: float | None = None, only_step: int | None = None,
+                   agreed: bool = False) -> Restored:
     """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
 
     Temporary storage errors are retried until `deadline`, refused access or a
@@ -417,6 +469,15 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
                       cancelled=cancelled, sleep=sleep, what="listing checkpoints")
     history = frozenset((c.step, *c.manifest.writer) for c in remote if c.manifest is not None)
     bad: set[int] = set()
+    if agreed:
+        # Exactly the step node rank 0 decided (None: from scratch), never a fallback of our own.
+        if only_step is None:
+            log.info("node rank 0 decided to start from scratch")
+            return Restored(path=None, committed=None, history=history)
+        remote = [c for c in remote if c.step == only_step]
+        if newest_complete(remote) is None:
+            raise RestoreAgreementError(f"checkpoint-{only_step}, which node rank 0 restored for this attempt, "
+                                        "is no longer complete in storage")
     while (chosen := newest_complete(remote, exclude=bad)) is not None:
         if stop is not None and stop.is_set():
             break
@@ -426,6 +487,9 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
             path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline,
                             access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
         except ChecksumError as e:
+            if agreed:
+                raise RestoreAgreementError(f"checkpoint-{chosen.step}, which node rank 0 restored for this "
+                                            f"attempt, failed verification here: {e}") from None
             log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
             bad.add(chosen.step)
             continue
@@ -458,7 +522,8 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
 
     store = CheckpointStore(StorageConfig.from_env(os.environ))
     started = time.monotonic()
-    restored = restore_newest(store, cfg.local_dir, deadline=started + cfg.restore_timeout_s, stop=stop,
+    restored = restore_agreed(store, cfg.local_dir, node_rank=cfg.node_rank, incarnation=cfg.incarnation,
+                              attempt=cfg.attempt, deadline=started + cfg.restore_timeout_s, stop=stop,
                               access_deadline=started + cfg.access_retry_s)
     resume_from, initial, history = restored.path, restored.committed, restored.history
 

@@ -275,6 +275,59 @@ class NodePart:
         )
 
 
+CLAIMS_FOLDER = "attempts"
+"""`<uri>/attempts/<incarnation>-<attempt>.json`: one claim per attempt, written by node rank 0 at start."""
+
+
+@dataclass(frozen=True)
+class AttemptClaim:
+    """Node rank 0's record that an attempt has started, and (once decided) which step all its
+    ranks restore. Its existence fences every older writer (a zombie attempt commits and deletes
+    nothing once a newer one has started); its `restore_step` is the one decision every rank of
+    the attempt follows, so no two ranks resume from different steps."""
+
+    incarnation: int
+    attempt: int
+    decided: bool = False
+    restore_step: int | None = None
+    """The step every rank restores; None when decided: start from scratch."""
+
+    @property
+    def writer(self) -> tuple[int, int]:
+        return (self.incarnation, self.attempt)
+
+    @property
+    def name(self) -> str:
+        return f"{self.incarnation}-{self.attempt}.json"
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT, "incarnation": self.incarnation, "attempt": self.attempt,
+                           "decided": self.decided, "restore_step": self.restore_step}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "AttemptClaim":
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"attempt claim is not valid JSON: {e}") from None
+        if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
+            raise ManifestError("attempt claim: unsupported format")
+        step = raw.get("restore_step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ManifestError("attempt claim restore_step: must be a step or null")
+        return cls(incarnation=_int_field(raw, "incarnation", minimum=0), attempt=_int_field(raw, "attempt", minimum=1),
+                   decided=raw.get("decided") is True, restore_step=step)
+
+
+def parse_claim_name(name: str) -> tuple[int, int] | None:
+    """(incarnation, attempt) from `<incarnation>-<attempt>.json`, None for anything else."""
+    stem, dot, ext = name.partition(".")
+    inc, dash, att = stem.partition("-")
+    if not (dot and ext == "json" and dash and inc.isdigit() and att.isdigit()):
+        return None
+    return int(inc), int(att)
+
+
 def merge_parts(parts: Iterable[NodePart], *, step: int, attempt: int, nnodes: int,
                 incarnation: int = 0) -> tuple[FileEntry, ...]:
     """All nodes' files for one checkpoint, or ManifestError when they cannot be committed.
@@ -474,6 +527,7 @@ def check_fence(
     attempt: int,
     history: frozenset[tuple[int, int, int]] = frozenset(),
     incarnation: int = 0,
+    claims: Iterable[tuple[int, int]] = (),
 ) -> Fence:
     """Write fencing: an older writer never overwrites, nor runs beside, a newer one.
 
@@ -488,8 +542,14 @@ def check_fence(
     Newer manifests already present at start are history (written before the
     incarnation was recorded, or by a job whose clock ran ahead): only their
     own steps are protected.
+    - `claims`, the (incarnation, attempt) of every attempt that has started
+      (`AttemptClaim`): a newer one means this process is a zombie even before
+      the newer attempt commits anything (it may be restoring right now).
     """
     me = (incarnation, attempt)
+    newer = [w for w in claims if w > me]
+    if newer:
+        return Fence(False, f"{_writer_name(max(newer), me)} has started")
     for c in checkpoints:
         if c.manifest is None or c.manifest.writer <= me:
             continue

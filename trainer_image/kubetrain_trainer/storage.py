@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 from kubetrain_trainer.manifest import (
+    CLAIMS_FOLDER,
     MANIFEST_NAME,
+    AttemptClaim,
     FileEntry,
     Manifest,
     ManifestError,
@@ -39,6 +41,7 @@ from kubetrain_trainer.manifest import (
     NodePart,
     RemoteCheckpoint,
     checkpoint_dirname,
+    parse_claim_name,
     node_part_name,
     parse_checkpoint_dirname,
     sha256_file,
@@ -340,6 +343,21 @@ class CheckpointStore:
 
     def folder_uri(self, folder: str) -> str:
         return f"s3://{self.location.bucket}/{self.location.key(folder)}"
+
+    def write_claim(self, claim: AttemptClaim) -> None:
+        self.put_bytes(0, claim.name, claim.to_json(), folder=CLAIMS_FOLDER)
+
+    def read_claim(self, incarnation: int, attempt: int) -> AttemptClaim | None:
+        data = self._get(self.location.key(CLAIMS_FOLDER, AttemptClaim(incarnation, attempt).name))
+        try:
+            return AttemptClaim.from_json(data) if data is not None else None
+        except ManifestError:
+            return None
+
+    def list_claims(self) -> list[tuple[int, int]]:
+        """(incarnation, attempt) of every attempt that has started (from the object names alone)."""
+        base = self.location.key(CLAIMS_FOLDER) + "/"
+        return [w for obj in self._list(base) if (w := parse_claim_name(obj["Key"][len(base):])) is not None]
 
     def write_node_part(self, part: NodePart) -> None:
         self.put_bytes(part.step, node_part_name(part.node_rank), part.to_json())

@@ -334,7 +334,8 @@ class CheckpointUploader:
         if job.files is None:
             job.files = scan_folder(job.folder)  # hashing once, not per retry
         remote = self.store.list_checkpoints()
-        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history, incarnation=s.incarnation)
+        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
+                            claims=self.store.list_claims())
         if not fence.allowed:
             raise FencedError(fence.reason)
         existing = next((c for c in remote if c.step == job.step), None)
@@ -365,7 +366,7 @@ class CheckpointUploader:
         )
         # Re-check right before the commit: a newer attempt may have started meanwhile.
         fence = check_fence(self.store.list_checkpoints(), step=job.step, attempt=s.attempt, history=s.history,
-                            incarnation=s.incarnation)
+                            incarnation=s.incarnation, claims=self.store.list_claims())
         if not fence.allowed:
             raise FencedError(fence.reason)
         self.store.commit(manifest)
@@ -429,12 +430,25 @@ class CheckpointUploader:
         (a failure must never send the committed step back through the upload
         path); what is left over is retried after the next commit.
         """
-        if self.settings.node_rank != 0:
+        s = self.settings
+        if s.node_rank != 0:
             return
         try:
             remote = self.store.list_checkpoints()
-            plan = plan_retention(remote, self.settings.retention, in_flight=self.pending_steps())
+            # A zombie may waste space, never delete: once a newer writer (attempt or incarnation)
+            # has committed, this one deletes nothing, not even its own old steps; and no writer ever
+            # deletes a checkpoint that a newer writer committed.
+            fence = check_fence(remote, step=-1, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
+                                claims=self.store.list_claims())
+            if not fence.allowed:
+                log.warning("remote retention skipped: %s", fence.reason)
+                return
+            mine_or_older = [c for c in remote if c.manifest is None or c.manifest.writer <= (s.incarnation, s.attempt)]
+            plan = plan_retention(mine_or_older, s.retention, in_flight=self.pending_steps())
+            newest = max((c.step for c in remote if c.complete), default=None)
             for step in plan.delete:
+                if step == newest:
+                    continue  # the newest committed checkpoint is what the next attempt restores
                 log.info("deleting remote checkpoint-%d (retention; kept %s)", step, dict(plan.protected))
                 self.store.delete_checkpoint(step)
             for upload in stale_multipart_uploads(self.store.list_multipart_uploads(),

@@ -128,6 +128,23 @@ def test_newest_complete_skips_torn_and_excluded():
     assert newest_complete([_c(5, complete=False)]) is None
 
 
+def test_a_newer_attempts_claim_fences_before_it_commits_anything():
+    cps = [_c(10, attempt=1)]
+    assert not check_fence(cps, step=20, attempt=1, claims=[(0, 1), (0, 2)]).allowed
+    assert check_fence(cps, step=20, attempt=2, claims=[(0, 1), (0, 2)]).allowed
+    assert not check_fence(cps, step=20, incarnation=100, attempt=9, claims=[(200, 1)]).allowed
+    assert check_fence(cps, step=20, incarnation=200, attempt=1, claims=[(100, 9)]).allowed
+
+
+def test_attempt_claims_round_trip_and_names_parse():
+    from kubetrain_trainer.manifest import AttemptClaim, parse_claim_name
+    c = AttemptClaim(incarnation=1796302800, attempt=3, decided=True, restore_step=40)
+    assert AttemptClaim.from_json(c.to_json()) == c and parse_claim_name(c.name) == (1796302800, 3)
+    assert parse_claim_name("notes.txt") is None and parse_claim_name("1-x.json") is None
+    with pytest.raises(ManifestError):
+        AttemptClaim.from_json(b'{"format": 1, "incarnation": 0, "attempt": 1, "restore_step": -4}')
+
+
 @pytest.mark.parametrize(
     "existing, step, me, history, allowed",
     [

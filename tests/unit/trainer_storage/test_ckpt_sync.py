@@ -52,6 +52,8 @@ class MemoryStore:
         steps: dict[int, dict[str, int]] = {}
         for key, data in self.objects.items():
             folder, rel = key.split("/", 1)
+            if folder == "attempts":
+                continue
             steps.setdefault(int(folder.split("-")[1]), {})[rel] = len(data)
         out = []
         for step, listing in sorted(steps.items()):
@@ -92,6 +94,19 @@ class MemoryStore:
     def list_multipart_uploads(self):
         self._maybe_fail()
         return []
+
+    def write_claim(self, claim) -> None:
+        self._put(f"attempts/{claim.name}", claim.to_json())
+
+    def read_claim(self, incarnation: int, attempt: int):
+        from kubetrain_trainer.manifest import AttemptClaim
+        raw = self.objects.get(f"attempts/{incarnation}-{attempt}.json")
+        return AttemptClaim.from_json(raw) if raw else None
+
+    def list_claims(self):
+        from kubetrain_trainer.manifest import parse_claim_name
+        self._maybe_fail()
+        return [w for k in self.objects if k.startswith("attempts/") and (w := parse_claim_name(k[9:]))]
 
     def abort_multipart_upload(self, upload) -> None:
         raise AssertionError("nothing to abort in memory")
@@ -208,6 +223,40 @@ def test_a_job_re_created_under_the_same_name_is_never_fenced_by_the_old_jobs_la
     old.close(10)
     assert old.fenced and "newer incarnation" in old.fenced
     assert store.objects == before
+
+
+def test_a_zombie_attempt_never_deletes_through_retention(tmp_path: Path):
+    """Attempt 1 keeps running after attempt 2 started (its node was force-deleted): its retention
+    must not delete the checkpoint attempt 2 restores from, nor what attempt 2 committed."""
+    store = MemoryStore()
+    keep_one = RetentionPolicy(save_total_limit=1)
+    zombie = _uploader(tmp_path / "a1", store, attempt=1, retention=keep_one)
+    zombie.submit(_local_checkpoint(tmp_path / "z", 10), 10)
+    assert zombie.wait(10)
+    newer = _uploader(tmp_path / "a2", store, attempt=2, retention=keep_one,
+                      history=frozenset({(10, 0, 1)}))  # attempt 2 restored checkpoint-10
+    newer.submit(_local_checkpoint(tmp_path / "n", 20), 20)
+    assert newer.wait(10)
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [20]
+    deletes_before = [w for w in store.writes if w.startswith("uncommit")]
+    zombie.submit(_local_checkpoint(tmp_path / "z", 30), 30)
+    zombie.close(10)
+    assert zombie.fenced
+    assert [w for w in store.writes if w.startswith("uncommit")] == deletes_before
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [20]
+
+
+def test_retention_skips_a_newer_writers_checkpoints_and_the_newest(tmp_path: Path):
+    store = MemoryStore()
+    old_job = _uploader(tmp_path / "o", store, attempt=3, incarnation=100, retention=RetentionPolicy(save_total_limit=1))
+    new_job = _uploader(tmp_path / "n", store, attempt=1, incarnation=200, retention=RetentionPolicy(save_total_limit=1))
+    new_job.submit(_local_checkpoint(tmp_path / "nn", 10), 10)
+    assert new_job.wait(10)
+    # The old job's writer was started before the new one committed, with that commit not in its history:
+    # it is fenced, so its retention (keep 1) leaves the new job's checkpoint-10 alone.
+    old_job.submit(_local_checkpoint(tmp_path / "oo", 5), 5)
+    old_job.close(10)
+    assert 10 in {c.step for c in store.list_checkpoints() if c.complete}
 
 
 def test_a_newer_attempt_replaces_an_older_commit_at_the_same_step_uncommitting_first(tmp_path: Path):

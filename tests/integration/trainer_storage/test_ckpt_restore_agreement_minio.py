@@ -1,0 +1,83 @@
+"""Restore agreement and attempt claims against a real MinIO: every rank of an attempt restores the
+step node rank 0 decided, and a newer attempt's claim fences an older writer before it commits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.launch import RestoreAgreementError, restore_agreed
+from kubetrain_trainer.manifest import RetentionPolicy
+
+from .test_ckpt_storage_minio import _checkpoint, _store, _uploader
+
+pytestmark = pytest.mark.integration
+
+
+def _commit(store, tmp_path: Path, steps, **kw) -> None:
+    up = _uploader(store, tmp_path, **kw)
+    for step in steps:
+        assert up.submit(_checkpoint(tmp_path / "out", step), step)
+    assert up.close(120), up.status_line()
+
+
+def test_every_rank_restores_the_step_node_0_decided(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    _commit(store, tmp_path, [10, 20])
+    follower: dict = {}
+
+    def rank1():
+        try:
+            follower["restored"] = restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=7, attempt=2,
+                                                  deadline=time.monotonic() + 120, poll_s=0.2)
+        except Exception as e:  # noqa: BLE001 - reported below
+            follower["error"] = e
+
+    t = threading.Thread(target=rank1)
+    t.start()  # rank 1 comes up first and waits for the decision
+    time.sleep(1.0)
+    assert t.is_alive(), "rank 1 must not restore before node rank 0 decided"
+    leader = restore_agreed(store, tmp_path / "r0", node_rank=0, incarnation=7, attempt=2,
+                            deadline=time.monotonic() + 120)
+    t.join(120)
+    assert "error" not in follower, follower
+    assert leader.committed.step == follower["restored"].committed.step == 20
+    claim = store.read_claim(7, 2)
+    assert claim.decided and claim.restore_step == 20 and (7, 2) in store.list_claims()
+
+
+def test_a_decided_step_that_vanished_fails_the_rank_instead_of_resuming_elsewhere(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    _commit(store, tmp_path, [10, 20])
+    restore_agreed(store, tmp_path / "r0", node_rank=0, incarnation=0, attempt=2, deadline=time.monotonic() + 120)
+    store.delete_checkpoint(20)  # lost between rank 0's restore and rank 1's
+    with pytest.raises(RestoreAgreementError, match="checkpoint-20"):
+        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=0, attempt=2, deadline=time.monotonic() + 60)
+    assert not (tmp_path / "r1" / "checkpoint-10").exists(), "never a step of its own choosing"
+
+
+def test_no_decision_in_time_is_a_clear_failure(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    with pytest.raises(RestoreAgreementError, match="no restore decision"):
+        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=0, attempt=3,
+                       deadline=time.monotonic() + 2, poll_s=0.2)
+
+
+def test_an_older_attempt_commits_and_deletes_nothing_once_a_newer_one_claimed(ckpt_env, minio, tmp_path: Path):
+    """A zombie of attempt 1 (its node force-deleted, the process still running) against attempt 2,
+    which is restoring: no commit over it, and its retention never removes what attempt 2 restores."""
+    store = _store(ckpt_env)
+    zombie = _uploader(store, tmp_path / "z", attempt=1, retention=RetentionPolicy(save_total_limit=1))
+    assert zombie.submit(_checkpoint(tmp_path / "z" / "out", 10), 10)
+    assert zombie.wait(60)
+    restored = restore_agreed(store, tmp_path / "a2", node_rank=0, incarnation=0, attempt=2,
+                              deadline=time.monotonic() + 120)
+    assert restored.committed.step == 10
+    zombie.submit(_checkpoint(tmp_path / "z" / "out", 20), 20)
+    zombie.close(60)
+    assert zombie.fenced and "attempt 2 > 1 has started" in zombie.fenced, zombie.fenced
+    steps = {c.step: c.complete for c in store.list_checkpoints()}
+    assert steps.get(10) is True and not steps.get(20), steps
