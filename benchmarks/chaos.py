@@ -903,6 +903,7 @@ class Chaos:
                 found["last_audit_error"] = repr(exc)
         op = getattr(self, "operator", None)
         if op:
+            found["operator_healthy_at_end"] = op.healthy()
             op.stop()
         try:
             self.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
@@ -1010,6 +1011,7 @@ class Chaos:
     def run(self) -> None:
         end_of_faults = False
         next_fault = None
+        drawn: tuple[str, float] | None = None
         interval = self.args.fault_interval
         last_poll = 0.0
         while now() < self.deadline - self.args.teardown_reserve:
@@ -1025,10 +1027,17 @@ class Chaos:
                 if injected >= self.args.faults:
                     end_of_faults = True
                     self.say(f"all {injected} faults injected; letting the jobs finish")
-                elif self.inject(self.pick_kind(injected)):
-                    next_fault = now() + interval * self.rng.uniform(0.5, 1.5)
                 else:
-                    next_fault = now() + 2
+                    if drawn is None:
+                        drawn = (self.pick_kind(injected), now())
+                    # The drawn kind waits up to --kind-wait seconds for a target (a pod that trains, MinIO
+                    # up...); only then another kind that has one goes instead. Switching at once would
+                    # favour the kinds that are always possible (operator-kill) and skew the mix.
+                    if self.inject(drawn[0], fallback=now() - drawn[1] > self.args.kind_wait):
+                        drawn = None
+                        next_fault = now() + interval * self.rng.uniform(0.5, 1.5)
+                    else:
+                        next_fault = now() + 1
             if not self.queue and all(self.finished(n) for n in self.jobs):
                 self.say("every job finished")
                 break
@@ -1062,8 +1071,10 @@ class Chaos:
             return not self.operator.expected_down
         return not self.minio_down
 
-    def inject(self, kind: str) -> bool:
+    def inject(self, kind: str, *, fallback: bool) -> bool:
         if not self.eligible(kind):
+            if not fallback:
+                return False
             ready = [k for k in KINDS if self.eligible(k)]
             if not ready:
                 return False
@@ -1137,6 +1148,8 @@ class Chaos:
             self.operator.start()
             healthy = self.operator.wait_healthy(120)
             fault.detail["healthy_after_s"] = None if healthy is None else round(healthy, 1)
+            if healthy is None and self.operator.expected_down:
+                fault.detail["killed_again_while_starting"] = True
             fault.end = now()
 
         self.background(restart)
@@ -1374,6 +1387,8 @@ def transitions(attempts: dict[str, list[Attempt]], faults: list[Fault]) -> list
                 aimed = sorted((f for f in faults if any((o, a) in keys for j, o, a in f.targets if j == job)),
                                key=lambda f: f.t)
                 window = (prev.first_added, att.first_added)
+                outage = any(f.kind == "s3-outage" and f.t <= window[1] and (f.end or window[1]) >= window[0]
+                             for f in faults)
                 globals_ = [f for f in faults if f.kind in GLOBAL_KINDS and window[0] <= f.t <= window[1]]
                 also = [f.id for f in aimed[1:]]
                 if aimed:
@@ -1386,6 +1401,7 @@ def transitions(attempts: dict[str, list[Attempt]], faults: list[Fault]) -> list
                             "to": f"{att.owner[:8]}/a{att.attempt}", "reached": prev.progress,
                             "resumed": att.restored, "lost": max(0, prev.progress - att.restored),
                             "cause": cause, "fault": fault_id, "also_hit_by_faults": also,
+                            "s3_outage_in_window": outage,
                             "exit_codes": sorted({c for a in ended for c in a.exit_codes}),
                             "disruptions": sorted({d for a in ended for d in a.disruptions})})
             prev, between = att, []
@@ -1410,13 +1426,14 @@ def resolve_preemptions(faults: list[Fault], events: list[PodEvent]) -> None:
 
 
 def per_kind(faults: list[Fault], trans: list[dict]) -> dict[str, dict]:
-    out = {k: {"injected": 0, "restarts": 0, "steps_lost": []} for k in KINDS}
+    out = {k: {"injected": 0, "restarts": 0, "steps_lost": [], "lost_in_outage": 0} for k in KINDS}
     for f in faults:
         out[f.kind]["injected"] += 1
     for t in trans:
         if t["cause"] in out:
             out[t["cause"]]["restarts"] += 1
             out[t["cause"]]["steps_lost"].append(t["lost"])
+            out[t["cause"]]["lost_in_outage"] += t["lost"] if t["s3_outage_in_window"] else 0
     return out
 
 
@@ -1429,7 +1446,13 @@ def report(chaos: Chaos, cleanup: dict, wall_s: float) -> dict:
     logs = chaos.tailer.by_pod()
     within, across = api_overlaps(events)
     dups = duplicate_pods(events)
-    procs = chaos.sampler.overlaps
+    # Two attempts of one job object alive at once (must not happen) vs. a re-created job's new pods
+    # running beside the deleted incarnation's last ones (item "same name, new job": their writes must lose).
+    procs = [o for o in chaos.sampler.overlaps if len({a.split("/")[0] for a in o["attempts"]}) == 1]
+    cross = [o for o in chaos.sampler.overlaps if len({a.split("/")[0] for a in o["attempts"]}) > 1]
+    cross_s: dict[str, float] = defaultdict(float)
+    for o in cross:
+        cross_s[o["job"]] += chaos.sampler.interval
     # Processes that outlived their pod object: last seen alive after the pod's DELETED event.
     deleted_at = {ev.uid[:8]: ev.t for ev in events if ev.type == "DELETED" and ev.job}
     ghosts = sorted(((chaos.sampler.last_alive[u] - t), u) for u, t in deleted_at.items()
@@ -1458,7 +1481,10 @@ def report(chaos: Chaos, cleanup: dict, wall_s: float) -> dict:
     succeeded = [n for n, j in jobs.items() if j["phase"] == "Succeeded"]
     with_final = [n for n in succeeded if jobs[n]["final_model_step"] == chaos.args.max_steps]
     op_kills = [f for f in chaos.faults if f.kind == "operator-kill"]
-    survived = [f for f in op_kills if f.detail.get("healthy_after_s") is not None]
+    # A kill survived when the operator came back healthy, or was killed again (by the next fault) while
+    # it started: that restart is then judged with the next kill. The run's end checks the last one.
+    survived = [f for f in op_kills if f.detail.get("healthy_after_s") is not None
+                or f.detail.get("killed_again_while_starting")]
     out = {
         "config": {k: v for k, v in vars(chaos.args).items()}, "namespace": chaos.namespace, "wall_s": round(wall_s),
         "jobs_total": len(jobs), "jobs_succeeded": len(succeeded), "jobs_with_final_model": len(with_final),
@@ -1470,13 +1496,15 @@ def report(chaos: Chaos, cleanup: dict, wall_s: float) -> dict:
         "corrupt_checkpoints_refused_by_trainer": corrupt, "commits_refused_in_trainer_logs": not_committed,
         "overlapping_attempts_api": within, "overlapping_incarnations_api": across,
         "overlapping_attempts_processes": procs,
+        "incarnations_running_together_s": {k: round(v, 1) for k, v in sorted(cross_s.items())},
         "processes_outliving_their_pod": [{"uid8": u, "seconds": round(s, 1)} for s, u in ghosts],
         "duplicate_pods": dups, "restore_disagreements": disagreements, "pod_watch_gaps": chaos.timeline.gaps,
         "operator_kills": len(op_kills), "operator_restarts_survived": len(survived),
         "operator_unexpected_exits": chaos.operator.unexpected_exits,
         "faults_injected": len(chaos.faults),
         "per_kind": {k: {"injected": v["injected"], "restarts": v["restarts"], "steps_lost_total": sum(v["steps_lost"]),
-                         "steps_lost_max": max(v["steps_lost"], default=0)} for k, v in kinds.items()},
+                         "steps_lost_max": max(v["steps_lost"], default=0),
+                         "steps_lost_with_s3_down": v["lost_in_outage"]} for k, v in kinds.items()},
         "restarts_without_injected_fault": [t for t in trans if t["cause"] == "no injected fault"],
         "transitions": trans,
         "faults": [{**dataclasses.asdict(f), "t": chaos.rel(f.t), "end": chaos.rel(f.end) if f.end else None,
@@ -1512,16 +1540,21 @@ def print_table(r: dict) -> None:
     row("  manifests audited in S3 / bad", f"{r['manifests_audited']} / {len(r['manifests_bad_in_s3'])}")
     row("overlapping attempts (pod watch)", len(r["overlapping_attempts_api"]), True)
     row("overlapping attempts (trainer processes, /proc samples)", len(r["overlapping_attempts_processes"]), True)
-    row("  re-created job's pods beside the old incarnation's", len(r["overlapping_incarnations_api"]))
+    row("  re-created job's pods ADDED beside the old incarnation's", len(r["overlapping_incarnations_api"]))
+    together = r["incarnations_running_together_s"]
+    row("  ... its processes running beside the old one's (jobs, max s)",
+        f"{len(together)}, {max(together.values(), default=0):.1f}")
     row("  processes alive > 1 s after their pod was deleted", len(r["processes_outliving_their_pod"]))
     row("duplicate pods", len(r["duplicate_pods"]), True)
     row("attempts whose nodes restored different steps", len(r["restore_disagreements"]), True)
     row("operator SIGKILL restarts survived", f"{r['operator_restarts_survived']} / {r['operator_kills']}"
+        + ("" if r["cleanup"].get("operator_healthy_at_end", True) else " (NOT healthy at the end)")
         + (f" ({len(r['operator_unexpected_exits'])} exits by itself)" if r["operator_unexpected_exits"] else ""))
     row("restarts with no injected fault to blame", len(r["restarts_without_injected_fault"]))
-    print(f"\n  {'fault':<16}{'injected':>9}{'restarts':>10}{'steps lost':>12}{'max':>6}")
+    print(f"\n  {'fault':<16}{'injected':>9}{'restarts':>10}{'steps lost':>12}{'max':>6}{'  of them while S3 was down':>28}")
     for k, v in r["per_kind"].items():
-        print(f"  {k:<16}{v['injected']:>9}{v['restarts']:>10}{v['steps_lost_total']:>12}{v['steps_lost_max']:>6}")
+        print(f"  {k:<16}{v['injected']:>9}{v['restarts']:>10}{v['steps_lost_total']:>12}{v['steps_lost_max']:>6}"
+              f"{v['steps_lost_with_s3_down']:>28}")
 
 
 def main() -> int:
@@ -1531,6 +1564,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="seeds the RNG that draws fault kinds, targets, job sizes")
     ap.add_argument("--duration", type=float, default=1500, help="hard limit of the whole run in seconds")
     ap.add_argument("--fault-interval", type=float, default=10, help="mean seconds between faults")
+    ap.add_argument("--kind-wait", type=float, default=30,
+                    help="seconds a drawn fault kind waits for a target before another kind goes instead")
     ap.add_argument("--outage-seconds", type=float, default=60, help="length of an S3 outage")
     ap.add_argument("--agents", type=int, default=2, help="test node agents (Nodes)")
     ap.add_argument("--slots", type=int, default=3, help="training pods per agent (its cpu capacity)")
