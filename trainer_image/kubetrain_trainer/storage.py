@@ -385,11 +385,14 @@ class CheckpointStore:
         base = self.location.key() + "/" if self.location.prefix else ""
 
         def run() -> list[MultipartUpload]:
+            # Filtered here, not with Prefix: MinIO lists in-progress uploads for a Prefix only when
+            # it is a whole object key (measured against the testbed's MinIO), AWS for any prefix.
             out: list[MultipartUpload] = []
             paginator = self._client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.location.bucket, Prefix=base):
+            for page in paginator.paginate(Bucket=self.location.bucket):
                 for u in page.get("Uploads", []):
-                    out.append(MultipartUpload(key=u["Key"], upload_id=u["UploadId"], initiated=u["Initiated"]))
+                    if u["Key"].startswith(base):
+                        out.append(MultipartUpload(key=u["Key"], upload_id=u["UploadId"], initiated=u["Initiated"]))
             return out
 
         return self._call("list uploads", base, run)

@@ -97,10 +97,10 @@ def test_eviction_api_restarts_the_whole_gang(operator, jobs, pod_timeline) -> N
 
 def test_preempted_exit_code_does_not_spend_backoff_limit(operator, jobs, pod_timeline) -> None:
     jobs.create("sigterm", spec(nodes=2, runPolicy={"backoffLimit": 0},
-                                checkpoint={"uri": "s3://b", "credentialsSecret": {"name": "s3"}}))
+                                checkpoint={"uri": "s3://bkt", "credentialsSecret": {"name": "s3"}}))
     jobs.wait_phase("sigterm", "Running")
     jobs.finish_pod("sigterm-a1-n0", 83, message=json.dumps({
-        "kind": "kubetrain.io/last-checkpoint", "step": 7, "uri": f"s3://b/{jobs.namespace}/sigterm/checkpoint-7"}))
+        "kind": "kubetrain.io/last-checkpoint", "step": 7, "uri": f"s3://bkt/{jobs.namespace}/sigterm/checkpoint-7"}))
     jobs.finish_pod("sigterm-a1-n1", 1)   # the peer dies of the lost rendezvous: not the user's fault
     status = assert_preempted_once(jobs, "sigterm", pod_timeline)
     assert status["lastCheckpoint"]["step"] == 7

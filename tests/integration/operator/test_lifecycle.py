@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_gang_runs_to_success(operator, jobs, kubectl, pod_timeline) -> None:
-    jobs.create("ok", spec(nodes=3, checkpoint={"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}))
+    jobs.create("ok", spec(nodes=3, checkpoint={"uri": "s3://bkt/p", "credentialsSecret": {"name": "s3"}}))
     pods = jobs.wait_pods("ok", 3, attempt=1, running=True)
     assert sorted(p.metadata.name for p in pods) == ["ok-a1-n0", "ok-a1-n1", "ok-a1-n2"]
     assert all(p.spec.node_name for p in pods), "scheduled onto kwok nodes"
@@ -32,7 +32,7 @@ def test_gang_runs_to_success(operator, jobs, kubectl, pod_timeline) -> None:
     assert status["attempt"] == 1 and status["nodesTotal"] == 3 and status["restarts"] == 0
 
     ckpt = json.dumps({"kind": "kubetrain.io/last-checkpoint", "step": 40,
-                       "uri": f"s3://b/p/{jobs.namespace}/ok/checkpoint-40", "time": "2026-01-01T00:00:00Z"})
+                       "uri": f"s3://bkt/p/{jobs.namespace}/ok/checkpoint-40", "time": "2026-01-01T00:00:00Z"})
     jobs.finish_pod("ok-a1-n1", 0)
     jobs.finish_pod("ok-a1-n2", 0)
     jobs.finish_pod("ok-a1-n0", 0, message=ckpt)

@@ -12,7 +12,7 @@ import pytest
 from kubetrain_trainer.launch import RestoreAgreementError, restore_agreed
 from kubetrain_trainer.manifest import RetentionPolicy
 
-from .test_ckpt_storage_minio import _checkpoint, _store, _uploader
+from test_ckpt_storage_minio import _checkpoint, _store, _uploader
 
 pytestmark = pytest.mark.integration
 
