@@ -230,6 +230,9 @@ for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kubetrain-demo"
             dirs[d][2] = json.loads(s3.get_object(Bucket="kubetrain-demo", Key=o["Key"])["Body"].read())
 for d in sorted(dirs, key=lambda x: int(x.rpartition("-")[2]) if x.rpartition("-")[2].isdigit() else -1):
     n, size, m = dirs[d]
+    if d == "attempts":  # one claim per attempt (docs/contract.md), not a checkpoint
+        print(f"  {d:<18} {n:>3} claims   (one per attempt: which step each attempt restored)")
+        continue
     state = f"committed by attempt {m['attempt']}, world size {m['world_size']}" if m else "incomplete (no manifest)"
     print(f"  {d:<18} {n:>3} files {size / 2**20:8.2f} MiB  {state}")
 EOF
