@@ -510,7 +510,7 @@ def _startup_problem(d: _Draft, pod: PodView) -> tuple[str, str, dt.datetime] | 
     if pod.waiting_reason not in TRANSIENT_WAITING_REASONS:
         return None
     grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
-    since = pod.starting_since or d.now
+    since = pod.starting_since or parse_time(d.status.start_time) or d.now
     detail = redact(pod.waiting_message.strip())[:MESSAGE_LIMIT]
     message = f"pod {pod.name}: {pod.waiting_reason}" + (f": {detail}" if detail else "")
     return pod.waiting_reason or "", message, since + dt.timedelta(seconds=grace)
@@ -611,12 +611,16 @@ def _startup_condition(d: _Draft, blocked: tuple[str, str, dt.datetime] | None) 
     reason, message, deadline = blocked
     text = (f"{message}; the kubelet retries, the job fails if this persists until "
             f"{format_time(deadline)} (runPolicy.startupGraceSeconds)")
-    if current is None or current.status != "True" or current.reason != reason:
-        d.event("Warning", "StartupDelayed", text)
+    if current is None or current.status != "True" or _family(current.reason) != _family(reason):
+        d.event("Warning", "StartupDelayed", text)  # not again when the kubelet flips ErrImagePull <-> BackOff
     if current is None or current.status != "True" or current.reason != reason or current.message != text:
         d.cond("StartupDelayed", "True", reason, text)
         d.update(message=f"attempt {d.status.attempt}: {message} (retrying)")
     d.wake_at(deadline)
+
+
+def _family(reason: str) -> str:
+    return "ImagePull" if reason in ("ErrImagePull", "ImagePullBackOff") else reason
 
 
 def _tail(d: _Draft, pod: PodView) -> str:
@@ -696,6 +700,8 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
                                    "retrying with backoff")
         d.cond("Created", "False", reason, text)
     what = "waiting for quota" if reason == "QuotaExceeded" else "waiting for the API server to accept the pods"
-    d.update(phase="Restarting" if job.status.phase == "Restarting" else "Pending",
+    # Pending only before the first attempt: with attempt >= 1, Pending would mean "attempt N's pods all
+    # exist" (a resumed or restarting job whose next pods are refused stays Restarting).
+    d.update(phase="Pending" if job.status.attempt == 0 else "Restarting",
              message=f"attempt {job.status.attempt + 1}: {what}: {text}")
     return d.build()

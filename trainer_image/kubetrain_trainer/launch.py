@@ -402,6 +402,14 @@ class Restored:
     """`sync.CommittedCheckpoint` of the restored one, or None."""
     history: frozenset[tuple[int, int, int]]
     """(step, incarnation, attempt) of every manifest in storage at start, for write fencing."""
+    claims: frozenset[tuple[int, int]] = frozenset()
+    """(incarnation, attempt) of every attempt claim in storage at start: only newer claims that
+    appear later fence this writer (one already there is history, e.g. a clock that ran ahead)."""
+
+
+RESTORE_WAIT_FACTOR = 4
+"""Ranks other than 0 wait for node rank 0's restore decision up to this many restore timeouts
+while its claim shows it is restoring (its own download of a big checkpoint)."""
 
 
 class RestoreAgreementError(Exception):
@@ -420,11 +428,20 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
     restores the newest complete checkpoint (falling back past corrupt ones) and records the step
     in the claim. The other ranks wait for that decision and restore exactly that step; if it is
     no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
+    import dataclasses
+
     from kubetrain_trainer.manifest import AttemptClaim
     from kubetrain_trainer.storage import retrying
 
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep
+    if incarnation == 0:
+        # Not started by the operator (no KUBETRAIN_JOB_INCARNATION): claim names would repeat from
+        # run to run, so each rank restores the newest complete checkpoint on its own, as before.
+        return restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
+    claims = frozenset(retrying(store.list_claims, deadline=deadline, access_deadline=access_deadline,
+                                cancelled=cancelled, sleep=sleep, what="listing attempt claims"))
+    budget = max(1.0, deadline - time.monotonic())
     if node_rank == 0:
         claim = AttemptClaim(incarnation=incarnation, attempt=attempt)
         retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
@@ -432,22 +449,28 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
         restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
         step = restored.committed.step if restored.committed is not None else None
         decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
-        retrying(lambda: store.write_claim(decided), deadline=deadline, access_deadline=access_deadline,
-                 cancelled=cancelled, sleep=sleep, what="recording the restore decision")
-        return restored
+        retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
+                 access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
+                 what="recording the restore decision")
+        return dataclasses.replace(restored, claims=claims)
+    # Node rank 0 downloads before it decides: while its claim says it is at work, wait longer than
+    # the restore timeout (a big checkpoint), up to WAIT_FACTOR times it; without any claim, the timeout.
+    hard = time.monotonic() + RESTORE_WAIT_FACTOR * budget
     while True:
-        claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=deadline,
+        claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=time.monotonic() + budget,
                          access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore decision")
         if claim is not None and claim.decided:
             break
         if cancelled():
             raise RestoreAgreementError("stopped while waiting for node rank 0's restore decision")
-        if time.monotonic() > deadline:
-            raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt "
-                                        "before KUBETRAIN_RESTORE_TIMEOUT_SECONDS")
+        now = time.monotonic()
+        if (claim is None and now > deadline) or now > hard:
+            raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt in time "
+                                        "(KUBETRAIN_RESTORE_TIMEOUT_SECONDS)")
         sleep(poll_s)
-    return restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline,
-                          only_step=claim.restore_step, agreed=True)
+    restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
+                              access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
+    return dataclasses.replace(restored, claims=claims)
 
 
 def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,
@@ -526,6 +549,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
                               attempt=cfg.attempt, deadline=started + cfg.restore_timeout_s, stop=stop,
                               access_deadline=started + cfg.access_retry_s)
     resume_from, initial, history = restored.path, restored.committed, restored.history
+    claims_at_start = restored.claims
 
     def on_commit(record: CommittedCheckpoint) -> None:
         if cfg.node_rank != 0:
@@ -553,6 +577,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
         retention=cfg.retention(),
         backoff=Backoff(initial_s=1.0, maximum_s=30.0),
         history=history,
+        claims_at_start=claims_at_start,
     )
     staging = cfg.local_dir.parent / f".{cfg.local_dir.name}.upload-staging"
     uploader = CheckpointUploader(

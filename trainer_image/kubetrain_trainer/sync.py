@@ -114,6 +114,8 @@ class SyncSettings:
     """(step, incarnation, attempt) of every manifest seen at start (see `check_fence`)."""
     incarnation: int = 0
     """KUBETRAIN_JOB_INCARNATION: orders this job's writers after those of a job it replaced."""
+    claims_at_start: frozenset[tuple[int, int]] = frozenset()
+    """Attempt claims already in storage at start: history, never a reason to stop (see `check_fence`)."""
     stale_upload_margin_s: float = 300.0
     """Incomplete multipart uploads begun this long before the uploader started are aborted (clock skew margin)."""
 
@@ -335,7 +337,7 @@ class CheckpointUploader:
             job.files = scan_folder(job.folder)  # hashing once, not per retry
         remote = self.store.list_checkpoints()
         fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
-                            claims=self.store.list_claims())
+                            claims=self._new_claims())
         if not fence.allowed:
             raise FencedError(fence.reason)
         existing = next((c for c in remote if c.step == job.step), None)
@@ -366,7 +368,7 @@ class CheckpointUploader:
         )
         # Re-check right before the commit: a newer attempt may have started meanwhile.
         fence = check_fence(self.store.list_checkpoints(), step=job.step, attempt=s.attempt, history=s.history,
-                            incarnation=s.incarnation, claims=self.store.list_claims())
+                            incarnation=s.incarnation, claims=self._new_claims())
         if not fence.allowed:
             raise FencedError(fence.reason)
         self.store.commit(manifest)
@@ -423,6 +425,9 @@ class CheckpointUploader:
             except Exception:  # noqa: BLE001 - reporting must never stop uploads
                 log.exception("on_commit hook failed")
 
+    def _new_claims(self) -> list[tuple[int, int]]:
+        return [w for w in self.store.list_claims() if w not in self.settings.claims_at_start]
+
     def _apply_retention(self) -> None:
         """Node rank 0, after a commit: remote retention, then aborting uploads an earlier attempt left torn.
 
@@ -439,7 +444,7 @@ class CheckpointUploader:
             # has committed, this one deletes nothing, not even its own old steps; and no writer ever
             # deletes a checkpoint that a newer writer committed.
             fence = check_fence(remote, step=-1, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
-                                claims=self.store.list_claims())
+                                claims=self._new_claims())
             if not fence.allowed:
                 log.warning("remote retention skipped: %s", fence.reason)
                 return

@@ -52,17 +52,17 @@ def test_every_rank_restores_the_step_node_0_decided(ckpt_env, minio, tmp_path: 
 def test_a_decided_step_that_vanished_fails_the_rank_instead_of_resuming_elsewhere(ckpt_env, minio, tmp_path: Path):
     store = _store(ckpt_env)
     _commit(store, tmp_path, [10, 20])
-    restore_agreed(store, tmp_path / "r0", node_rank=0, incarnation=0, attempt=2, deadline=time.monotonic() + 120)
+    restore_agreed(store, tmp_path / "r0", node_rank=0, incarnation=5, attempt=2, deadline=time.monotonic() + 120)
     store.delete_checkpoint(20)  # lost between rank 0's restore and rank 1's
     with pytest.raises(RestoreAgreementError, match="checkpoint-20"):
-        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=0, attempt=2, deadline=time.monotonic() + 60)
+        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=5, attempt=2, deadline=time.monotonic() + 60)
     assert not (tmp_path / "r1" / "checkpoint-10").exists(), "never a step of its own choosing"
 
 
 def test_no_decision_in_time_is_a_clear_failure(ckpt_env, minio, tmp_path: Path):
     store = _store(ckpt_env)
     with pytest.raises(RestoreAgreementError, match="no restore decision"):
-        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=0, attempt=3,
+        restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=5, attempt=3,
                        deadline=time.monotonic() + 2, poll_s=0.2)
 
 
@@ -70,10 +70,10 @@ def test_an_older_attempt_commits_and_deletes_nothing_once_a_newer_one_claimed(c
     """A zombie of attempt 1 (its node force-deleted, the process still running) against attempt 2,
     which is restoring: no commit over it, and its retention never removes what attempt 2 restores."""
     store = _store(ckpt_env)
-    zombie = _uploader(store, tmp_path / "z", attempt=1, retention=RetentionPolicy(save_total_limit=1))
+    zombie = _uploader(store, tmp_path / "z", attempt=1, incarnation=5, retention=RetentionPolicy(save_total_limit=1))
     assert zombie.submit(_checkpoint(tmp_path / "z" / "out", 10), 10)
     assert zombie.wait(60)
-    restored = restore_agreed(store, tmp_path / "a2", node_rank=0, incarnation=0, attempt=2,
+    restored = restore_agreed(store, tmp_path / "a2", node_rank=0, incarnation=5, attempt=2,
                               deadline=time.monotonic() + 120)
     assert restored.committed.step == 10
     zombie.submit(_checkpoint(tmp_path / "z" / "out", 20), 20)

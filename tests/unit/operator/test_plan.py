@@ -481,3 +481,24 @@ def test_a_pod_with_unparsable_fields_is_still_seen() -> None:
     body["metadata"]["annotations"] = {"kubetrain.io/last-checkpoint": "{" * 5000}
     view = PodView.from_storage(body)
     assert view is not None and (view.rank, view.phase, view.exit_code, view.checkpoint) == (1, "Failed", None, None)
+
+
+def test_a_refused_create_after_resume_stays_restarting_and_is_never_a_preemption() -> None:
+    from kubetrain.plan import rejected_plan
+    suspended = job(status=started(attempt=2, phase="Suspended"))
+    st = rejected_plan(suspended, at(0), reason="QuotaExceeded", message=QUOTA).status
+    assert st is not None and st.phase == "Restarting" and st.attempt == 2
+    again = plan(Job(**{**suspended.__dict__, "status": st}), observed(), at(10))
+    assert again.status.preemptions == 0 and [a.rank for a in again.actions if isinstance(a, CreatePod)] == [0, 1]
+    assert again.status.attempt == 3
+
+
+def test_the_kubelet_flipping_between_pull_error_and_backoff_posts_no_new_warning() -> None:
+    first = plan(job(status=started(phase="Pending")),
+                 observed(pod(rank=0, phase="Pending", waiting="ErrImagePull", scheduled=iso(0)),
+                          pod(rank=1, phase="Pending")), at(5))
+    assert [e.reason for e in first.events] == ["StartupDelayed"]
+    tj = Job(**{**job().__dict__, "status": first.status})
+    flipped = plan(tj, observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff", scheduled=iso(0)),
+                                pod(rank=1, phase="Pending")), at(20))
+    assert flipped.events == ()

@@ -259,6 +259,19 @@ def test_retention_skips_a_newer_writers_checkpoints_and_the_newest(tmp_path: Pa
     assert 10 in {c.step for c in store.list_checkpoints() if c.complete}
 
 
+def test_a_claim_already_there_at_start_is_history_a_new_one_fences(tmp_path: Path):
+    from kubetrain_trainer.manifest import AttemptClaim
+    store = MemoryStore()
+    store.write_claim(AttemptClaim(incarnation=0, attempt=7))  # e.g. a job whose clock ran ahead
+    up = _uploader(tmp_path, store, attempt=1, claims_at_start=frozenset({(0, 7)}))
+    up.submit(_local_checkpoint(tmp_path / "a", 10), 10)
+    assert up.wait(10) and not up.fenced, up.fenced
+    store.write_claim(AttemptClaim(incarnation=0, attempt=2))  # a newer attempt started after us
+    up.submit(_local_checkpoint(tmp_path / "a", 20), 20)
+    up.close(10)
+    assert up.fenced and "attempt 2 > 1 has started" in up.fenced
+
+
 def test_a_newer_attempt_replaces_an_older_commit_at_the_same_step_uncommitting_first(tmp_path: Path):
     store = MemoryStore()
     old = _uploader(tmp_path / "a1", store, attempt=1)
