@@ -105,6 +105,14 @@ def parse_time(value: Any) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
+def parse_time_or_none(value: Any) -> dt.datetime | None:
+    """`parse_time` for values others wrote (pods, metadata): None when it does not parse."""
+    try:
+        return parse_time(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def format_time(value: dt.datetime | None) -> str | None:
     """Aware datetime to the RFC3339 form Kubernetes stores (second precision, Z)."""
     if value is None:
@@ -604,12 +612,5 @@ class Job:
             name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
             generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),
             deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
-            created=_created(meta.get("creationTimestamp")),
+            created=parse_time_or_none(meta.get("creationTimestamp")),
         )
-
-
-def _created(value: Any) -> dt.datetime | None:
-    try:
-        return parse_time(value)
-    except (TypeError, ValueError, OverflowError):
-        return None

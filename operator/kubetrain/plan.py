@@ -25,7 +25,7 @@ from typing import Any, Literal, Mapping
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
     LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
-    format_time, parse_time, pod_name, redact,
+    format_time, parse_time, parse_time_or_none, pod_name, redact,
 )
 
 FATAL_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
@@ -109,16 +109,16 @@ class PodView:
             return None
         status = body.get("status") or {}
         disruption = ready_changed = None
-        starting_since = _pod_time(meta.get("creationTimestamp"))
+        starting_since = parse_time_or_none(meta.get("creationTimestamp"))
         ready = False
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
                 disruption = cond.get("reason") or "DisruptionTarget"
             elif cond.get("type") == "PodScheduled" and cond.get("status") == "True":
-                starting_since = _pod_time(cond.get("lastTransitionTime")) or starting_since
+                starting_since = parse_time_or_none(cond.get("lastTransitionTime")) or starting_since
             elif cond.get("type") == "Ready":
                 ready = cond.get("status") == "True"
-                ready_changed = _pod_time(cond.get("lastTransitionTime"))
+                ready_changed = parse_time_or_none(cond.get("lastTransitionTime"))
         exit_code, message, waiting, waiting_message = None, "", None, ""
         statuses = status.get("containerStatuses") or ()
         trainer = next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
@@ -136,7 +136,7 @@ class PodView:
         return cls(
             name=meta.get("name") or "", attempt=attempt, rank=rank,
             phase=status.get("phase") or "Pending",
-            deletion_timestamp=_pod_time(meta.get("deletionTimestamp")),
+            deletion_timestamp=parse_time_or_none(meta.get("deletionTimestamp")),
             disruption=disruption, reason=str(status.get("reason") or ""),
             status_message=str(status.get("message") or ""), starting_since=starting_since,
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
@@ -146,14 +146,6 @@ class PodView:
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
         )
-
-
-def _pod_time(value: Any) -> dt.datetime | None:
-    """A timestamp from a pod; None when it does not parse (one odd pod never stops a reconcile)."""
-    try:
-        return parse_time(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 MAX_RECORD_BYTES = 4096
@@ -511,7 +503,7 @@ def _startup_problem(d: _Draft, pod: PodView) -> tuple[str, str, dt.datetime] | 
         return None
     grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
     since = pod.starting_since or parse_time(d.status.start_time) or d.now
-    detail = redact(pod.waiting_message.strip())[:MESSAGE_LIMIT]
+    detail = _excerpt(pod.waiting_message)
     message = f"pod {pod.name}: {pod.waiting_reason}" + (f": {detail}" if detail else "")
     return pod.waiting_reason or "", message, since + dt.timedelta(seconds=grace)
 
@@ -541,7 +533,7 @@ def _supervise(d: _Draft, observed: Observed) -> None:
                               f"pod {pod.name} exited with code {EXIT_INVALID_CONFIG} (invalid configuration)"
                               + _tail(d, pod))
         elif pod.waiting_reason in FATAL_WAITING_REASONS:
-            detail = redact(pod.waiting_message.strip())[:MESSAGE_LIMIT]
+            detail = _excerpt(pod.waiting_message)
             fatal = fatal or (pod.waiting_reason or "", f"pod {pod.name}: {pod.waiting_reason}"
                                                         + (f": {detail}" if detail else ""))
         elif (problem := _startup_problem(d, pod)) is not None:
@@ -619,6 +611,11 @@ def _startup_condition(d: _Draft, blocked: tuple[str, str, dt.datetime] | None) 
     d.wake_at(deadline)
 
 
+def _excerpt(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """What the kubelet or the API server said, redacted and cut short, for status and events."""
+    return redact(text.strip())[:limit]
+
+
 def _family(reason: str) -> str:
     return "ImagePull" if reason in ("ErrImagePull", "ImagePullBackOff") else reason
 
@@ -664,7 +661,7 @@ def _restart_after_failure(d: _Draft, observed: Observed, pod: PodView) -> None:
     d.update(failures=failures)
     if _evicted_for_own_usage(pod):
         what = (f"pod {pod.name} (node rank {pod.rank}) was evicted for its own resource usage: "
-                f"{redact(pod.status_message.strip())[:MESSAGE_LIMIT]}")
+                f"{_excerpt(pod.status_message)}")
     else:
         what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
     if failures > policy.backoff_limit:
@@ -682,7 +679,7 @@ def _restart_after_failure(d: _Draft, observed: Observed, pod: PodView) -> None:
 def fail_plan(job: Job, observed: Observed, now: dt.datetime, *, reason: str, message: str) -> Plan:
     """The plan that fails a job outright (e.g. the API server rejected its pods)."""
     d = _Draft(job, now)
-    _fail(d, observed, reason=reason, message=redact(message)[:MESSAGE_LIMIT * 2])
+    _fail(d, observed, reason=reason, message=_excerpt(message, MESSAGE_LIMIT * 2))
     return d.build()
 
 
@@ -693,7 +690,7 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
     message changes, phase Pending (Restarting stays Restarting: `status.attempt` is not moved,
     so the pods already created are completed, never duplicated, on the next try)."""
     d = _Draft(job, now)
-    text = redact(message)[:MESSAGE_LIMIT]
+    text = _excerpt(message)
     current = d.status.condition("Created")
     if current is None or current.status != "False" or current.reason != reason or current.message != text:
         d.event("Warning", reason, f"attempt {job.status.attempt + 1}: the API server refused a pod: {text}; "

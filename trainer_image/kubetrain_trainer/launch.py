@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -428,8 +428,6 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
     restores the newest complete checkpoint (falling back past corrupt ones) and records the step
     in the claim. The other ranks wait for that decision and restore exactly that step; if it is
     no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
-    import dataclasses
-
     from kubetrain_trainer.manifest import AttemptClaim
     from kubetrain_trainer.storage import retrying
 
@@ -452,7 +450,7 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
         retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
                  access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
                  what="recording the restore decision")
-        return dataclasses.replace(restored, claims=claims)
+        return replace(restored, claims=claims)
     # Node rank 0 downloads before it decides: while its claim says it is at work, wait longer than
     # the restore timeout (a big checkpoint), up to WAIT_FACTOR times it; without any claim, the timeout.
     hard = time.monotonic() + RESTORE_WAIT_FACTOR * budget
@@ -470,7 +468,7 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
         sleep(poll_s)
     restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
                               access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
-    return dataclasses.replace(restored, claims=claims)
+    return replace(restored, claims=claims)
 
 
 def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,

@@ -199,7 +199,7 @@ class Manifest:
             metrics=_numeric_only(metrics_raw),
             created=created,
             best=BestCheckpoint.from_storage(raw.get("best")),
-            incarnation=_int_field(raw, "incarnation", minimum=0) if "incarnation" in raw else 0,
+            incarnation=_incarnation(raw),
         )
 
     @classmethod
@@ -257,12 +257,7 @@ class NodePart:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "NodePart":
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"node part is not valid JSON: {e}") from None
-        if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
-            raise ManifestError("node part: unsupported format")
+        raw = _load_record(data, "node part")
         files_raw = raw.get("files")
         if not isinstance(files_raw, list):
             raise ManifestError("node part files: must be a list")
@@ -271,8 +266,24 @@ class NodePart:
             step=_int_field(raw, "step", minimum=0),
             attempt=_int_field(raw, "attempt", minimum=1),
             files=tuple(FileEntry.from_storage(f) for f in files_raw),
-            incarnation=_int_field(raw, "incarnation", minimum=0) if "incarnation" in raw else 0,
+            incarnation=_incarnation(raw),
         )
+
+
+def _load_record(data: bytes | str, what: str) -> Mapping[str, Any]:
+    """A small JSON record of this format (node part, attempt claim), or ManifestError naming it."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
+        raise ManifestError(f"{what}: unsupported format")
+    return raw
+
+
+def _incarnation(raw: Mapping[str, Any]) -> int:
+    """The writer's incarnation; 0 for records written before incarnations existed."""
+    return _int_field(raw, "incarnation", minimum=0) if "incarnation" in raw else 0
 
 
 CLAIMS_FOLDER = "attempts"
@@ -306,12 +317,7 @@ class AttemptClaim:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "AttemptClaim":
-        try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"attempt claim is not valid JSON: {e}") from None
-        if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
-            raise ManifestError("attempt claim: unsupported format")
+        raw = _load_record(data, "attempt claim")
         step = raw.get("restore_step")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ManifestError("attempt claim restore_step: must be a step or null")
