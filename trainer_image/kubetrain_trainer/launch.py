@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from kubetrain_trainer.command import expand_command
+
 EXIT_OK = 0
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
@@ -247,7 +249,7 @@ class Workers:
             env = worker_env(cfg, local_rank, base_env, resume_from)
             # Own process group: a terminal's Ctrl-C or a group kill of the
             # launcher reaches workers only through us, exactly once.
-            procs.append(subprocess.Popen(list(cfg.command), env=env, process_group=0))
+            procs.append(subprocess.Popen(expand_command(cfg.command, env, base_env), env=env, process_group=0))
         log.info("started %d worker(s): %s", len(procs), " ".join(cfg.command))
         return cls(procs)
 
