@@ -13,16 +13,27 @@ process's share of the folder; each local process marks its share
 n local processes did. A save interrupted half-way is never marked, so it is
 never committed. Outside kubetrain the markers are harmless empty files.
 
-This module needs `transformers` (the user's image has it; kubetrain's own
-image does not), and never talks to S3.
+This module needs `transformers` (kubetrain's trainer image has it), and
+never talks to S3.
+
+TEST HOOK (off unless `KUBETRAIN_TEST_HF_HOLD` is set; docs/contract.md, "Test
+hooks"): a comma-separated list of `<attempt>:step:<N>` (hold after step N,
+between saves) and `<attempt>:save:<N>` (hold inside the save of
+`checkpoint-<N>`, after the model file is written and before the rest), for
+the attempt `KUBETRAIN_ATTEMPT` names. The process prints a line and waits
+for its SIGTERM (at most `KUBETRAIN_TEST_HOLD_SECONDS`, default 600), so a
+test preempts an unmodified HF script at the point it chose.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
 from kubetrain_trainer.readiness import mark_ready
@@ -30,8 +41,52 @@ from kubetrain_trainer.readiness import mark_ready
 log = logging.getLogger(__name__)
 
 
+HF_HOLD_ENV = "KUBETRAIN_TEST_HF_HOLD"
+HOLD_SECONDS_ENV = "KUBETRAIN_TEST_HOLD_SECONDS"
+
+
+def parse_holds(raw: str, attempt: int) -> dict[str, int]:
+    """`KUBETRAIN_TEST_HF_HOLD` for this attempt: {"step": N, "save": M}; ValueError names the bad entry."""
+    holds: dict[str, int] = {}
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        parts = entry.split(":")
+        if len(parts) != 3 or parts[1] not in ("step", "save") or not all(p.isdigit() for p in parts[::2]):
+            raise ValueError(f"{HF_HOLD_ENV}: {entry!r} is not <attempt>:step:<N> or <attempt>:save:<N>")
+        if int(parts[0]) == attempt:
+            holds[parts[1]] = int(parts[2])
+    return holds
+
+
+def _hold(what: str) -> None:
+    seconds = float(os.environ.get(HOLD_SECONDS_ENV) or 600)
+    print(f"kubetrain test hook: holding {what} until SIGTERM (at most {seconds:.0f} s)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:  # SIGTERM's default action ends the process here
+        time.sleep(0.2)
+
+
 class KubetrainCheckpointCallback(TrainerCallback):
     """Marks each checkpoint folder the HF Trainer saved as complete for this process."""
+
+    def __init__(self) -> None:
+        raw = os.environ.get(HF_HOLD_ENV, "")
+        self._holds = parse_holds(raw, int(os.environ.get("KUBETRAIN_ATTEMPT", "0") or 0)) if raw else {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if self._holds.get("step") == step:
+            _hold(f"after step {step}")
+        if self._holds.get("save") == step:
+            # The Trainer writes model.safetensors, then torch.save()s the rest of checkpoint-<step>:
+            # hold at the first of those, so the folder is half written when the SIGTERM lands.
+            original = torch.save
+
+            def held_save(*a, **kw):
+                torch.save = original
+                _hold(f"inside the save of checkpoint-{step} (model written, the rest not)")
+                return original(*a, **kw)
+
+            torch.save = held_save
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
