@@ -31,6 +31,10 @@ import pytest
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT / "testbed") not in sys.path:  # works without `pip install -e .` too
     sys.path.insert(0, str(_ROOT / "testbed"))
+# Test helpers at tests/' top level (kubetrain_*.py) import by name, under any --import-mode; processes
+# started with multiprocessing's `spawn` inherit sys.path, so they import them too.
+if str(_ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(_ROOT / "tests"))
 
 
 def _slug(text: str, limit: int) -> str:

@@ -1,11 +1,13 @@
-"""Test support for the sharded strategies: real process groups, real training, no mocks.
+"""Test harness for the sharded strategies: real process groups, real training, no mocks.
 
-Why it lives in the package: `spawn`ed children import the function they run
-by module name, and test modules are not importable; this module is. It
-holds a launcher (`run_distributed`: N processes, gloo, a fresh port, every
-child's traceback surfaced), a tiny transformer-shaped model, deterministic
-batches, and a worker that drives any `Strategy` through the same calls as
-the Trainer (no_sync on all but the last micro-batch, clip, step, scheduler).
+It lives under tests/ (never in the trainer image) and at its top level:
+tests/conftest.py puts tests/ on sys.path, and `spawn`ed children inherit
+the parent's sys.path, so they import the function they run by this module's
+name. It holds a launcher (`run_distributed`: N processes, gloo, a fresh port
+from the testbed's `free_port`, every child's traceback surfaced), a tiny
+transformer-shaped model, deterministic batches, and a worker that drives any
+`Strategy` through the same calls as the Trainer (no_sync on all but the last
+micro-batch, clip, step, scheduler).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -28,16 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kubetrain_testbed import free_port
+
 VOCAB, DIM, LAYERS, SEQ, BATCH = 37, 24, 2, 8, 4
 
 
 # --- processes -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
     # The torchrun contract, so DeepSpeed and the Trainer see what they see in a pod.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

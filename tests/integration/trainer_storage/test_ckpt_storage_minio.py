@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kubetrain_testbed import free_port
 from kubetrain_trainer.launch import restore_newest
 from kubetrain_trainer.manifest import RetentionPolicy, newest_complete
 from kubetrain_trainer.storage import (
@@ -171,11 +172,7 @@ def test_bad_credentials_are_a_permanent_error_without_the_secret(ckpt_env, monk
 
 
 def test_unreachable_endpoint_is_a_temporary_error(ckpt_env):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    port = free_port()  # nothing listens there
     store = _store(dict(ckpt_env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}"), connect_timeout_s=0.5)
     with pytest.raises(StorageTemporaryError):
         store.list_checkpoints()

@@ -1,7 +1,7 @@
 """FSDP2 and DeepSpeed ZeRO-3 train for real: 2 processes, gloo, CPU.
 
 Each test drives a strategy through the same calls the Trainer makes
-(`_testing.train_worker`) and checks it against something computed
+(`kubetrain_strategy_harness.train_worker`) and checks it against something computed
 independently: the same training done unsharded in one process, the
 parameters gathered another way, an uninterrupted run, a plain model loaded
 from the exported safetensors.
@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kubetrain_trainer.strategies._testing import (
+from kubetrain_strategy_harness import (
     RunSpec,
     TinyLM,
     max_abs_diff,

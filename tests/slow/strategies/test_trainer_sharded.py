@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from kubetrain_trainer.models import TinyGPT, TinyGPTConfig
-from kubetrain_trainer.strategies._testing import TrainerSpec, max_abs_diff, run_distributed, trainer_worker
+from kubetrain_strategy_harness import TrainerSpec, max_abs_diff, run_distributed, trainer_worker
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from torch import nn
 from kubetrain_trainer.args import ConfigError
 from kubetrain_trainer.models import TinyGPT, TinyGPTConfig
 from kubetrain_trainer.strategies import get_strategy
-from kubetrain_trainer.strategies._testing import TinyLM
+from kubetrain_strategy_harness import TinyLM
 from kubetrain_trainer.strategies.fsdp import FSDPOptions, modules_to_shard
 
 
