@@ -6,6 +6,7 @@ the launcher restores the newest complete checkpoint first and sets
 KUBETRAIN_RESUME_FROM, so the same script resumes after a preemption.
 """
 
+import logging
 import os
 import sys
 
@@ -47,6 +48,11 @@ def main(argv):
          "--learning_rate", "0.01", "--per_device_train_batch_size", "16", "--eval_strategy", "steps",
          "--eval_steps", "10", "--save_strategy", "steps", "--save_steps", "10", "--save_total_limit", "2",
          "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_loss", *argv])
+    # The HF examples' logging habit: info on the process that should log, then the Trainer applies
+    # log_level / log_level_replica (the default log_level, "passive", keeps this choice).
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.should_log:
+        logging.getLogger("kubetrain_trainer").setLevel(logging.INFO)
     trainer = Trainer(MLP(), args, train_dataset=Squares(1024, seed=0), eval_dataset=Squares(128, seed=1),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=3)])
     out = trainer.train(resume_from_checkpoint=os.environ.get("KUBETRAIN_RESUME_FROM") or True)

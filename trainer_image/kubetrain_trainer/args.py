@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, Union
 
+from .loglevels import LogLevel, ProcessLogLevels
+
 IntervalStrategy = Literal["no", "steps", "epoch"]
 SaveStrategy = Literal["no", "steps", "epoch", "best"]
 SchedulerType = Literal["linear", "cosine", "constant", "constant_with_warmup"]
-LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 Reporter = Literal["tensorboard", "jsonl", "all", "none"]
 
 
@@ -34,7 +36,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(ProcessLogLevels):
     """Arguments of one training run (Hugging Face `TrainingArguments` names and semantics)."""
 
     # --- output and checkpoints -------------------------------------------------
@@ -151,11 +153,11 @@ class TrainingArguments:
     report_to: list[Reporter] = field(default_factory=lambda: ["jsonl"])
     """Reporters: tensorboard, jsonl (`<logging_dir>/log.jsonl`), all or none."""
     log_level: LogLevel = "passive"
-    """Log level of the main process ("passive": leave the logging setup alone, info by default)."""
+    """Log level of the main process ("passive": the application's level stays as it is)."""
     log_level_replica: LogLevel = "warning"
-    """Log level of the other processes."""
+    """Log level of the other processes ("passive" as for `log_level`)."""
     log_on_each_node: bool = True
-    """Log on the local main process of every node, not just the global main process."""
+    """`log_level` on the local main process of every node; false: only on node 0's (see loglevels.py)."""
     disable_tqdm: bool | None = None
     """Hide the progress bar (shown on the main process by default)."""
     run_name: str | None = None
@@ -349,14 +351,9 @@ def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- coercion
-_TYPES: dict[str, Any] | None = None
-
-
+@functools.cache
 def _field_types() -> dict[str, Any]:
-    global _TYPES
-    if _TYPES is None:
-        _TYPES = typing.get_type_hints(TrainingArguments)
-    return _TYPES
+    return typing.get_type_hints(TrainingArguments)
 
 
 _TRUE = {"true", "1", "yes", "on"}

@@ -178,6 +178,9 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
     from .state import TrainingPreempted
     from .trainer import Trainer
 
+    # This entrypoint is the application: its step and resume logs are at info. The Trainer
+    # leaves that alone under log_level "passive" (the default) and applies any other level.
+    logger.setLevel(logging.INFO)
     try:
         name, args, task = load_config(env, argv)
         set_seed(args.seed)  # identical initial weights on every rank and attempt

@@ -3,19 +3,25 @@
 Every rank evaluates its shard of the (padded) eval set; losses are averaged
 across ranks weighted by the real (non-padding) sample count, and predictions
 are gathered and re-interleaved into dataset order for `compute_metrics`.
+
+As in the HF Trainer, a batch that carries its labels is scored through
+`compute_loss` (`prediction_step`), so a subclass's loss is the `eval_loss`
+that `metric_for_best_model="loss"` ranks checkpoints by.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from . import distributed as dist_util
-from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader, to_device
+from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader
 from .state import EvalPrediction, PredictionOutput
 
 
@@ -50,6 +56,20 @@ def call_model(model: Any, inputs: Any) -> Any:
     return model(inputs)
 
 
+def count_items(inputs: Any) -> torch.Tensor | None:
+    """`num_items_in_batch` of one micro-batch: its label items that are not -100 (a 0-dim tensor), or None."""
+    labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+    return labels.ne(-100).sum() if isinstance(labels, torch.Tensor) else None
+
+
+@functools.lru_cache(maxsize=None)
+def label_names(model_class: type) -> tuple[str, ...]:
+    """The model's label arguments as HF finds them (forward parameters named like "label"), else ("labels",)."""
+    params = inspect.signature(model_class.forward).parameters
+    qa = ("start_positions", "end_positions") if "QuestionAnswering" in model_class.__name__ else ()
+    return tuple(p for p in params if "label" in p or p in qa) or ("labels",)
+
+
 def _interleave(per_rank: list[torch.Tensor], total: int) -> torch.Tensor:
     """Undo round-robin sharding: element j of rank r is global sample j*W + r."""
     stacked = torch.stack(per_rank, dim=1)
@@ -63,12 +83,22 @@ def _numpy(t: torch.Tensor | None):
 
 
 class EvaluationMixin:
-    """`evaluate`, `predict`, `prediction_step` and the eval dataloader of `Trainer`."""
+    """`evaluate`, `predict`, `prediction_step` and the eval and test dataloaders of `Trainer`."""
 
-    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """The eval set's loader; a str names one entry of a dict `eval_dataset` (as in HF)."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        if dataset is None:
+            dataset = self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
+        return self._ordered_loader(dataset)
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        """The loader `predict` runs over."""
+        return self._ordered_loader(test_dataset)
+
+    def _ordered_loader(self, dataset: Dataset) -> DataLoader:
         sampler = None
         if has_length(dataset):
             sampler = ResumableDistributedSampler(len(dataset), num_replicas=dist_util.world_size(),
@@ -77,23 +107,37 @@ class EvaluationMixin:
                            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=False, generator_seed=self.args.data_seed)
 
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """Forward pass without gradients: (loss, logits, labels), any of which may be None."""
-        inputs = to_device(inputs, self.device)
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
+        """Forward pass without gradients: (loss, logits, labels), any of which may be None.
+
+        A batch with its labels (see `label_names`) is scored by `compute_loss`
+        (with `return_outputs=True`); any other batch by the model's own loss,
+        when it returns one (models that take their targets under another
+        name still report an eval loss).
+        """
+        inputs = self._prepare_inputs(inputs)
+        names = label_names(type(self.strategy.unwrap() if self._prepared else self.model))
+        has_labels = isinstance(inputs, Mapping) and all(inputs.get(k) is not None for k in names)
+        # Taken before compute_loss runs: an override may pop them (the guide's example does).
+        labels = (inputs[names[0]] if len(names) == 1 else tuple(inputs[k] for k in names)) if has_labels else None
         with torch.no_grad(), self._autocast():
-            outputs = call_model(model, inputs)
-        loss = extract_loss(outputs)
-        loss = loss.detach().float() if loss is not None else None
+            if has_labels:
+                loss, outputs = self._compute_loss(model, inputs, return_outputs=True,
+                                                   num_items_in_batch=count_items(inputs))
+            else:
+                outputs = call_model(model, inputs)
+                loss = extract_loss(outputs)
+        loss = loss.detach().float().mean() if loss is not None else None
         if prediction_loss_only:
             return loss, None, None
-        labels = inputs.get("labels") if isinstance(inputs, dict) else None
         logits = extract_logits(outputs)
         return loss, (logits.detach() if logits is not None else None), labels
 
     def evaluation_loop(self, dataloader: DataLoader, *, prefix: str, prediction_loss_only: bool | None = None):
         args = self.args
-        loss_only = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        loss_only = loss_only or self.compute_metrics is None and prefix != "test"
+        # evaluate() collects predictions only for compute_metrics; predict() always (whatever its prefix).
+        loss_only = (args.prediction_loss_only or self.compute_metrics is None) if prediction_loss_only is None \
+            else prediction_loss_only
         model = self.model_wrapped if self.model_wrapped is not None else self.model.to(self.device)
         was_training = model.training
         model.eval()
@@ -157,7 +201,7 @@ class EvaluationMixin:
 
     def predict(self, test_dataset: Dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         """*Collective.* Predictions (numpy, dataset order), labels and metrics on `test_dataset`."""
-        dataloader = self.get_eval_dataloader(test_dataset)
+        dataloader = self.get_test_dataloader(test_dataset)
         preds, labels, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix, prediction_loss_only=False)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=metrics)
         return PredictionOutput(_numpy(preds), _numpy(labels), metrics)

@@ -11,15 +11,12 @@ finishes the current step, writes an emergency checkpoint and raises
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
-import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,34 +26,24 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import checkpoint as ckpt
 from . import distributed as dist_util
-from . import optim, rng
+from . import rng
 from .args import ConfigError, TrainingArguments
 from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
                         TrainerControl)
-from .data import ResumableDistributedSampler, batches_per_epoch, has_length, make_loader, to_device
-from .evaluation import EvaluationMixin, call_model, extract_loss
+from .evaluation import EvaluationMixin
+from .hooks import autocast_factory, neftune_hook
+from .loglevels import apply_process_log_level
 from .modelio import save_model_files
+from .overridable import OverridableMixin
 from .reporting import reporters_for
 from .state import DataPosition, NonFiniteLossError, TrainerState, TrainingPreempted, TrainOutput
+from .steps import StepPlan, epoch_batches, plan_steps
 from .strategies import Strategy, get_strategy, strategy_options
 
 logger = logging.getLogger("kubetrain_trainer")
 
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-               "error": logging.ERROR, "critical": logging.CRITICAL, "passive": logging.INFO}
 
-
-@dataclass
-class StepPlan:
-    """How many steps, epochs and batches this run has (fixed before the loop starts)."""
-
-    max_steps: int
-    num_epochs: int
-    batches_per_epoch: int | None
-    """Micro-batches per rank in a full epoch; None for iterable datasets."""
-
-
-class Trainer(EvaluationMixin):
+class Trainer(OverridableMixin, EvaluationMixin):
     """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -96,14 +83,14 @@ class Trainer(EvaluationMixin):
         self.strategy: Strategy = get_strategy(args.strategy, **strategy_options(args))
         self._prepared = False
         self._pin_memory = args.dataloader_pin_memory and self.device.type == "cuda"
-        self._autocast = self._autocast_factory()
+        self._autocast = autocast_factory(args, self.device)
         self._stop_requested = False
         self._new_best = False
         self._loss_since_log = self._loss_total = torch.zeros(())
         main = dist_util.is_main_process()
         self.state = TrainerState(is_world_process_zero=main, is_local_process_zero=dist_util.is_local_main_process())
         self.control = TrainerControl()
-        self._setup_logging()
+        apply_process_log_level(args, dist_util.rank())
         builtins: list[TrainerCallback] = [DefaultFlowCallback(), LoggingCallback(), *reporters_for(args)]
         if main and not args.disable_tqdm:
             builtins.append(ProgressCallback())
@@ -120,55 +107,6 @@ class Trainer(EvaluationMixin):
     def remove_callback(self, callback) -> None:
         self.callback_handler.remove_callback(callback)
 
-    # -------------------------------------------------------- overridable parts
-    def get_train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            raise ValueError("training needs a train_dataset")
-        args = self.args
-        sampler = None
-        if has_length(self.train_dataset):
-            sampler = ResumableDistributedSampler(len(self.train_dataset), num_replicas=dist_util.world_size(),
-                                                  rank=dist_util.rank(), shuffle=True, seed=args.data_seed,
-                                                  drop_last=args.dataloader_drop_last)
-        return make_loader(self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                           collate_fn=self.data_collator, num_workers=args.dataloader_num_workers,
-                           pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
-                           generator_seed=args.data_seed)
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            self.optimizer = optim.create_optimizer(model if model is not None else self.model, self.args)
-        return self.optimizer
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        if self.lr_scheduler is None:
-            self.lr_scheduler = optim.create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
-        return self.lr_scheduler
-
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: int | None = None):
-        outputs = call_model(model, inputs)
-        loss = extract_loss(outputs)
-        if loss is None:
-            raise ValueError("the model returned no loss: return a tensor, a dict with 'loss', or outputs with "
-                             ".loss (or override Trainer.compute_loss)")
-        return (loss, outputs) if return_outputs else loss
-
-    def training_step(self, model: nn.Module, inputs: Any, num_micro_batches: int = 1) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its (scaled) loss, detached."""
-        inputs = to_device(inputs, self.device)
-        with self._autocast():
-            loss = self.compute_loss(model, inputs)
-        loss = loss / num_micro_batches
-        self.strategy.backward(loss)
-        return loss.detach()
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.state.epoch is not None:
-            logs = {**logs, "epoch": self.state.epoch}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
-
     # ------------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
         """Train; `resume_from_checkpoint` is None (fresh), True (newest complete checkpoint) or a folder."""
@@ -180,7 +118,7 @@ class Trainer(EvaluationMixin):
         resume_dir = self._resolve_resume(resume_from_checkpoint)
         rng.set_seed(args.seed)
         dataloader = self.get_train_dataloader()
-        plan = self._plan(dataloader)
+        plan = plan_steps(dataloader, args)
         self._init_state(plan)
         self._prepare(plan.max_steps)
         if dist_util.is_local_main_process():
@@ -193,7 +131,7 @@ class Trainer(EvaluationMixin):
         self.callback_handler.objects = dict(model=self.model, processing_class=self.processing_class,
                                              optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                                              train_dataloader=dataloader)
-        neftune = self._neftune_hook()
+        neftune = neftune_hook(self.strategy.unwrap(), args.neftune_noise_alpha)
         previous_handler = self._install_sigterm_handler()
         try:
             return self._loop(dataloader, plan, registry)
@@ -212,13 +150,14 @@ class Trainer(EvaluationMixin):
         self._loss_since_log = torch.tensor(state.loss_since_log, dtype=torch.float32, device=self.device)
         self._loss_total = torch.tensor(state.loss_total, dtype=torch.float32, device=self.device)
         start_time, start_step = time.perf_counter(), state.global_step
+        count_items = self._wants_item_counts()  # num_items_in_batch only for an override that takes it
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         preempted = False
         while state.global_step < state.max_steps and not self.control.should_training_stop and not preempted:
             epoch = state.data_position.epoch
             skip = 0 if args.ignore_data_skip else state.data_position.samples
-            batches = self._epoch_batches(dataloader, epoch, skip)
+            batches = epoch_batches(dataloader, epoch=epoch, skip_samples=skip, args=args, world_size=world)
             done = skip // samples_per_batch  # micro-batches of this epoch already consumed (per rank)
             if done == 0:
                 self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
@@ -231,10 +170,11 @@ class Trainer(EvaluationMixin):
                     break
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+                self.current_gradient_accumulation_steps = len(micro)
                 for i, batch in enumerate(micro):
                     # Gradients are synchronised on the last micro-batch only.
                     with strategy.no_sync(i < len(micro) - 1):
-                        step_loss += self.training_step(model, batch, len(micro))
+                        step_loss += self._training_step(model, batch, count_items)
                     if i < len(micro) - 1:
                         self.control = self.callback_handler.on_substep_end(args, state, self.control)
                 # One collective and host sync per step: the mean loss over ranks, whether it is finite
@@ -382,44 +322,6 @@ class Trainer(EvaluationMixin):
         local = Path(self.args.output_dir) / Path(path).name
         return local if local.is_dir() else Path(path)
 
-    def _epoch_batches(self, dataloader: DataLoader, epoch: int, skip_samples: int):
-        """An iterator over the epoch's batches starting after `skip_samples` (global count)."""
-        if getattr(dataloader, "generator", None) is not None:
-            dataloader.generator.manual_seed(self.args.data_seed + epoch)  # same worker seeds after a resume
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(sampler, ResumableDistributedSampler):
-            sampler.set_epoch(epoch, skip_samples)  # O(1) skip: the sampler starts at the offset
-            return iter(dataloader)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        iterator = iter(dataloader)
-        skip_batches = skip_samples // (self.args.per_device_train_batch_size * dist_util.world_size())
-        if skip_batches:
-            logger.warning("this dataloader cannot seek: skipping %d batches by iterating them", skip_batches)
-            for _ in itertools.islice(iterator, skip_batches):
-                pass
-        return iterator
-
-    def _plan(self, dataloader: DataLoader) -> StepPlan:
-        args = self.args
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(sampler, ResumableDistributedSampler):
-            sampler.set_epoch(0, 0)
-            per_epoch = batches_per_epoch(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
-        elif has_length(dataloader):
-            per_epoch = len(dataloader)
-        else:
-            per_epoch = None
-        if per_epoch is None or per_epoch == 0:
-            if args.max_steps <= 0:
-                raise ConfigError("the training data has no length (or is empty): set max_steps")
-            return StepPlan(args.max_steps, 1, None)
-        steps_per_epoch = math.ceil(per_epoch / args.gradient_accumulation_steps)
-        if args.max_steps > 0:
-            return StepPlan(args.max_steps, math.ceil(args.max_steps / steps_per_epoch), per_epoch)
-        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-        return StepPlan(max_steps, math.ceil(args.num_train_epochs), per_epoch)
-
     def _init_state(self, plan: StepPlan) -> None:
         args = self.args
         self.state = TrainerState(
@@ -442,13 +344,10 @@ class Trainer(EvaluationMixin):
             self.create_scheduler(max_steps, self.optimizer)
             return
         prepared = self.strategy.prepare(
-            self.model, args=self.args, create_optimizer=self.create_optimizer,
+            self.model, args=self.args, create_optimizer=functools.partial(self._optimizer_for, max_steps),
             create_scheduler=functools.partial(self._scheduler_for, max_steps))
         self.model_wrapped, self.optimizer, self.lr_scheduler = prepared.model, prepared.optimizer, prepared.lr_scheduler
         self._prepared = True
-
-    def _scheduler_for(self, max_steps: int, optimizer):
-        return self.create_scheduler(max_steps, optimizer)
 
     def resume_registry(self) -> ckpt.ResumeRegistry:
         """Everything a resume needs, in load order (the trainer state goes last: it marks completion)."""
@@ -507,27 +406,6 @@ class Trainer(EvaluationMixin):
                               f"(it needs {ckpt.COMPLETE_MARKER})")
         return path
 
-    def _autocast_factory(self) -> Callable[[], contextlib.AbstractContextManager]:
-        if self.args.bf16:
-            return functools.partial(torch.autocast, device_type=self.device.type, dtype=torch.bfloat16)
-        if self.args.fp16:
-            return functools.partial(torch.autocast, device_type=self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext
-
-    def _neftune_hook(self):
-        """NEFTune noise on the input embeddings while training; returns a handle with `.remove()`."""
-        alpha = self.args.neftune_noise_alpha
-        if not alpha:
-            return _NoHook()
-        embeddings = self.strategy.unwrap().get_input_embeddings()
-
-        def add_noise(module, inputs, output):
-            if module.training:
-                magnitude = alpha / math.sqrt(output.size(-2) * output.size(-1))
-                output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
-            return output
-        return embeddings.register_forward_hook(add_noise)
-
     @property
     def stop_requested(self) -> bool:
         """Whether this process got SIGTERM during `train` (local; the loop agrees across ranks each step)."""
@@ -543,27 +421,14 @@ class Trainer(EvaluationMixin):
         self._stop_requested = False
         return signal.signal(signal.SIGTERM, request_stop)
 
-    def _setup_logging(self) -> None:
-        args = self.args
-        main = dist_util.is_local_main_process() if args.log_on_each_node else dist_util.is_main_process()
-        logger.setLevel(_LOG_LEVELS[args.log_level if main else args.log_level_replica])
-        if not logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {dist_util.rank()}] %(levelname)s %(message)s"))
-            logger.addHandler(handler)
-
     # ------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None) -> None:
         """*Collective.* The final model in the layout `from_pretrained` loads (config.json + model.safetensors)."""
         out = Path(output_dir or self.args.output_dir)
         state_dict = self.strategy.full_state_dict() if self._prepared else self.model.state_dict()
-        if dist_util.is_main_process():
+        if self.is_world_process_zero():
             module = self.strategy.unwrap() if self._prepared else self.model
             save_model_files(module, state_dict, out, safe_serialization=self.args.save_safetensors,
                              processing_class=self.processing_class)
             (out / "training_args.json").write_text(self.args.to_json_string() + "\n")
         dist_util.barrier()
-
-
-class _NoHook:
-    def remove(self) -> None: ...

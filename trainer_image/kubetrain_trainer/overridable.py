@@ -1,0 +1,175 @@
+"""The Trainer methods HF users override, with the HF Trainer's signatures (a mixin of `Trainer`).
+
+HF users customise a Trainer by subclassing it and overriding a handful of
+methods the HF guide names. Each one here keeps the HF signature, and the loop
+calls it where the HF Trainer does, so an override written for HF changes
+kubetrain's training, evaluation and prediction the same way. The evaluation
+side (`get_eval_dataloader`, `get_test_dataloader`, `prediction_step`,
+`evaluate`, `predict`) lives in evaluation.py.
+
+Two HF conventions need care:
+
+- `compute_loss` has two signatures in use: the guide's
+  `(model, inputs, return_outputs=False)` and the newer one with
+  `num_items_in_batch`. The HF Trainer 5.x always passes `num_items_in_batch`
+  and so breaks the guide's; here an override's signature is inspected (once
+  per function) and the argument is passed only where it is declared. The
+  same goes for `training_step`.
+- `num_items_in_batch` is the number of label items (`labels != -100`) in
+  the micro-batch at hand, or None when the batch has no "labels". HF counts
+  the whole optimizer step on all ranks and then skips its division by the
+  gradient-accumulation steps; kubetrain always divides each micro-batch's
+  loss by the step's micro-batch count and averages over ranks, so a loss
+  normalised by this count and a plain mean both come out at the right scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import distributed as dist_util
+from . import optim
+from .data import ResumableDistributedSampler, has_length, make_loader, to_device
+from .evaluation import call_model, count_items, extract_loss
+
+
+@functools.lru_cache(maxsize=None)
+def _declares(function: Any, name: str) -> bool:
+    params = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def accepts(method: Any, name: str) -> bool:
+    """Whether `method` (bound or not) takes the keyword `name`; inspected once per function."""
+    return _declares(getattr(method, "__func__", method), name)
+
+
+class OverridableMixin:
+    """Dataloader, optimizer, loss, step, logging and process-role methods of `Trainer`."""
+
+    current_gradient_accumulation_steps: int = 1
+    """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
+
+    def overrides(self, name: str) -> bool:
+        """Whether this Trainer's class replaces the method `name` of this mixin."""
+        return getattr(type(self), name) is not getattr(OverridableMixin, name)
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("training needs a train_dataset")
+        args = self.args
+        sampler = None
+        if has_length(self.train_dataset):
+            sampler = ResumableDistributedSampler(len(self.train_dataset), num_replicas=dist_util.world_size(),
+                                                  rank=dist_util.rank(), shuffle=True, seed=args.data_seed,
+                                                  drop_last=args.dataloader_drop_last)
+        return make_loader(self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                           collate_fn=self.data_collator, num_workers=args.dataloader_num_workers,
+                           pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
+                           generator_seed=args.data_seed)
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """The batch on this process's device (HF's name, which overrides often call)."""
+        return to_device(inputs, self.device)
+
+    # ------------------------------------------------------- optimizer, scheduler
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """The optimizer, then its scheduler.
+
+        Called inside the strategy's `prepare` (after wrapping or sharding, so
+        the optimizer sees the parameters it will update) when a subclass
+        overrides it; otherwise the strategy calls `create_optimizer` and
+        `create_scheduler` itself, as the HF Trainer's own loop does.
+        """
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = optim.create_optimizer(model if model is not None else self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def _optimizer_for(self, max_steps: int, model: nn.Module) -> torch.optim.Optimizer:
+        """The strategy's optimizer factory: through `create_optimizer_and_scheduler` when a subclass overrides it."""
+        if self.overrides("create_optimizer_and_scheduler"):
+            self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+            return self.optimizer
+        return self.create_optimizer(model)
+
+    def _scheduler_for(self, max_steps: int, optimizer: torch.optim.Optimizer):
+        return self.create_scheduler(max_steps, optimizer)
+
+    # ------------------------------------------------------------ loss and step
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        outputs = call_model(model, inputs)
+        loss = extract_loss(outputs)
+        if loss is None:
+            raise ValueError("the model returned no loss: return a tensor, a dict with 'loss', or outputs with "
+                             ".loss (or override Trainer.compute_loss)")
+        return (loss, outputs) if return_outputs else loss
+
+    def _compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                      num_items_in_batch: torch.Tensor | int | None = None):
+        """`compute_loss` with `num_items_in_batch` only where its signature declares it."""
+        if accepts(self.compute_loss, "num_items_in_batch"):
+            return self.compute_loss(model, inputs, return_outputs=return_outputs,
+                                     num_items_in_batch=num_items_in_batch)
+        return self.compute_loss(model, inputs, return_outputs=return_outputs)
+
+    def training_step(self, model: nn.Module, inputs: Any,
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its loss over the step's micro-batches, detached."""
+        inputs = self._prepare_inputs(inputs)
+        with self._autocast():
+            loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = loss / self.current_gradient_accumulation_steps
+        self.strategy.backward(loss)
+        return loss.detach()
+
+    def _wants_item_counts(self) -> bool:
+        """Whether an override takes `num_items_in_batch` (the built-in methods ignore it: no count needed)."""
+        return any(self.overrides(name) and accepts(getattr(self, name), "num_items_in_batch")
+                   for name in ("compute_loss", "training_step"))
+
+    def _training_step(self, model: nn.Module, inputs: Any, count: bool) -> torch.Tensor:
+        """`training_step` as the loop calls it, with `num_items_in_batch` where declared (and `count`)."""
+        if not accepts(self.training_step, "num_items_in_batch"):
+            return self.training_step(model, inputs)
+        return self.training_step(model, inputs, num_items_in_batch=count_items(inputs) if count else None)
+
+    # --------------------------------------------------------------- logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+
+    # ---------------------------------------------------------- process roles
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the global main process (exactly one in the run)."""
+        return dist_util.is_main_process()
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its node."""
+        return dist_util.is_local_main_process()
+
+    def save_state(self) -> None:
+        """`<output_dir>/trainer_state.json` from the main process (HF scripts call it after `save_model`)."""
+        if self.is_world_process_zero():
+            out = Path(self.args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(out / "trainer_state.json")

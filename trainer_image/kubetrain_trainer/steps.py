@@ -1,0 +1,72 @@
+"""How many optimizer steps a run has, and where an epoch's batches start on a resume.
+
+Both are fixed by the dataloader and the arguments before the loop starts, so
+they are plain functions of them, kept out of the loop: the loop only asks
+"how many steps" and "the batches of epoch e after s samples".
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch.utils.data import DataLoader
+
+from .args import ConfigError, TrainingArguments
+from .data import ResumableDistributedSampler, batches_per_epoch, has_length
+
+logger = logging.getLogger("kubetrain_trainer")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many steps, epochs and batches this run has (fixed before the loop starts)."""
+
+    max_steps: int
+    num_epochs: int
+    batches_per_epoch: int | None
+    """Micro-batches per rank in a full epoch; None for iterable datasets."""
+
+
+def plan_steps(dataloader: DataLoader, args: TrainingArguments) -> StepPlan:
+    """The run's steps from the dataloader's length (or `max_steps` when it has none)."""
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(sampler, ResumableDistributedSampler):
+        sampler.set_epoch(0, 0)
+        per_epoch = batches_per_epoch(sampler, args.per_device_train_batch_size, args.dataloader_drop_last)
+    elif has_length(dataloader):
+        per_epoch = len(dataloader)
+    else:
+        per_epoch = None
+    if per_epoch is None or per_epoch == 0:
+        if args.max_steps <= 0:
+            raise ConfigError("the training data has no length (or is empty): set max_steps")
+        return StepPlan(args.max_steps, 1, None)
+    steps_per_epoch = math.ceil(per_epoch / args.gradient_accumulation_steps)
+    if args.max_steps > 0:
+        return StepPlan(args.max_steps, math.ceil(args.max_steps / steps_per_epoch), per_epoch)
+    max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+    return StepPlan(max_steps, math.ceil(args.num_train_epochs), per_epoch)
+
+
+def epoch_batches(dataloader: DataLoader, *, epoch: int, skip_samples: int, args: TrainingArguments,
+                  world_size: int) -> Iterator:
+    """An iterator over the epoch's batches starting after `skip_samples` (global count)."""
+    if getattr(dataloader, "generator", None) is not None:
+        dataloader.generator.manual_seed(args.data_seed + epoch)  # same worker seeds after a resume
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(sampler, ResumableDistributedSampler):
+        sampler.set_epoch(epoch, skip_samples)  # O(1) skip: the sampler starts at the offset
+        return iter(dataloader)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    iterator = iter(dataloader)
+    skip_batches = skip_samples // (args.per_device_train_batch_size * world_size)
+    if skip_batches:
+        logger.warning("this dataloader cannot seek: skipping %d batches by iterating them", skip_batches)
+        for _ in itertools.islice(iterator, skip_batches):
+            pass
+    return iterator
