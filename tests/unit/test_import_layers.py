@@ -1,4 +1,5 @@
-"""The layer rules of design.md §5, enforced by import-linter (pyproject.toml)."""
+"""The layer rules (operator: api -> plan -> k8s -> handlers; the training loop never talks to S3; the
+two packages share no imports), enforced by import-linter: the contracts are in pyproject.toml."""
 
 import subprocess
 import sys

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .callbacks import TrainerCallback
-
-EXIT_INVALID_CONFIG = 82
-EXIT_PREEMPTED = 83
+from .contract import EXIT_INVALID_CONFIG, EXIT_PREEMPTED
 
 logger = logging.getLogger("kubetrain_trainer")
 

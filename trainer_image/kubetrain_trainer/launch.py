@@ -35,11 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
 
-EXIT_OK = 0
-EXIT_INVALID_CONFIG = 82
-EXIT_PREEMPTED = 83
-EXIT_STORAGE = 84
-"""Checkpoint storage unreachable at start or final uploads not committed: an application failure (retried)."""
+from kubetrain_trainer.contract import EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
 BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")

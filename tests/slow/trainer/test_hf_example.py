@@ -3,7 +3,7 @@
 - every checkpoint folder it writes carries the callback's ready marker, after trainer_state.json;
 - stopped after a save and started again, it resumes from the newest checkpoint and ends with the
   same weights as a run straight through (the property the launcher's restore relies on).
-The same script under the launcher with MinIO: tests/integration/trainer_storage/test_ckpt_hf_script_minio.py.
+The same script as a command job under the launcher, preempted on the real node: tests/e2e/test_real_node.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,69 @@
+"""The trainer's half of docs/contract.md: the names and codes it shares with the operator, once.
+
+The two images share no Python imports, so the operator keeps its own copy of
+what it reads (`kubetrain.api`). Neither copy is trusted alone:
+tests/unit/test_contract.py imports both packages and checks that what the
+operator's builders put into a pod is what the launcher parses, that every
+documented exit code is classified by the operator as the document says, and
+that the document's tables list exactly the names here.
+"""
+
+from __future__ import annotations
+
+# --- exit codes: the only failure signal the operator reads from the trainer ------------
+EXIT_OK = 0
+EXIT_INVALID_CONFIG = 82
+"""Can never succeed (bad arguments, S3 access refused past its window): the job fails at once."""
+EXIT_PREEMPTED = 83
+"""SIGTERM handled: emergency checkpoint taken (if it could be): a preemption, no backoffLimit spent."""
+EXIT_STORAGE = 84
+"""Checkpoint storage unreachable at start, or final uploads not committed: an application failure (retried)."""
+
+# --- the last-checkpoint record and the pod annotations ---------------------------------
+LAST_CHECKPOINT_KIND = "kubetrain.io/last-checkpoint"
+"""`kind` of the one-line JSON record in the termination message (and the annotation below)."""
+ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
+ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
+"""A short message while checkpoint uploads lag behind; removed once they caught up."""
+
+# --- the environment of every training container (the operator sets these) --------------
+NNODES = "NNODES"
+NODE_RANK = "NODE_RANK"
+NPROC_PER_NODE = "NPROC_PER_NODE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+JOB_NAME = "KUBETRAIN_JOB_NAME"
+NAMESPACE = "KUBETRAIN_NAMESPACE"
+ATTEMPT = "KUBETRAIN_ATTEMPT"
+JOB_INCARNATION = "KUBETRAIN_JOB_INCARNATION"
+POD_NAME = "KUBETRAIN_POD_NAME"
+CHECKPOINT_URI = "KUBETRAIN_CHECKPOINT_URI"
+AWS_ENDPOINT_URL = "AWS_ENDPOINT_URL"
+AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
+AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
+AWS_ROLE_ARN = "AWS_ROLE_ARN"
+AWS_WEB_IDENTITY_TOKEN_FILE = "AWS_WEB_IDENTITY_TOKEN_FILE"
+AWS_ROLE_SESSION_NAME = "AWS_ROLE_SESSION_NAME"
+AWS_REGION = "AWS_REGION"
+STRATEGY = "KUBETRAIN_STRATEGY"
+FSDP_CONFIG = "KUBETRAIN_FSDP_CONFIG"
+DEEPSPEED_CONFIG = "KUBETRAIN_DEEPSPEED_CONFIG"
+BUILTIN_TASK = "KUBETRAIN_BUILTIN_TASK"
+TRAINER_ARGS = "KUBETRAIN_TRAINER_ARGS"
+TERMINATION_GRACE_SECONDS = "KUBETRAIN_TERMINATION_GRACE_SECONDS"
+METRICS_PORT = "KUBETRAIN_METRICS_PORT"
+
+POD_ENV = (
+    NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, JOB_NAME, NAMESPACE, ATTEMPT, JOB_INCARNATION,
+    POD_NAME, CHECKPOINT_URI, AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ROLE_ARN,
+    AWS_WEB_IDENTITY_TOKEN_FILE, AWS_ROLE_SESSION_NAME, AWS_REGION, STRATEGY, FSDP_CONFIG, DEEPSPEED_CONFIG,
+    BUILTIN_TASK, TRAINER_ARGS, TERMINATION_GRACE_SECONDS, METRICS_PORT,
+)
+"""Every variable of the contract's table "Environment of every training container", in its order."""
+
+# --- set by the launcher for its workers ------------------------------------------------
+LOCAL_CHECKPOINT_DIR = "KUBETRAIN_LOCAL_CHECKPOINT_DIR"
+RESUME_FROM = "KUBETRAIN_RESUME_FROM"
+"""The restored checkpoint folder the workers resume from (unset when there is none)."""
+SYNC_BY_LAUNCHER = "KUBETRAIN_SYNC_BY_LAUNCHER"
+"""`1`: the launcher uploads, so an in-process `CheckpointSyncCallback` stays idle."""
