@@ -41,9 +41,12 @@ Names kubetrain keeps for itself (all enforced by the API server):
 - `metadata.name`: a DNS-1035 label of at most 50 characters (it names the
   headless Service, the pod hostnames `<name>-n<rank>` and a label value).
 - `spec.env[].name`: the variables of docs/contract.md (`NNODES`, `MASTER_ADDR`,
-  `KUBETRAIN_*` ...); `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`
-  and `AWS_ENDPOINT_URL` only while `spec.checkpoint` is set, so a job without
+  `KUBETRAIN_*` ...); `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+  `AWS_ENDPOINT_URL`, `AWS_ROLE_ARN`, `AWS_WEB_IDENTITY_TOKEN_FILE` and
+  `AWS_ROLE_SESSION_NAME` only while `spec.checkpoint` is set, so a job without
   checkpoint storage may still read data from S3 with its own keys.
+- `spec.checkpoint`: exactly one identity (`credentialsSecret`, `webIdentity` or
+  `ambient`); see docs/checkpoint-identity.md.
 - `spec.env[].value`: never a literal AWS credential or profile
   (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
   `AWS_SECURITY_TOKEN`, `AWS_PROFILE`, ...), with or without `spec.checkpoint`:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal, Mapping
 
+from kubetrain.identity import IdentityError, StorageIdentity, WebIdentity, parse_identity
+
 GROUP = "kubetrain.io"
 VERSION = "v1alpha1"
 PLURAL = "trainingjobs"
@@ -152,14 +154,13 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Remote checkpoint storage. Credentials only ever come from a Secret."""
+    """Remote checkpoint storage and the identity the pods use for it (kubetrain.identity):
+    keys only ever from a Secret, or temporary credentials (web identity, ambient)."""
 
     uri: str
-    credentials_secret: str
+    identity: StorageIdentity
     endpoint: str | None = None
     region: str = "us-east-1"
-    access_key_id_key: str = "accessKeyId"
-    secret_access_key_key: str = "secretAccessKey"
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class Spec:
             env=_env(spec.get("env")),
             env_from=tuple(spec.get("envFrom") or ()),
             strategy=_strategy(spec.get("strategy")),
-            checkpoint=_checkpoint(spec.get("checkpoint")),
+            checkpoint=_checkpoint(spec.get("checkpoint"), spec.get("podTemplate")),
             run_policy=_run_policy(spec.get("runPolicy")),
             pod_template=_pod_template(spec.get("podTemplate")),
         )
@@ -285,7 +286,7 @@ def _strategy(raw: Any) -> Strategy:
     )
 
 
-def _checkpoint(raw: Any) -> Checkpoint | None:
+def _checkpoint(raw: Any, pod_template: Any = None) -> Checkpoint | None:
     if not raw:
         return None
     raw = dict(raw)
@@ -296,17 +297,17 @@ def _checkpoint(raw: Any) -> Checkpoint | None:
     if any(seg in ("", ".", "..") for seg in (path[:-1] if path.endswith("/") else path).split("/")):
         raise SpecError("checkpoint.uri", f"must be s3://bucket[/prefix] whose prefix has no '.', '..' or "
                                           f"empty ('//') segments, got {uri!r}")
-    secret = dict(raw.get("credentialsSecret") or {})
-    if not secret.get("name"):
-        raise SpecError("checkpoint.credentialsSecret.name", "is required")
-    return Checkpoint(
-        uri=str(uri).rstrip("/"),
-        credentials_secret=str(secret["name"]),
-        endpoint=raw.get("endpoint") or None,
-        region=raw.get("region") or "us-east-1",
-        access_key_id_key=secret.get("accessKeyIdKey") or "accessKeyId",
-        secret_access_key_key=secret.get("secretAccessKeyKey") or "secretAccessKey",
-    )
+    try:
+        identity = parse_identity(raw)
+    except IdentityError as e:
+        raise SpecError(e.field_path, e.message) from None
+    account = dict(pod_template or {}).get("serviceAccountName")
+    if isinstance(identity, WebIdentity) and account and account != identity.service_account:
+        raise SpecError("podTemplate.serviceAccountName", f"must equal spec.checkpoint.webIdentity.serviceAccountName "
+                                                          f"({identity.service_account}) or be unset: the pods present "
+                                                          "that ServiceAccount's token")
+    return Checkpoint(uri=str(uri).rstrip("/"), identity=identity, endpoint=raw.get("endpoint") or None,
+                      region=raw.get("region") or "us-east-1")
 
 
 def _run_policy(raw: Any) -> RunPolicy:

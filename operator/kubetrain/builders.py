@@ -15,6 +15,7 @@ from kubetrain.api import (
     API_VERSION, CONTAINER_NAME, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
     MANAGED_BY, Job, Spec, pod_name,
 )
+from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
 
 DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
 DEEPSPEED_VOLUME = "kubetrain-deepspeed"
@@ -97,13 +98,8 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
     if ckpt is not None:
         if ckpt.endpoint:
             env.append(_var("AWS_ENDPOINT_URL", ckpt.endpoint))
-        env += [
-            {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
-                "name": ckpt.credentials_secret, "key": ckpt.access_key_id_key}}},
-            {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {
-                "name": ckpt.credentials_secret, "key": ckpt.secret_access_key_key}}},
-            _var("AWS_REGION", ckpt.region),
-        ]
+        env += get_identity_env(ckpt.identity, session_name=pod_name(job.name, attempt, rank))
+        env.append(_var("AWS_REGION", ckpt.region))
     env.append(_var("KUBETRAIN_STRATEGY", spec.strategy.type))
     if spec.strategy.type == "fsdp":
         env.append(_var("KUBETRAIN_FSDP_CONFIG", json.dumps(dict(spec.strategy.fsdp or {}), sort_keys=True)))
@@ -127,6 +123,10 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
     command = list(LAUNCHER) + (["--", *spec.trainer.command] if spec.trainer.command else [])
     mounts = [dict(m) for m in tpl.get("volumeMounts") or ()]
     volumes = [dict(v) for v in tpl.get("volumes") or ()]
+    token = get_identity_volume(spec.checkpoint.identity) if spec.checkpoint else None
+    if token is not None:  # separate from automountServiceAccountToken; no API rights by itself
+        volumes.append(token[0])
+        mounts.append(token[1])
     if spec.strategy.type == "zero3":
         cm = f"{job.name}-deepspeed" if spec.strategy.deepspeed_config is not None else spec.strategy.deepspeed_configmap
         volumes.append({"name": DEEPSPEED_VOLUME, "configMap": {"name": cm}})
@@ -174,6 +174,8 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
                 "serviceAccountName", "imagePullSecrets"):
         if tpl.get(key):
             pod_spec[key] = tpl[key]
+    if spec.checkpoint is not None and isinstance(spec.checkpoint.identity, WebIdentity):
+        pod_spec["serviceAccountName"] = spec.checkpoint.identity.service_account
     if volumes:
         pod_spec["volumes"] = volumes
     metadata: dict[str, Any] = {

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
+from kubetrain.identity import describe
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
     LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
@@ -467,12 +468,15 @@ def _start_next_attempt(d: _Draft, observed: Observed) -> None:
         next_attempt_time=None, nodes_total=spec.nodes, nodes_ready=0,
         message=f"attempt {attempt}: {spec.nodes} pod(s) created, waiting for them to run",
     )
-    d.cond("Created", "True", "PodsCreated", f"attempt {attempt}: {spec.nodes} pod(s) created")
+    # Which identity the pods present to checkpoint storage (never a credential: names only).
+    identity = f"; checkpoint identity: {describe(spec.checkpoint.identity)}" if spec.checkpoint else ""
+    d.cond("Created", "True", "PodsCreated", f"attempt {attempt}: {spec.nodes} pod(s) created{identity}")
     d.cond("Running", "False", "PodsPending", f"attempt {attempt}: waiting for pods to run")
     if attempt > 1 or d.status.condition("Restarting"):
         d.cond("Restarting", "False", "AttemptStarted", f"attempt {attempt} started")
     d.event("Normal", "Created", f"attempt {attempt}: created {spec.nodes} pod(s) "
-                                 f"{pod_name(d.job.name, attempt, 0)}..{pod_name(d.job.name, attempt, spec.nodes - 1)}")
+                                 f"{pod_name(d.job.name, attempt, 0)}..{pod_name(d.job.name, attempt, spec.nodes - 1)}"
+                                 + identity)
 
 
 def _disruption(pod: PodView, d: _Draft, observed: Observed) -> str | None:

@@ -61,6 +61,11 @@ _ACCESS_CODES = frozenset(
         "RequestTimeTooSkewed",
         "AllAccessDisabled",
         "AccountProblem",
+        # STS AssumeRoleWithWebIdentity, called by boto3's credential chain (web identity mode):
+        # a token the identity provider or the role's trust policy does not accept.
+        "InvalidIdentityToken",
+        "IDPRejectedClaim",
+        "ExpiredTokenException",
     }
 )
 """Refused access or a missing bucket: `StorageAccessError` (see `should_retry`)."""
@@ -454,7 +459,8 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
 
     code = _error_code(exc)
     if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        return StorageAccessError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+        return StorageAccessError(f"{op} {where}: no S3 credentials found by the default AWS credential chain "
+                                  "(spec.checkpoint: credentialsSecret, webIdentity or ambient)")
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
@@ -494,6 +500,9 @@ def _redact(text: str) -> str:
 
 
 def _make_client(config: StorageConfig) -> Any:
+    """An S3 client on boto3's default credential chain: keys from the environment, or temporary
+    credentials (web identity token exchanged through STS, container or instance credentials)
+    that botocore refreshes by itself before they expire, also in the middle of a transfer."""
     import boto3
     from botocore.config import Config
 

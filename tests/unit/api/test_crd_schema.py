@@ -107,7 +107,11 @@ def test_agreed_field_names_exist(schema):
 def test_no_inline_credential_fields(schema):
     checkpoint = schema["properties"]["spec"]["properties"]["checkpoint"]
     assert not checkpoint.get("x-kubernetes-preserve-unknown-fields")
-    assert set(checkpoint["properties"]) == {"uri", "endpoint", "region", "credentialsSecret"}
+    assert set(checkpoint["properties"]) == {"uri", "endpoint", "region", "credentialsSecret", "webIdentity", "ambient"}
+    # The identity modes name where credentials come from; none of them holds one.
+    assert set(checkpoint["properties"]["webIdentity"]["properties"]) == {
+        "roleArn", "audience", "tokenExpirationSeconds", "serviceAccountName"}
+    assert not checkpoint["properties"]["ambient"].get("properties")
 
 
 def test_every_rule_has_a_message_naming_a_field(schema):

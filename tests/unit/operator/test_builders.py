@@ -139,7 +139,8 @@ def test_built_pod_parses_back_into_a_view() -> None:
     ({"image": ""}, "spec.image"),
     ({"strategy": {"type": "horovod"}}, "spec.strategy.type"),
     ({"checkpoint": {"uri": "gs://b", "credentialsSecret": {"name": "s"}}}, "spec.checkpoint.uri"),
-    ({"checkpoint": {"uri": "s3://bucket"}}, "spec.checkpoint.credentialsSecret.name"),
+    ({"checkpoint": {"uri": "s3://bucket"}}, "spec.checkpoint"),
+    ({"checkpoint": {"uri": "s3://bucket", "credentialsSecret": {}}}, "spec.checkpoint.credentialsSecret.name"),
     ({"runPolicy": {"backoffLimit": -1}}, "spec.runPolicy.backoffLimit"),
     ({"trainer": {"builtin": {"task": "x"}, "command": ["a"]}}, "spec.trainer"),
 ])

@@ -414,6 +414,10 @@ def _client_error(code: str, status: int, message: str = "") -> ClientError:
         (_client_error("AccessDenied", 403), StorageAccessError),
         (_client_error("", 401), StorageAccessError),
         (_client_error("InvalidBucketName", 400), StoragePermanentError),
+        # STS refusing a web identity token (boto3's chain calls it): access, retried in the start window.
+        (_client_error("InvalidIdentityToken", 400), StorageAccessError),
+        (_client_error("IDPRejectedClaim", 403), StorageAccessError),
+        (_client_error("ExpiredTokenException", 400), StorageAccessError),
         (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageTemporaryError),
         (ConnectionResetError("reset"), StorageTemporaryError),
     ],
