@@ -53,12 +53,9 @@ RESTART_BACKOFF_MAX = 20.0
 SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 
 
-def now_str() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def micro_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def now_str(*, micro: bool = False) -> str:
+    """Now in UTC as the API stores it: RFC 3339 seconds (Time), or with microseconds (MicroTime: Leases)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -148,7 +145,7 @@ class Agent:
     def _renew_lease(self, coord) -> None:
         client = self.client
         try:
-            coord.patch_namespaced_lease(self.node_name, "kube-node-lease", {"spec": {"renewTime": micro_now(), "holderIdentity": self.node_name}})
+            coord.patch_namespaced_lease(self.node_name, "kube-node-lease", {"spec": {"renewTime": now_str(micro=True), "holderIdentity": self.node_name}})
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
@@ -156,7 +153,7 @@ class Agent:
             coord.create_namespaced_lease("kube-node-lease", {
                 "metadata": {"name": self.node_name, "ownerReferences": [
                     {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": node.metadata.uid}]},
-                "spec": {"holderIdentity": self.node_name, "leaseDurationSeconds": self.lease_seconds, "renewTime": micro_now()},
+                "spec": {"holderIdentity": self.node_name, "leaseDurationSeconds": self.lease_seconds, "renewTime": now_str(micro=True)},
             })
 
     def _heartbeat_loop(self) -> None:
