@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .agent_pod import (
     ContainerConfigError,
+    projected_token_seconds,
     ContainerPlan,
     CState,
     decode_secret,
@@ -209,6 +210,20 @@ class Agent:
                 return None
             raise
 
+    def _token(self, pod: dict, audience: str, seconds: int) -> bytes:
+        """A token of a projected serviceAccountToken source, bound to the pod, as a kubelet requests it."""
+        c = self.client
+        meta, sa = pod["metadata"], pod["spec"].get("serviceAccountName") or "default"
+        try:
+            tr = self.core.create_namespaced_service_account_token(sa, meta["namespace"], c.AuthenticationV1TokenRequest(
+                spec=c.V1TokenRequestSpec(audiences=[audience] if audience else [], expiration_seconds=seconds,
+                                          bound_object_ref=c.V1BoundObjectReference(
+                                              api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]))))
+        except c.ApiException as exc:
+            raise ContainerConfigError(f"TokenRequest for ServiceAccount {meta['namespace']}/{sa} "
+                                       f"(audience {audience!r}) failed: {exc.status} {exc.reason}") from None
+        return tr.status.token.encode()
+
     def _credentials(self, pod: dict) -> tuple[bytes | None, dict[str, bytes]]:
         """A kubeconfig and token files for the pod's ServiceAccount (TokenRequest bound to the pod)."""
         spec = pod["spec"]
@@ -293,7 +308,7 @@ class Agent:
         kubeconfig, sa_files = self._credentials(rec.pod)
         plan = plan_pod(rec.pod, pod_dir=self.pod_dir(rec.pod), node_name=self.node_name, python_bin=self.python_bin,
                         secrets=self._secret, configmaps=self._configmap, kubeconfig=kubeconfig, sa_files=sa_files,
-                        extra_env=self.pod_env)
+                        extra_env=self.pod_env, token_for=lambda aud, secs: self._token(rec.pod, aud, secs))
         write_files(plan.files, plan.dirs)
         return plan
 
@@ -306,7 +321,7 @@ class Agent:
             rec.retry_at = time.monotonic() + 2.0
             self.push(rec)
             return
-        rec.token_refresh_at = time.monotonic() + TOKEN_SECONDS * 0.8
+        rec.token_refresh_at = time.monotonic() + min([TOKEN_SECONDS, *projected_token_seconds(rec.pod)]) * 0.8
         rec.start_time = rec.start_time or now_str()
         for cp in plan.containers:
             rec.plans[cp.name] = cp
@@ -398,7 +413,7 @@ class Agent:
             p.signal(signal.SIGKILL)
 
     def _refresh_token(self, rec: PodRecord) -> None:
-        rec.token_refresh_at = time.monotonic() + TOKEN_SECONDS * 0.8
+        rec.token_refresh_at = time.monotonic() + min([TOKEN_SECONDS, *projected_token_seconds(rec.pod)]) * 0.8
         try:
             self._materialize(rec)
         except Exception as exc:  # noqa: BLE001 - the old token is still valid for a while

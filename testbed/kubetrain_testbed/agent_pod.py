@@ -23,6 +23,8 @@ from typing import Callable, Literal
 
 #: (namespace, name) -> data dict (Secret values already decoded), or None when absent.
 Lookup = Callable[[str, str], "dict[str, str] | None"]
+#: (audience, expirationSeconds) -> a token for the pod's ServiceAccount (a projected serviceAccountToken source).
+TokenFor = Callable[[str, int], bytes]
 
 AGENT_MARKER_ENV = "KUBETRAIN_AGENT_NODE"
 """Set in every process the agent starts; lets it find its orphans after a crash."""
@@ -220,7 +222,8 @@ def _local(root: Path, container_path: str) -> Path:
 
 
 def _volume_files(
-    pod: dict, volume: dict, target: Path, *, secrets: Lookup, configmaps: Lookup, sa_files: dict[str, bytes]
+    pod: dict, volume: dict, target: Path, *, secrets: Lookup, configmaps: Lookup, sa_files: dict[str, bytes],
+    token_for: TokenFor | None = None,
 ) -> list[Materialized]:
     """The files of one volume, placed under ``target`` (a mount's local folder)."""
     ns = pod["metadata"]["namespace"]
@@ -268,7 +271,12 @@ def _volume_files(
         if from_key_source(src, "name"):
             continue
         if "serviceAccountToken" in src:
-            out.append(Materialized(target / src["serviceAccountToken"].get("path", "token"), sa_files["token"], True))
+            # A projected token has its own audience and lifetime, and is mounted whatever
+            # automountServiceAccountToken says (that only concerns the API token).
+            tok = src["serviceAccountToken"]
+            data = (token_for(tok.get("audience") or "", int(tok.get("expirationSeconds") or 3600))
+                    if token_for is not None else sa_files["token"])
+            out.append(Materialized(target / tok.get("path", "token"), data, True))
         elif "downwardAPI" in src:
             from_downward(src["downwardAPI"].get("items"))
     # emptyDir, hostPath, PVCs...: an empty private folder.
@@ -286,6 +294,7 @@ def plan_pod(
     kubeconfig: bytes | None,
     sa_files: dict[str, bytes],
     extra_env: dict[str, str] | None = None,
+    token_for: TokenFor | None = None,
 ) -> PodPlan:
     """The processes, files and folders for ``pod``; raises ContainerConfigError when a reference is missing."""
     spec = pod["spec"]
@@ -326,7 +335,8 @@ def plan_pod(
             dirs.append(vdir)
             if m["name"] not in materialized:
                 materialized.add(m["name"])
-                files.extend(_volume_files(pod, vol, vdir, secrets=secrets, configmaps=configmaps, sa_files=sa_files))
+                files.extend(_volume_files(pod, vol, vdir, secrets=secrets, configmaps=configmaps, sa_files=sa_files,
+                                           token_for=token_for))
             local = vdir / m["subPath"] if m.get("subPath") else vdir
             mapping[m["mountPath"]] = local
         term_log = pod_dir / f"{name}.termination-log"
@@ -529,3 +539,10 @@ def node_status(*, capacity: dict[str, str], now: str, since: str, version: str)
             cond("PIDPressure", False, "KubeletHasSufficientPID", "no pressure"),
         ],
     }
+
+
+def projected_token_seconds(pod: dict) -> list[int]:
+    """expirationSeconds of every projected serviceAccountToken source: the agent renews each at 80%."""
+    return [int(src["serviceAccountToken"].get("expirationSeconds") or 3600)
+            for v in pod["spec"].get("volumes") or []
+            for src in (v.get("projected") or {}).get("sources") or [] if "serviceAccountToken" in src]

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import procs, realnode
+from . import procs, realnode, sts
 from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
 from .config import TestbedConfig
 from .nodes import pool_nodes
@@ -163,10 +163,14 @@ def status(cfg: TestbedConfig) -> list[ComponentStatus]:
     return out
 
 
+STATE_FORMAT = 2
+"""Bumped when a running testbed of an older checkout lacks something tests need (2: MinIO's STS)."""
+
+
 def is_healthy(cfg: TestbedConfig) -> bool:
-    """A completely started testbed whose every process answers its health probe."""
+    """A completely started testbed of this format whose every process answers its health probe."""
     state = _read_state(cfg)
-    if not state or not state.get("complete"):
+    if not state or not state.get("complete") or state.get("format") != STATE_FORMAT:
         return False
     st = status(cfg)
     return bool(st) and all(s.healthy for s in st)
@@ -316,7 +320,8 @@ def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
         kubeconfig=str(cfg.kubeconfig), api_server=api, s3_endpoint=f"http://127.0.0.1:{ports.minio}",
         access_key=user, secret_key=password, bucket=cfg.bucket, bin_dir=str(bin_dir), ca_file=str(pki.ca_crt),
     )  # fmt: skip
-    state: dict = {"ports": asdict(ports), "processes": [], "env": asdict(env), "complete": False}
+    state: dict = {"ports": asdict(ports), "processes": [], "env": asdict(env), "complete": False,
+                   "format": STATE_FORMAT}
     _write_state(cfg, state)
     t = cfg.timeouts
     started: dict[str, Running] = {}
@@ -329,17 +334,22 @@ def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
         return new
 
     t0 = time.monotonic()
-    wave0 = launch(0)
+    launch(0)
     procs.wait_healthy([started["etcd"]], pki=pki, timeout=t.etcd, log_dir=cfg.run_dir)
     launch(1)
     procs.wait_healthy([started["kube-apiserver"]], pki=pki, timeout=t.apiserver, log_dir=cfg.run_dir)
     say(f"kube-apiserver ready after {time.monotonic() - t0:.1f} s")
+    # MinIO's STS reads the issuer discovery document anonymously when it starts (sts.py).
+    _allow_anonymous_discovery(env)
+    sts.minio_certs_dir(cfg.run_dir, pki.ca_crt)
     wave2 = launch(2)
-    # While the controllers start: register the fake nodes, make the bucket.
+    # While the controllers start: register the fake nodes, make the bucket and the STS roles' policies.
     nodes = _apply_nodes(cfg, env)
-    procs.wait_healthy([r for r in wave0 if r.name == "minio"], pki=pki, timeout=t.minio, log_dir=cfg.run_dir)
+    procs.wait_healthy([started["minio"]], pki=pki, timeout=t.minio, log_dir=cfg.run_dir)
     _create_bucket(env)
-    procs.wait_healthy(wave2, pki=pki, timeout=t.controllers, log_dir=cfg.run_dir)
+    sts.create_policies(endpoint=env.s3_endpoint, access_key=env.access_key, secret_key=env.secret_key,
+                        region=env.region, bucket=env.bucket)
+    procs.wait_healthy([r for r in wave2 if r.name != "minio"], pki=pki, timeout=t.controllers, log_dir=cfg.run_dir)
     say(f"controllers healthy after {time.monotonic() - t0:.1f} s")
     _wait_nodes_ready(cfg, env, nodes)
     _wait_default_service_account(env, timeout=t.controllers, log_dir=cfg.run_dir)
@@ -373,6 +383,12 @@ def _api(env: TestbedEnv, method: str, path: str, body: dict | None = None) -> t
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _allow_anonymous_discovery(env: TestbedEnv) -> None:
+    code, body = _api(env, "POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", sts.discovery_binding())
+    if code not in (201, 409):
+        raise TestbedError(f"allowing anonymous OIDC discovery failed: HTTP {code} {body.get('message')}")
 
 
 def _apply_nodes(cfg: TestbedConfig, env: TestbedEnv) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import KWOK_NODE_ANNOTATION, TestbedConfig
+from . import sts
 from .pki import Pki
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -209,13 +210,16 @@ def build_components(
     )
     minio = Component(
         name="minio",
-        wave=0,
+        # After the API server: MinIO reads the OIDC discovery document of its STS roles at start.
+        wave=2,
         argv=[
             b("minio"),
             "server",
             "--quiet",
             f"--address=127.0.0.1:{ports.minio}",
             f"--console-address=127.0.0.1:{ports.minio_console}",
+            # Only CAs/ inside (the testbed CA, to fetch the discovery document): MinIO stays plain HTTP.
+            f"--certs-dir={run / 'minio-certs'}",
             str(run / "minio-data"),
         ],
         env={
@@ -224,6 +228,7 @@ def build_components(
             "MINIO_BROWSER": "off",
             "MINIO_UPDATE": "off",
             "MINIO_CI_CD": "1",
+            **sts.minio_env(ports.apiserver),
         },
         health=Health(f"http://127.0.0.1:{ports.minio}/minio/health/live"),
     )

@@ -101,3 +101,29 @@ def _state(**kw):
 ])
 def test_phase_like_a_kubelet(policy, states, terminal, phase):
     assert phase_of(policy, [_state(**s) for s in states], terminal=terminal) == phase
+
+
+def test_projected_service_account_token_has_its_own_audience_and_lifetime(tmp_path):
+    """Like a kubelet: a projected serviceAccountToken source gets a token for its audience and
+    expirationSeconds, also when automountServiceAccountToken is false (web identity pods)."""
+    from kubetrain_testbed.agent_pod import plan_pod, projected_token_seconds
+
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+           "spec": {"automountServiceAccountToken": False, "serviceAccountName": "trainer",
+                    "volumes": [{"name": "tok", "projected": {"sources": [{"serviceAccountToken": {
+                        "audience": "kubetrain-testbed-sts", "expirationSeconds": 600, "path": "token"}}]}}],
+                    "containers": [{"name": "c", "command": ["true"], "env": [
+                        {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": "/etc/kubetrain/aws-web-identity/token"}],
+                        "volumeMounts": [{"name": "tok", "mountPath": "/etc/kubetrain/aws-web-identity"}]}]}}
+    asked = []
+
+    def token_for(audience: str, seconds: int) -> bytes:
+        asked.append((audience, seconds))
+        return b"jwt-for-" + audience.encode()
+
+    plan = plan_pod(pod, pod_dir=tmp_path, node_name="n", python_bin=tmp_path, secrets=lambda *_: None,
+                    configmaps=lambda *_: None, kubeconfig=None, sa_files={"token": b""}, token_for=token_for)
+    assert asked == [("kubetrain-testbed-sts", 600)]
+    token_file = Path(plan.containers[0].env["AWS_WEB_IDENTITY_TOKEN_FILE"])
+    assert [f.content for f in plan.files if f.path == token_file] == [b"jwt-for-kubetrain-testbed-sts"]
+    assert projected_token_seconds(pod) == [600]
