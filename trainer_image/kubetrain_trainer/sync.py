@@ -33,8 +33,12 @@ Limits (by design, written down):
   that fill `checkpoint-<step>` in place are committed by the rule of
   `readiness.py` (ready markers, else quiescence), never at first sight.
 - Fencing is check-then-write (plain S3 has no compare-and-swap across
-  objects); it relies on the operator's guarantee that attempts never
-  overlap and catches zombies at their next commit.
+  objects, and boto3's managed transfers take no If-None-Match). The fence
+  is re-checked before every file and every retention delete, so a zombie
+  (an attempt still running after its pod was force-deleted) stops at its
+  next request: what it can overwrite under a newer commit is bounded by
+  one in-flight request, which restore's sha256 check then catches (that
+  checkpoint is skipped for the previous complete one).
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ class SyncSettings:
     """KUBETRAIN_JOB_INCARNATION: orders this job's writers after those of a job it replaced."""
     claims_at_start: frozenset[tuple[int, int]] = frozenset()
     """Attempt claims already in storage at start: history, never a reason to stop (see `check_fence`)."""
+    fence_check_interval_s: float = 1.0
+    """The claims fence is re-read before a file upload at most this often (0: before every file)."""
     stale_upload_margin_s: float = 300.0
     """Incomplete multipart uploads begun this long before the uploader started are aborted (clock skew margin)."""
 
@@ -176,6 +182,7 @@ class CheckpointUploader:
         self._last_status = 0.0
         self._started_at = datetime.now(timezone.utc)
         """When this attempt's uploader started: multipart uploads begun before it are an earlier attempt's."""
+        self._claims_checked_at = float("-inf")
 
     # ------------------------------------------------------------ public
 
@@ -352,6 +359,10 @@ class CheckpointUploader:
             self.store.uncommit(job.step)
         for f in job.files:
             if f.path not in job.uploaded:
+                # Fence re-checked before every write, not once per checkpoint: a zombie whose check
+                # passed before a newer attempt claimed stops at its next file, so what it can still
+                # overwrite under a newer commit is one in-flight request, not a whole (retried) upload.
+                self._check_claims(job.step, at_most_every_s=s.fence_check_interval_s)
                 self.store.upload_file(job.step, job.folder / f.path, f.path)
                 job.uploaded.add(f.path)
         files = job.files
@@ -428,6 +439,18 @@ class CheckpointUploader:
     def _new_claims(self) -> list[tuple[int, int]]:
         return [w for w in self.store.list_claims() if w not in self.settings.claims_at_start]
 
+    def _check_claims(self, step: int, *, at_most_every_s: float = 0.0) -> None:
+        """FencedError when a newer attempt has claimed since this writer started (one LIST; skipped
+        within `at_most_every_s` of the last check, so a thousand-shard checkpoint is not a thousand LISTs)."""
+        now = time.monotonic()
+        if now - self._claims_checked_at < at_most_every_s:
+            return
+        self._claims_checked_at = now
+        s = self.settings
+        fence = check_fence((), step=step, attempt=s.attempt, incarnation=s.incarnation, claims=self._new_claims())
+        if not fence.allowed:
+            raise FencedError(fence.reason)
+
     def _apply_retention(self) -> None:
         """Node rank 0, after a commit: remote retention, then aborting uploads an earlier attempt left torn.
 
@@ -454,6 +477,7 @@ class CheckpointUploader:
             for step in plan.delete:
                 if step == newest:
                     continue  # the newest committed checkpoint is what the next attempt restores
+                self._check_claims(step)  # per delete: a newer attempt may be restoring this very step
                 log.info("deleting remote checkpoint-%d (retention; kept %s)", step, dict(plan.protected))
                 self.store.delete_checkpoint(step)
             for upload in stale_multipart_uploads(self.store.list_multipart_uploads(),
@@ -461,6 +485,8 @@ class CheckpointUploader:
                                                   margin_s=self.settings.stale_upload_margin_s):
                 log.info("aborting an incomplete multipart upload of %s left by an earlier attempt", upload.key)
                 self.store.abort_multipart_upload(upload)
+        except FencedError as e:
+            log.warning("remote retention stopped: %s", e)
         except (StorageError, OSError) as e:
             log.warning("remote retention incomplete (%s); retried after the next commit", e)
 

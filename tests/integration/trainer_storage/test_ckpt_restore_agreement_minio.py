@@ -12,7 +12,7 @@ import pytest
 from kubetrain_trainer.launch import RestoreAgreementError, restore_agreed
 from kubetrain_trainer.manifest import RetentionPolicy
 
-from test_ckpt_storage_minio import _checkpoint, _store, _uploader
+from test_ckpt_storage_minio import _checkpoint, _same_tree, _store, _uploader
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +81,46 @@ def test_an_older_attempt_commits_and_deletes_nothing_once_a_newer_one_claimed(c
     assert zombie.fenced and "attempt 2 > 1 has started" in zombie.fenced, zombie.fenced
     steps = {c.step: c.complete for c in store.list_checkpoints()}
     assert steps.get(10) is True and not steps.get(20), steps
+
+
+class _ClaimAfterFirstFile:
+    """The real store, with a newer attempt starting and committing the same step right after the
+    zombie's first file went up (the window a check-once-per-checkpoint fence left open)."""
+
+    def __init__(self, store, newer) -> None:
+        self._store, self._newer, self.uploads_after = store, newer, []
+
+    def upload_file(self, step, local, rel, **kw):
+        if self._newer is None:
+            self.uploads_after.append(rel)
+        self._store.upload_file(step, local, rel, **kw)
+        if self._newer is not None:
+            newer, self._newer = self._newer, None
+            newer()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_zombie_stops_at_its_next_file_and_never_overwrites_a_newer_commit(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    _commit(store, tmp_path / "a1", [10], incarnation=5)
+
+    def attempt_2_commits_step_20():
+        restore_agreed(store, tmp_path / "a2", node_rank=0, incarnation=5, attempt=2,
+                       deadline=time.monotonic() + 120)
+        up = _uploader(store, tmp_path / "a2", attempt=2, incarnation=5)
+        assert up.submit(_checkpoint(tmp_path / "a2" / "out", 20), 20)
+        assert up.close(120), up.status_line()
+
+    seam = _ClaimAfterFirstFile(store, attempt_2_commits_step_20)
+    zombie = _uploader(seam, tmp_path / "z", attempt=1, incarnation=5, fence_check_interval_s=0)
+    zombie.submit(_checkpoint(tmp_path / "z" / "out", 20), 20)
+    zombie.close(60)
+    assert zombie.fenced and "attempt 2 > 1 has started" in zombie.fenced, zombie.fenced
+    assert seam.uploads_after == [], f"the zombie wrote {seam.uploads_after} after attempt 2 claimed"
+    manifest = store.read_manifest(20)
+    assert manifest is not None and manifest.attempt == 2
+    # Attempt 2's checkpoint-20 is whole: every byte matches its manifest.
+    restored = store.download_checkpoint(manifest, tmp_path / "check")
+    _same_tree(tmp_path / "a2" / "out" / "checkpoint-20", restored)
