@@ -19,6 +19,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal, Mapping
 
+from kubetrain.values import (  # noqa: F401  (re-exported: the time helpers are used across the operator)
+    Progress, format_time, parse_time, parse_time_or_none, real_number, whole_number,
+)
+
 from kubetrain.identity import IdentityError, StorageIdentity, WebIdentity, parse_identity
 
 GROUP = "kubetrain.io"
@@ -36,6 +40,13 @@ DEFAULT_MAX_PREEMPTIONS = 30
 """runPolicy.maxPreemptions when unset: a bound on restarts the job did not cause."""
 DEFAULT_STARTUP_GRACE_SECONDS = 300
 """runPolicy.startupGraceSeconds when unset: the window for a transient pod start error."""
+DEFAULT_TERMINATION_GRACE_SECONDS = 120
+"""runPolicy.terminationGracePeriodSeconds when unset: the launcher gives the workers about two
+thirds to stop at a step boundary and save, and the rest (40 s here) to upload the emergency
+checkpoint. The pod API's own default of 30 s left about 8 s for the upload."""
+MIN_TERMINATION_GRACE_SECONDS = 15
+"""Below this no emergency checkpoint can be taken (a step, a save and an upload), so the job
+would lose everything since its last periodic checkpoint on every preemption."""
 
 # Names and labels shared by the builders and the planner (docs/contract.md).
 LABEL_JOB = "kubetrain.io/job-name"
@@ -47,6 +58,9 @@ ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
 ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
 """Set by node rank 0 while checkpoint uploads lag behind (S3 unreachable)."""
 CONTAINER_NAME = "trainer"
+METRICS_PORT_NAME = "metrics"
+DEFAULT_METRICS_PORT = 9410
+"""The launcher's metrics and progress endpoint (KUBETRAIN_METRICS_PORT, containerPort `metrics`)."""
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
 
@@ -94,32 +108,6 @@ def redact(text: str) -> str:
             return f"{m.group('userinfo')}***@"
         return "-----PRIVATE KEY REDACTED-----"
     return _SECRET_SHAPED.sub(sub, text)
-
-
-def parse_time(value: Any) -> dt.datetime | None:
-    """RFC3339 string (or datetime) to an aware UTC datetime; None stays None."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, dt.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-    text = str(value).replace("Z", "+00:00")
-    parsed = dt.datetime.fromisoformat(text)
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
-
-
-def parse_time_or_none(value: Any) -> dt.datetime | None:
-    """`parse_time` for values others wrote (pods, metadata): None when it does not parse."""
-    try:
-        return parse_time(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def format_time(value: dt.datetime | None) -> str | None:
-    """Aware datetime to the RFC3339 form Kubernetes stores (second precision, Z)."""
-    if value is None:
-        return None
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # --------------------------------------------------------------------- spec
@@ -181,6 +169,9 @@ class RunPolicy:
     """How long a node may be NotReady (or a pod Unknown) before it counts as lost."""
     startup_grace_seconds: int = DEFAULT_STARTUP_GRACE_SECONDS
     """How long a pod may fail to start for a possibly transient reason before the job fails."""
+    termination_grace_period_seconds: int = DEFAULT_TERMINATION_GRACE_SECONDS
+    """The pods' terminationGracePeriodSeconds (KUBETRAIN_TERMINATION_GRACE_SECONDS): the time
+    from SIGTERM to SIGKILL in which the trainer stops and uploads its emergency checkpoint."""
 
     def backoff_delay(self, failures: int) -> float:
         """Seconds to wait before the attempt that follows the `failures`-th failure."""
@@ -217,6 +208,9 @@ class Spec:
         image = spec.get("image") or default_image
         if not image:
             raise SpecError("image", "is required (and no KUBETRAIN_DEFAULT_IMAGE is set)")
+        if spec.get("masterPort") == DEFAULT_METRICS_PORT:
+            raise SpecError("masterPort", f"must not be {DEFAULT_METRICS_PORT}: the launcher serves /metrics and "
+                                          "/progress there (KUBETRAIN_METRICS_PORT)")
         return cls(
             image=str(image),
             image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
@@ -322,6 +316,9 @@ def _run_policy(raw: Any) -> RunPolicy:
         suspend=bool(raw.get("suspend") or False),
         node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
         startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0),
+        termination_grace_period_seconds=_int(
+            raw, "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_SECONDS, path=p,
+            minimum=MIN_TERMINATION_GRACE_SECONDS, maximum=86400),
     )
 
 
@@ -448,10 +445,15 @@ class Condition:
     reason: str
     message: str
     last_transition_time: str | None = None
+    observed_generation: int | None = None
+    """metav1.Condition's observedGeneration: the spec generation the condition was set from."""
 
     def for_storage(self) -> dict[str, Any]:
-        return {"type": self.type, "status": self.status, "reason": self.reason,
-                "message": self.message, "lastTransitionTime": self.last_transition_time}
+        out = {"type": self.type, "status": self.status, "reason": self.reason,
+               "message": self.message, "lastTransitionTime": self.last_transition_time}
+        if self.observed_generation is not None:
+            out["observedGeneration"] = self.observed_generation
+        return out
 
 
 @dataclass(frozen=True)
@@ -461,15 +463,26 @@ class LastCheckpoint:
     step: int
     uri: str
     time: str | None = None
+    size_bytes: int | None = None
+    """Bytes of the checkpoint's files (all nodes)."""
+    save_seconds: float | None = None
+    """How long writing it locally took."""
+    upload_seconds: float | None = None
+    """How long uploading and committing it took: with save_seconds, what an emergency
+    checkpoint needs of runPolicy.terminationGracePeriodSeconds."""
 
     @classmethod
     def from_storage(cls, raw: Any) -> "LastCheckpoint | None":
         """Parse a stored value or a pod's record; None unless every field is one the status
-        schema accepts (a pod-provided value must never make status patches fail)."""
+        schema accepts (a pod-provided value must never make status patches fail): an
+        optional field that is present but invalid refuses the whole record."""
         if not isinstance(raw, Mapping):
             return None
         step, uri, time = raw.get("step"), raw.get("uri"), raw.get("time")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2 ** 63:
+        if whole_number(step) is None:
+            return None
+        extra = {key: check(raw.get(name)) for key, name, check in _CHECKPOINT_EXTRAS}
+        if any(extra[key] is None and raw.get(name) is not None for key, name, _ in _CHECKPOINT_EXTRAS):
             return None
         if not isinstance(uri, str) or not uri.startswith("s3://") or len(uri) > MAX_URI_LENGTH \
                 or any(c.isspace() or not c.isprintable() for c in uri):
@@ -478,13 +491,19 @@ class LastCheckpoint:
             when = format_time(parse_time(time)) if isinstance(time, str) else None
         except (ValueError, OverflowError):
             when = None
-        return cls(step=step, uri=uri, time=when)
+        return cls(step=step, uri=uri, time=when, **extra)
 
     def for_storage(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "uri": self.uri}
         if self.time:
             out["time"] = self.time
+        out.update({name: getattr(self, key) for key, name, _ in _CHECKPOINT_EXTRAS
+                    if getattr(self, key) is not None})
         return out
+
+
+_CHECKPOINT_EXTRAS = (("size_bytes", "sizeBytes", whole_number), ("save_seconds", "saveSeconds", real_number),
+                      ("upload_seconds", "uploadSeconds", real_number))
 
 
 @dataclass(frozen=True)
@@ -505,6 +524,7 @@ class Status:
     next_attempt_time: str | None = None
     last_checkpoint: LastCheckpoint | None = None
     observed_generation: int | None = None
+    progress: Progress | None = None
 
     @classmethod
     def from_storage(cls, raw: Mapping[str, Any] | None) -> "Status":
@@ -520,7 +540,8 @@ class Status:
             conditions=tuple(
                 Condition(type=str(c.get("type")), status=c.get("status") or "Unknown",
                           reason=str(c.get("reason") or ""), message=str(c.get("message") or ""),
-                          last_transition_time=c.get("lastTransitionTime"))
+                          last_transition_time=c.get("lastTransitionTime"),
+                          observed_generation=whole_number(c.get("observedGeneration")))
                 for c in raw.get("conditions") or () if isinstance(c, Mapping) and c.get("type")
             ),
             attempt=num("attempt"), restarts=num("restarts"), preemptions=num("preemptions"),
@@ -530,6 +551,7 @@ class Status:
             next_attempt_time=raw.get("nextAttemptTime") or None,
             last_checkpoint=LastCheckpoint.from_storage(raw.get("lastCheckpoint")),
             observed_generation=raw.get("observedGeneration"),
+            progress=Progress.from_storage(raw.get("progress")),
         )
 
     def for_storage(self) -> dict[str, Any]:
@@ -549,6 +571,7 @@ class Status:
             "nextAttemptTime": self.next_attempt_time,
             "lastCheckpoint": self.last_checkpoint.for_storage() if self.last_checkpoint else None,
             "observedGeneration": self.observed_generation,
+            "progress": self.progress.for_storage() if self.progress else None,
         }
 
     def condition(self, type_: str) -> Condition | None:
@@ -559,7 +582,8 @@ class Status:
         """Set one condition; lastTransitionTime moves only when its status changes."""
         old = self.condition(type_)
         when = old.last_transition_time if old is not None and old.status == status else format_time(now)
-        new = Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=when)
+        new = Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=when,
+                        observed_generation=old.observed_generation if old is not None else None)
         others = tuple(c for c in self.conditions if c.type != type_)
         return replace(self, conditions=tuple(sorted(others + (new,), key=lambda c: _CONDITION_ORDER.get(c.type, 99))))
 
@@ -569,7 +593,7 @@ class Status:
 
 
 _CONDITION_ORDER = {t: i for i, t in enumerate(
-    ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
+    ("Created", "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
      "StartupDelayed"))}
 
 

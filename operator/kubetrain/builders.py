@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from kubetrain.api import (
-    API_VERSION, CONTAINER_NAME, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
-    MANAGED_BY, Job, Spec, pod_name,
+    API_VERSION, CONTAINER_NAME, DEFAULT_METRICS_PORT, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
+    MANAGED_BY, METRICS_PORT_NAME, Job, Spec, pod_name,
 )
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
 
@@ -24,9 +24,9 @@ SHM_VOLUME = "kubetrain-shm"
 HOME_DIR = "/tmp/kubetrain/home"
 DEEPSPEED_KEY = "ds_config.json"
 LAUNCHER = ("python", "-m", "kubetrain_trainer.launch")
-TERMINATION_GRACE_SECONDS = 30
-"""The pod's terminationGracePeriodSeconds, also exported to the launcher: it splits it
-between stopping the workers and uploading the emergency checkpoint."""
+METRICS_PORT = DEFAULT_METRICS_PORT
+"""The launcher's /metrics and /progress port (KUBETRAIN_METRICS_PORT, containerPort `metrics`):
+the operator polls /progress there, so a NetworkPolicy must let the operator reach it."""
 
 
 def get_owner_reference(job: Job) -> dict[str, Any]:
@@ -109,7 +109,10 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
     if spec.trainer.builtin_task is not None and not spec.trainer.command:
         env.append(_var("KUBETRAIN_BUILTIN_TASK", spec.trainer.builtin_task))
         env.append(_var("KUBETRAIN_TRAINER_ARGS", json.dumps(dict(spec.trainer.builtin_args), sort_keys=True)))
-    env.append(_var("KUBETRAIN_TERMINATION_GRACE_SECONDS", TERMINATION_GRACE_SECONDS))
+    # The pod's terminationGracePeriodSeconds: the launcher splits it between stopping the workers
+    # and uploading the emergency checkpoint.
+    env.append(_var("KUBETRAIN_TERMINATION_GRACE_SECONDS", spec.run_policy.termination_grace_period_seconds))
+    env.append(_var("KUBETRAIN_METRICS_PORT", METRICS_PORT))
     env.append(_var("HOME", HOME_DIR))  # the root file system is read-only; /tmp is a volume
     return env + [dict(e) for e in spec.env]
 
@@ -145,7 +148,8 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "env": get_env(job=job, attempt=attempt, rank=rank),
-        "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"},
+                  {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # Admitted by PodSecurity "restricted"; HOME is on the /tmp volume (the image's is read-only).
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -161,7 +165,7 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         container["workingDir"] = spec.trainer.working_dir
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "hostname": get_hostname(job.name, rank),
         "subdomain": job.name,
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},

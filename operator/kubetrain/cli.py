@@ -72,6 +72,10 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
     # Given explicitly: kopf would otherwise ask getpass for the user name, which fails in a container
     # whose uid has no passwd entry (a pod's runAsUser rarely has one).
     identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    from kubetrain import metrics
+
+    metrics.serve(settings.metrics_port)  # standbys too: kubetrain_leader says which replica leads
+    metrics.LEADER.set(0)
     if not settings.leader_election:
         return _run_kopf(settings, liveness=liveness, identity=identity)
     from kubetrain import k8s

@@ -62,6 +62,21 @@ class Settings:
     retry_period_seconds: float = 2.0
     """KUBETRAIN_RETRY_PERIOD_SECONDS: time between tries to acquire or renew (0.1..60, below the
     renew deadline)."""
+    metrics_port: int = 0
+    """KUBETRAIN_METRICS_PORT: port of the Prometheus endpoint (/metrics), served by every replica,
+    standbys included (0 = off; the chart: 9400)."""
+    progress_interval_seconds: float = 30.0
+    """KUBETRAIN_PROGRESS_INTERVAL_SECONDS: how often node rank 0's /progress is read per running
+    job, and so the most often its progress is written to status (0 = never; else 1..3600)."""
+    progress_timeout_seconds: float = 3.0
+    """KUBETRAIN_PROGRESS_TIMEOUT_SECONDS: limit of one read of /progress (0.1..60, at most half the
+    interval): a pod that does not answer is reported unreachable, never waited for."""
+    progress_concurrency: int = 16
+    """KUBETRAIN_PROGRESS_CONCURRENCY: reads of /progress in flight at once (1..256)."""
+    test_progress_url: str = ""
+    """KUBETRAIN_TEST_PROGRESS_URL: TESTS ONLY. A URL template ({namespace}, {job}, {pod}, {ip},
+    {port}) read instead of the pod's own address: the benchmark's kwok pods have fake IPs and
+    no trainer, so it serves their progress itself. Never set it in production."""
 
     @property
     def clusterwide(self) -> bool:
@@ -108,7 +123,21 @@ class Settings:
         if retry >= renew:
             raise ConfigError("KUBETRAIN_RETRY_PERIOD_SECONDS", str(retry),
                               f"must be below KUBETRAIN_RENEW_DEADLINE_SECONDS ({renew:g})")
+        interval = _number(env, "KUBETRAIN_PROGRESS_INTERVAL_SECONDS", 30.0, 0, 3600)
+        if 0 < interval < 1:
+            raise ConfigError("KUBETRAIN_PROGRESS_INTERVAL_SECONDS", str(interval), "must be 0 (off) or 1..3600")
+        timeout = _number(env, "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS", 3.0, 0.1, 60)
+        if interval and timeout > interval / 2:
+            raise ConfigError("KUBETRAIN_PROGRESS_TIMEOUT_SECONDS", str(timeout),
+                              f"must be at most half of KUBETRAIN_PROGRESS_INTERVAL_SECONDS ({interval:g})")
+        test_url = env.get("KUBETRAIN_TEST_PROGRESS_URL", "").strip()
+        if test_url and not test_url.startswith(("http://", "https://")):
+            raise ConfigError("KUBETRAIN_TEST_PROGRESS_URL", test_url, "must be an http:// or https:// URL template")
         return cls(
+            metrics_port=int(_number(env, "KUBETRAIN_METRICS_PORT", 0, 0, 65535)),
+            progress_interval_seconds=interval, progress_timeout_seconds=timeout,
+            progress_concurrency=int(_number(env, "KUBETRAIN_PROGRESS_CONCURRENCY", 16, 1, 256)),
+            test_progress_url=test_url,
             namespaces=namespaces, log_level=level, default_image=image,  # type: ignore[arg-type]
             max_concurrent_reconciles=int(_number(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 1024, 1, 8192)),
             api_threads=int(_number(env, "KUBETRAIN_API_THREADS", 32, 1, 256)),

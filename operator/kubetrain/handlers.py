@@ -26,8 +26,9 @@ from typing import Any
 import kopf
 from kubernetes.client.rest import ApiException
 
-from kubetrain import k8s
+from kubetrain import k8s, metrics, poller
 from kubetrain.informer import PodInformer
+from kubetrain.progress import ProgressObservation
 from kubetrain.api import (
     GROUP, LABEL_JOB, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, Job, parse_time, pod_name,
 )
@@ -121,6 +122,9 @@ class Reconciler:
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(settings.max_concurrent_reconciles)
+        self.progress: dict[tuple[str, str], ProgressObservation] = {}
+        """The newest read of each job's rank 0 /progress (poller.py), an observation like the pods."""
+        self.active = 0
 
     # ------------------------------------------------------------ queueing
 
@@ -134,6 +138,7 @@ class Reconciler:
         self.expectations.pop(key, None)
         self.gone.pop(key, None)
         self.rejections.pop(key, None)
+        self.progress.pop(key, None)
         timer = self._timers.pop(key, None)
         if timer:
             timer.cancel()
@@ -167,11 +172,16 @@ class Reconciler:
             while True:
                 self._dirty.discard(key)
                 async with self._sem:
+                    self.active += 1
                     try:
-                        await self.reconcile(key)
+                        with metrics.RECONCILE_SECONDS.time():
+                            await self.reconcile(key)
                     except Exception:  # a bug must not kill the loop of this job forever
+                        metrics.ERRORS.labels("reconcile_crash").inc()
                         log.exception("reconcile of %s/%s crashed; retrying in 10s", *key)
                         self.enqueue(key, 10.0)
+                    finally:
+                        self.active -= 1
                 if key not in self._dirty:
                     return
         finally:
@@ -202,7 +212,8 @@ class Reconciler:
         gone = self.gone.get((job.namespace, job.name), {})
         for name in [n for n in gone if not n.startswith(f"{job.name}-a{job.status.attempt}-")]:
             del gone[name]  # only the current attempt's losses matter
-        return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes, gone=dict(gone))
+        return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes, gone=dict(gone),
+                        progress=self.progress.get((job.namespace, job.name)))
 
     def node_view(self, name: str, now: dt.datetime) -> NodeView:
         if self.nodes_index is not None and name in self.nodes_index:
@@ -254,6 +265,7 @@ class Reconciler:
             try:
                 written = await k8s.apply(self.api, job, rv, result)
             except k8s.ConflictError:
+                metrics.ERRORS.labels("conflict").inc()
                 fresh = await self.api.get_job(*key)
                 if fresh is None:
                     self.forget(key)
@@ -261,6 +273,7 @@ class Reconciler:
                 self.jobs[key] = fresh
                 continue
             except k8s.PermanentError as exc:
+                metrics.ERRORS.labels("permanent").inc()
                 log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
                 failed = fail_plan(job, observed, now, reason=exc.reason, message=str(exc))
                 try:
@@ -269,6 +282,7 @@ class Reconciler:
                     self.enqueue(key, 2.0)
                     return
             except k8s.RejectedError as exc:
+                metrics.ERRORS.labels("rejected").inc()
                 count = self.rejections[key] = self.rejections.get(key, 0) + 1
                 delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
                 log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,
@@ -283,14 +297,17 @@ class Reconciler:
                 self.enqueue(key, delay)
                 return
             except k8s.TemporaryError as exc:
+                metrics.ERRORS.labels("temporary").inc()
                 log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
                 self.enqueue(key, exc.delay)
                 return
             except ApiException as exc:
+                metrics.ERRORS.labels("api").inc()
                 log.warning("reconcile of %s/%s: HTTP %s %s; retrying", job.namespace, job.name, exc.status, exc.reason)
                 self.enqueue(key, 5.0)
                 return
             self._remember(key, result, now)
+            metrics.count_plan(job.status, result)
             if any(isinstance(a, CreatePod) for a in result.actions):
                 self.rejections.pop(key, None)
             if written is not None:
@@ -359,6 +376,11 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     rec.pods_synced = memo.informer.synced
     memo.informer.start()
     memo.resync_task = asyncio.get_running_loop().create_task(rec.resync())
+    metrics.watch(jobs=lambda: list(rec.jobs.values()), queue_depth=lambda: len(rec._running) - rec.active,
+                  writes=lambda: dict(api.writes))
+    metrics.LEADER.set(1)  # kopf starts only on the replica that leads (cli.py)
+    memo.poller_task = poller.start(jobs=rec.jobs, pods_of=rec.pods_index.__getitem__, observations=rec.progress,
+                                    wake=rec.enqueue, settings=config)
     log.info("kubetrain operator started (namespaces: %s)", ",".join(config.namespaces) or "all")
 
 
@@ -366,6 +388,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
 async def cleanup(memo: Any, **_: Any) -> None:
     memo.informer.stop()
     memo.resync_task.cancel()
+    if memo.poller_task is not None:
+        memo.poller_task.cancel()
     await memo.reconciler.stop()
     log.info("API writes: %s", dict(memo.api.writes))
     memo.api.close()

@@ -25,9 +25,10 @@ from typing import Any, Literal, Mapping
 from kubetrain.identity import describe
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
-    LABEL_ATTEMPT, LABEL_RANK, STARTED_PHASES, Job, LastCheckpoint, Status,
+    LABEL_ATTEMPT, LABEL_RANK, METRICS_PORT_NAME, STARTED_PHASES, Job, LastCheckpoint, Status,
     format_time, parse_time, parse_time_or_none, pod_name, redact,
 )
+from kubetrain.progress import ProgressObservation, lagging_message, next_progress, usable_checkpoint
 
 FATAL_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 """Container waiting reasons that can never resolve by themselves: fail at once."""
@@ -89,6 +90,9 @@ class PodView:
     checkpoint: LastCheckpoint | None = None
     checkpoint_sync: str = ""
     """Why checkpoint uploads lag behind (annotation kubetrain.io/checkpoint-sync), if they do."""
+    pod_ip: str | None = None
+    metrics_port: int | None = None
+    """The trainer container's port named `metrics` (its /progress endpoint), if it has one."""
 
     @property
     def terminating(self) -> bool:
@@ -146,7 +150,15 @@ class PodView:
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
+            pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body),
         )
+
+
+def _metrics_port(body: Mapping[str, Any]) -> int | None:
+    containers = (body.get("spec") or {}).get("containers") or ()
+    trainer = next((c for c in containers if c.get("name") == CONTAINER_NAME), {})
+    port = next((p.get("containerPort") for p in trainer.get("ports") or () if p.get("name") == METRICS_PORT_NAME), None)
+    return port if isinstance(port, int) and not isinstance(port, bool) else None
 
 
 MAX_RECORD_BYTES = 4096
@@ -189,6 +201,8 @@ class Observed:
     """Nodes the pods are bound to; a pod's node absent here is assumed healthy."""
     gone: Mapping[str, str] = field(default_factory=dict)
     """Why pods that no longer exist went away (their last DisruptionTarget reason), by name."""
+    progress: ProgressObservation | None = None
+    """The newest poll of node rank 0's /progress endpoint (poller.py), if any."""
 
 
 # -------------------------------------------------------------------- actions
@@ -234,6 +248,8 @@ class Event:
     type: Literal["Normal", "Warning"]
     reason: str
     message: str
+    cause: str = ""
+    """Machine-readable why, for metrics (a Preempted event's cause: PreemptionByScheduler...)."""
 
 
 @dataclass(frozen=True)
@@ -263,8 +279,8 @@ class _Draft:
         self.events: list[Event] = []
         self.requeue: float | None = None
 
-    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
-        self.events.append(Event(type_, reason, message))
+    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str, cause: str = "") -> None:
+        self.events.append(Event(type_, reason, message, cause))
 
     def wake_at(self, when: dt.datetime) -> None:
         delay = max(0.0, (when - self.now).total_seconds())
@@ -283,11 +299,27 @@ class _Draft:
 
     def build(self) -> Plan:
         status = self.status
+        if status != self.job.status:  # Ready follows what changed (and costs no write of its own)
+            status = ready_condition(status, self.now)
         if status != self.job.status or (status.phase and status.observed_generation != self.job.generation):
-            status = replace(status, observed_generation=self.job.generation)
+            status = replace(status, observed_generation=self.job.generation, conditions=tuple(
+                replace(c, observed_generation=self.job.generation) for c in status.conditions))
         patch = (PatchStatus(status),) if status != self.job.status else ()
         return Plan(actions=tuple(self.before) + patch + tuple(self.after),
                     events=tuple(self.events), requeue_after=self.requeue)
+
+
+def ready_condition(status: Status, now: dt.datetime) -> Status:
+    """Condition Ready, derived from the phase: True while every pod of the attempt runs and is
+    ready, False otherwise with the phase as the reason (what `kubectl wait --for=condition=Ready`
+    and dashboards read)."""
+    if not status.phase:
+        return status
+    ready = status.phase == "Running" and status.nodes_total > 0 and status.nodes_ready >= status.nodes_total
+    reason = "AllPodsReady" if ready else "PodsNotReady" if status.phase == "Running" else status.phase
+    message = (f"{status.nodes_ready} of {status.nodes_total} pod(s) ready" if status.phase in ("Running", "Pending")
+               else f"the job is {status.phase}")
+    return status.with_condition("Ready", "True" if ready else "False", reason=reason, message=message, now=now)
 
 
 def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
@@ -295,9 +327,11 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     if job.deleting:
         return Plan()
     d = _Draft(job, now)
-    newest = _newest_checkpoint(job, observed.pods)
+    newest = _newest_checkpoint(job, observed)
     if newest != job.status.last_checkpoint:
         d.update(last_checkpoint=newest)
+    if observed.progress is not None and observed.progress.attempt == job.status.attempt and not job.status.terminal:
+        d.update(progress=next_progress(job.status.progress, observed.progress))
     if job.status.terminal:
         _finished(d, observed)
         return d.build()
@@ -338,13 +372,16 @@ def _deadline(job: Job) -> dt.datetime | None:
     return start + dt.timedelta(seconds=seconds)
 
 
-def _newest_checkpoint(job: Job, pods: tuple[PodView, ...]) -> LastCheckpoint | None:
+def _newest_checkpoint(job: Job, observed: Observed) -> LastCheckpoint | None:
     """The highest reported step, from records that point into this job's own storage prefix
-    (a record elsewhere is not this job's checkpoint, whoever wrote it)."""
+    (a record elsewhere is not this job's checkpoint, whoever wrote it): the pods' termination
+    messages and annotations, and rank 0's /progress."""
     best = job.status.last_checkpoint
     prefix = job.checkpoint_uri
-    for pod in pods:
-        ckpt = pod.checkpoint
+    current = observed.progress if (observed.progress and observed.progress.attempt == job.status.attempt
+                                    and not job.status.terminal) else None
+    polled = usable_checkpoint(current.report if current else None, prefix)
+    for ckpt in [pod.checkpoint for pod in observed.pods] + [polled]:
         if ckpt and prefix and ckpt.uri.startswith(prefix + "/") and (best is None or ckpt.step > best.step):
             best = ckpt
     return best
@@ -479,22 +516,25 @@ def _start_next_attempt(d: _Draft, observed: Observed) -> None:
                                  + identity)
 
 
-def _disruption(pod: PodView, d: _Draft, observed: Observed) -> str | None:
-    """Why this pod was taken away by the cluster (not by the user's code), if it was."""
+def _disruption(pod: PodView, d: _Draft, observed: Observed) -> tuple[str, str] | None:
+    """(cause, why) when this pod was taken away by the cluster (not by the user's code). The
+    cause is a CamelCase word for metrics: the DisruptionTarget reason, the pod's reason,
+    Deleted, TrainerPreempted, NoExitCode or NodeLost."""
     if pod.phase == "Succeeded" or _evicted_for_own_usage(pod):
         return None
     if pod.disruption:
-        return f"pod {pod.name}: {pod.disruption}"
+        return pod.disruption, f"pod {pod.name}: {pod.disruption}"
     if pod.terminating:
-        return f"pod {pod.name} was deleted by someone else"
+        return "Deleted", f"pod {pod.name} was deleted by someone else"
     if pod.phase == "Failed":
         if pod.exit_code == EXIT_PREEMPTED:
-            return f"pod {pod.name} exited with code {EXIT_PREEMPTED} (preempted)"
+            return "TrainerPreempted", f"pod {pod.name} exited with code {EXIT_PREEMPTED} (preempted)"
         if pod.reason in DISRUPTION_POD_REASONS:
-            return f"pod {pod.name}: {pod.reason}"
+            return pod.reason, f"pod {pod.name}: {pod.reason}"
         if pod.exit_code is None:
-            return f"pod {pod.name} failed without an exit code ({pod.reason or 'no reason'})"
-    return _node_lost(pod, d, observed)
+            return "NoExitCode", f"pod {pod.name} failed without an exit code ({pod.reason or 'no reason'})"
+    lost = _node_lost(pod, d, observed)
+    return ("NodeLost", lost) if lost else None
 
 
 def _evicted_for_own_usage(pod: PodView) -> bool:
@@ -522,7 +562,7 @@ def _supervise(d: _Draft, observed: Observed) -> None:
     stale = [p for p in observed.pods if p.attempt != attempt or p.rank >= total]
 
     fatal: tuple[str, str] | None = None
-    disruptions: list[str] = []
+    disruptions: list[tuple[str, str]] = []
     failed: list[PodView] = []
     blocked: tuple[str, str, dt.datetime] | None = None
     for rank in range(total):
@@ -530,7 +570,8 @@ def _supervise(d: _Draft, observed: Observed) -> None:
         if pod is None:
             name = pod_name(d.job.name, attempt, rank)
             why = observed.gone.get(name)
-            disruptions.append(f"pod {name}: {why} (deleted)" if why else f"pod {name} was deleted by someone else")
+            disruptions.append((why, f"pod {name}: {why} (deleted)") if why else
+                               ("Deleted", f"pod {name} was deleted by someone else"))
             continue
         if pod.phase == "Failed" and pod.exit_code == EXIT_INVALID_CONFIG:
             fatal = fatal or ("InvalidConfiguration",
@@ -566,9 +607,11 @@ def _supervise(d: _Draft, observed: Observed) -> None:
     _startup_condition(d, blocked)
     pods = [current[r] for r in range(total)]
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
-    if lagging:
-        d.cond("CheckpointsLagging", "True", "UploadsLagging", lagging)
-    elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True":
+    polled = lagging_message(d.status.progress)  # None: no reading to go by (unreachable, not polled)
+    if lagging or polled:
+        d.cond("CheckpointsLagging", "True", "UploadsLagging", lagging or polled or "")
+    elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True" \
+            and (polled is not None or d.status.progress is None):
         d.cond("CheckpointsLagging", "False", "UploadsCaughtUp", "checkpoint uploads caught up")
     if all(p.phase == "Succeeded" for p in pods):
         msg = f"attempt {attempt}: all {total} pod(s) succeeded"
@@ -641,12 +684,12 @@ def _restart(d: _Draft, observed: Observed, *, reason: str, message: str, delay:
         d.wake_at(d.now + dt.timedelta(seconds=delay))
 
 
-def _restart_after_preemption(d: _Draft, observed: Observed, disruptions: list[str]) -> None:
+def _restart_after_preemption(d: _Draft, observed: Observed, disruptions: list[tuple[str, str]]) -> None:
     attempt = d.status.attempt
     count = d.status.preemptions + 1
-    first = disruptions[0] + (f" (and {len(disruptions) - 1} more)" if len(disruptions) > 1 else "")
+    first = disruptions[0][1] + (f" (and {len(disruptions) - 1} more)" if len(disruptions) > 1 else "")
     d.update(preemptions=count)
-    d.event("Warning", "Preempted", f"attempt {attempt}: {first}")
+    d.event("Warning", "Preempted", f"attempt {attempt}: {first}", cause=disruptions[0][0])
     limit = d.job.spec.run_policy.max_preemptions if d.job.spec else None
     if limit is not None and count > limit:
         _fail(d, observed, reason="MaxPreemptionsExceeded",

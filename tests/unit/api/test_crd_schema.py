@@ -69,10 +69,15 @@ def test_printer_columns(version):
         "Attempt": ".status.attempt",
         "Restarts": ".status.restarts",
         "Preemptions": ".status.preemptions",
+        "Step": ".status.progress.steps",
         "Checkpoint": ".status.lastCheckpoint.step",
         "Age": ".metadata.creationTimestamp",
+        "Loss": ".status.progress.loss",
+        "Samples/s": ".status.progress.samplesPerSecond",
         "Message": ".status.message",
     }
+    wide = {c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide == {"Loss", "Samples/s", "Message"}, "-o wide adds loss and throughput"
 
 
 def test_agreed_field_names_exist(schema):

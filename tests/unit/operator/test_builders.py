@@ -43,7 +43,7 @@ def test_pod_names_labels_owner_and_dns() -> None:
                                         "name": "gpt-small", "uid": "u-1", "controller": True,
                                         "blockOwnerDeletion": True}]
     assert spec["hostname"] == "gpt-small-n2" and spec["subdomain"] == "gpt-small"
-    assert spec["restartPolicy"] == "Never" and spec["terminationGracePeriodSeconds"] == 30
+    assert spec["restartPolicy"] == "Never" and spec["terminationGracePeriodSeconds"] == 120
     assert spec["priorityClassName"] == "low" and spec["nodeSelector"] == {"pool": "gpu"}
     container = spec["containers"][0]
     assert container["command"] == ["python", "-m", "kubetrain_trainer.launch"]
@@ -69,7 +69,7 @@ def test_env_contract() -> None:
     assert values["KUBETRAIN_STRATEGY"] == "ddp"
     assert json.loads(values["KUBETRAIN_TRAINER_ARGS"]) == {"max_steps": 100}
     assert values["KUBETRAIN_BUILTIN_TASK"] == "causal-lm"
-    assert values["KUBETRAIN_TERMINATION_GRACE_SECONDS"] == "30"
+    assert values["KUBETRAIN_TERMINATION_GRACE_SECONDS"] == "120" and values["KUBETRAIN_METRICS_PORT"] == "9410"
     assert "KUBETRAIN_FSDP_CONFIG" not in env and "KUBETRAIN_DEEPSPEED_CONFIG" not in env
     names = [e["name"] for e in builders.get_pod(job=Job.from_storage(BODY), attempt=1, rank=0)
              ["spec"]["containers"][0]["env"]]
