@@ -215,9 +215,12 @@ def test_deployment_runs_the_operator_non_root_with_liveness():
     assert c["image"] == "kubetrain/operator:0.1.0"
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env == {"KUBETRAIN_NAMESPACES": "kubetrain-system", "KUBETRAIN_LOG_LEVEL": "debug",
-                   "KUBETRAIN_DEFAULT_IMAGE": "reg.local/trainer:9"}
+                   "KUBETRAIN_DEFAULT_IMAGE": "reg.local/trainer:9", "KUBETRAIN_METRICS_PORT": "9400",
+                   "KUBETRAIN_PROGRESS_INTERVAL_SECONDS": "30", "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS": "3",
+                   "KUBETRAIN_PROGRESS_CONCURRENCY": "16"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
