@@ -41,9 +41,10 @@ DEFAULT_MAX_PREEMPTIONS = 30
 DEFAULT_STARTUP_GRACE_SECONDS = 300
 """runPolicy.startupGraceSeconds when unset: the window for a transient pod start error."""
 DEFAULT_TERMINATION_GRACE_SECONDS = 120
-"""runPolicy.terminationGracePeriodSeconds when unset: the launcher gives the workers about two
-thirds to stop at a step boundary and save, and the rest (40 s here) to upload the emergency
-checkpoint. The pod API's own default of 30 s left about 8 s for the upload."""
+"""runPolicy.terminationGracePeriodSeconds when unset: the launcher gives the workers what their
+emergency save needs (at most two thirds) and the upload the rest (at least a third, so 40 s or
+more here); the pod API's own default of 30 s left about 8 s for the upload
+(docs/contract.md, "The grace period after SIGTERM")."""
 MIN_TERMINATION_GRACE_SECONDS = 15
 """Below this no emergency checkpoint can be taken (a step, a save and an upload), so the job
 would lose everything since its last periodic checkpoint on every preemption."""
