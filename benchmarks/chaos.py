@@ -1584,7 +1584,7 @@ def main() -> int:
     if args.jobs < 1 or args.faults < 0 or args.max_steps < 1 or args.save_steps < 1:
         ap.error("--jobs, --max-steps and --save-steps must be >= 1, --faults >= 0")
 
-    def on_term(signum, frame):  # noqa: ARG001 - clean up on SIGTERM as on Ctrl-C
+    def on_term(signum, frame):  # clean up on SIGTERM as on Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "testbed")]
 
 import psutil  # noqa: E402
-from kubernetes import client, config, watch  # noqa: E402
+from kubernetes import client, config  # noqa: E402
 
 from kubetrain import builders  # noqa: E402
 from kubetrain.api import Job  # noqa: E402

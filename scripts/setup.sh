@@ -29,5 +29,7 @@ else
   # The dependency set is unchanged; only point the editable install here.
   quiet "$venv/bin/pip" install --no-deps -e .
 fi
+# The linter's pinned group (pyproject.toml [dependency-groups]; not part of the key above).
+quiet "$venv/bin/pip" install --group lint
 if [[ -L .venv || ! -e .venv ]]; then ln -sfn "$venv" .venv; fi
 echo "[setup] ready: source .venv/bin/activate" >&2

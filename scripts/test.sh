@@ -22,6 +22,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The cached environment is shared by every clone on the machine; this
 # clone's sources win over whichever clone installed itself last.
 export PYTHONPATH="$root/operator:$root/trainer_image:$root/testbed${PYTHONPATH:+:$PYTHONPATH}"
+# The linter first (seconds): pyproject.toml [tool.ruff] says what it checks.
+ruff check --quiet operator trainer_image testbed tests benchmarks scripts
 case "$tier" in
   fast)
     exec python -m pytest -q -m "not integration and not slow and not e2e" "$@" ;;

@@ -47,7 +47,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
         # Plain pickle bytes: torch's queue pickler would pass tensors as file descriptors,
         # which die with this process.
         results.put((rank, True, pickle.dumps(fn(*args))))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure, SystemExit too, goes to the parent as a traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal, Mapping
 
-from kubetrain.values import (  # noqa: F401  (re-exported: the time helpers are used across the operator)
+from kubetrain.values import (  # re-exported: the time helpers are used across the operator
     Progress, format_time, parse_time, parse_time_or_none, real_number, whole_number,
 )
 

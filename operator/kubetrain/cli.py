@@ -119,7 +119,7 @@ def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
     path = url.path or "/"
 
     class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = json.dumps({"leader": False, "lease": elector.lease_ref, "holder": elector.holder}).encode()
             self.send_response(200 if self.path.split("?")[0] == path else 404)
             self.send_header("Content-Type", "application/json")

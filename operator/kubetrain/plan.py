@@ -674,7 +674,6 @@ def _tail(d: _Draft, pod: PodView) -> str:
 
 
 def _restart(d: _Draft, observed: Observed, *, reason: str, message: str, delay: float) -> None:
-    attempt = d.status.attempt
     d.update(phase="Restarting", message=message, nodes_ready=0,
              next_attempt_time=format_time(d.now + dt.timedelta(seconds=delay)))
     d.cond("Running", "False", reason, message)

@@ -140,7 +140,7 @@ class ProgressPoller:
                 observation = await self.read(target)
             metrics.PROGRESS_POLLS.labels(observation.reason or "ok").inc()
             self.deliver(target.key, observation)
-        except Exception:  # noqa: BLE001  (a bug in one read must not stop the others)
+        except Exception:  # a bug in one read must not stop the others
             log.exception("reading the progress of %s/%s failed", *target.key)
         finally:
             self._inflight.discard(target.key)

@@ -481,7 +481,7 @@ class Agent:
                     pass
                 try:
                     self.tick()
-                except Exception:  # noqa: BLE001 - one bad pod must not stop the node
+                except Exception:  # one bad pod must not stop the node
                     log.exception("tick failed")
         finally:
             self.shutdown()
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                   labels=dict(a.label), taints=a.taint, delete_node_on_exit=a.delete_node_on_exit,
                   shutdown_grace=a.shutdown_grace)
 
-    def on_signal(signum, frame):  # noqa: ARG001
+    def on_signal(signum, frame):
         log.info("signal %d: shutting down", signum)
         agent.stop.set()
 

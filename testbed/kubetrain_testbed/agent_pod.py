@@ -128,7 +128,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def _field_ref(pod: dict, path: str) -> str:
-    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
     m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
     if m:
         return (meta.get(m.group(1)) or {}).get(m.group(2), "")

@@ -198,7 +198,7 @@ def components(n: RealNodeLayout, *, admin_kubeconfig: Path) -> list[Component]:
         Component(name="kubelet", wave=2, argv=[
             b("kubelet"), f"--config={n.state / 'kubelet.json'}", f"--kubeconfig={admin_kubeconfig}",
             f"--hostname-override={n.node_name}", f"--node-ip={n.gateway}", f"--root-dir={n.kubelet_root}",
-            f"--node-labels=kubetrain.io/real-node=true", "--v=1"],
+            "--node-labels=kubetrain.io/real-node=true", "--v=1"],
             health=Health(f"http://127.0.0.1:{n.kubelet_healthz_port}/healthz")),
         Component(name="coredns", wave=2, argv=[b("coredns"), "-conf", str(n.state / "Corefile")],
                   health=Health(f"http://127.0.0.1:{n.coredns_health_port}/health")),

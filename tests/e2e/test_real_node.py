@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_testbed import free_port
-
 from .helpers import wait_for
 from .operator_release import CHART, helm
 

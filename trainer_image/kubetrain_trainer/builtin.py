@@ -21,7 +21,7 @@ import os
 import sys
 import typing
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from .callbacks import TrainerCallback
 from .contract import EXIT_INVALID_CONFIG, EXIT_PREEMPTED

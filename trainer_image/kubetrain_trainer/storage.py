@@ -319,7 +319,7 @@ class CheckpointStore:
     def _download(self, key: str, target: Path, step: int) -> None:
         try:
             self._client.download_file(self.location.bucket, key, str(target), Config=self._transfer)
-        except Exception as e:  # noqa: BLE001 - a vanished object is data (this checkpoint is gone), not access
+        except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None
             raise
@@ -430,7 +430,7 @@ class CheckpointStore:
         def run() -> bytes | None:
             try:
                 return self._client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
-            except Exception as e:  # noqa: BLE001 - NoSuchKey is data, not an error
+            except Exception as e:  # NoSuchKey is data, not an error
                 if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
                     return None
                 raise

@@ -299,7 +299,7 @@ class CheckpointUploader:
                 self.last_error = str(e)
                 log.error("checkpoint-%d can not be committed: %s", job.step, e)
                 finished = True
-            except Exception as e:  # noqa: BLE001 - storage/OS errors, or a bug: retried, never a dead thread
+            except Exception as e:  # storage/OS errors, or a bug: retried, never a dead thread
                 finished = False
                 if not isinstance(e, (StorageError, OSError)):
                     log.exception("checkpoint-%d: unexpected error while uploading", job.step)
@@ -330,7 +330,7 @@ class CheckpointUploader:
             if self.on_lag is not None:
                 try:
                     self.on_lag(lagging, self.status_line())
-                except Exception:  # noqa: BLE001 - reporting must never stop uploads
+                except Exception:  # reporting must never stop uploads
                     log.exception("on_lag hook failed")
         now = time.monotonic()
         if self.pending_steps() and (force or now - self._last_status >= self.settings.status_interval_s):
@@ -433,7 +433,7 @@ class CheckpointUploader:
         if self.on_commit is not None:
             try:
                 self.on_commit(record)
-            except Exception:  # noqa: BLE001 - reporting must never stop uploads
+            except Exception:  # reporting must never stop uploads
                 log.exception("on_commit hook failed")
 
     def _new_claims(self) -> list[tuple[int, int]]:
@@ -631,7 +631,7 @@ class WatchLoop:
         while not self._stop.wait(self.interval_s):
             try:
                 self.scan_once()
-            except Exception:  # noqa: BLE001 - a scan error must not kill the watcher
+            except Exception:  # a scan error must not kill the watcher
                 log.exception("checkpoint folder scan failed")
 
 

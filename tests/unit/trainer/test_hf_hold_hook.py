@@ -3,7 +3,7 @@
 import pytest
 
 pytest.importorskip("transformers")
-from kubetrain_trainer.hf import parse_holds  # noqa: E402 - after the skip
+from kubetrain_trainer.hf import parse_holds  # after the skip
 
 
 @pytest.mark.parametrize("raw, attempt, expected", [

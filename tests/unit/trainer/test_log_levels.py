@@ -13,7 +13,7 @@ import pytest
 from kubetrain_trainer import Trainer, TrainingArguments
 from kubetrain_trainer.models import SyntheticRegression, TinyMLP
 
-D, I, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
+D, I, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR  # noqa: E741 - one letter per column
 
 
 @pytest.fixture
