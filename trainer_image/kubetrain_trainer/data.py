@@ -14,7 +14,7 @@ fall back to skipping batches (logged).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, Sized
+from typing import Any, Callable, Iterator, Mapping, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
@@ -130,7 +130,7 @@ def batch_size_of(batch: Any) -> int:
     """Leading dimension of the first tensor in a batch (used to weight eval losses)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])

@@ -49,7 +49,7 @@ def extract_logits(outputs: Any) -> torch.Tensor | None:
 
 
 def call_model(model: Any, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)

@@ -240,3 +240,21 @@ def test_best_checkpoint_by_loss_follows_the_subclass_eval_loss(gpt_trainer, tmp
     assert trainer.args.metric_for_best_model == "loss" and trainer.state.best_metric == 1.0
     assert trainer.state.best_model_checkpoint == str(out / "checkpoint-4")
     assert [s for s, _ in list_checkpoints(out)] == [4, 8]
+
+
+def test_a_collator_returning_a_mapping_that_is_not_a_dict(tiny_gpt, tokens, make_args):
+    # HF's data collators return a BatchEncoding (a UserDict): it must reach the model as keyword
+    # arguments, and count its samples when eval losses are weighted (5 = a batch of 4 and one of 1).
+    from collections import UserDict
+
+    from torch.utils.data import default_collate
+
+    def collate(items):
+        return UserDict(default_collate(items))
+
+    plain = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(per_device_eval_batch_size=4),
+                    eval_dataset=tokens(5, seed=1))
+    wrapped = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(max_steps=1, per_device_eval_batch_size=4),
+                      train_dataset=tokens(8), eval_dataset=tokens(5, seed=1), data_collator=collate)
+    assert wrapped.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
+    assert wrapped.train().global_step == 1
