@@ -21,14 +21,26 @@ throughput ratio, and every round's ratio is printed.
 
 Goals (issue 3): throughput >= 0.8x the plain client, p99 apply->pods-created
 < 2 s, <= nodes+3 API writes per job start, peak RSS < 250 MiB.
+
+3. progress (issue 11), in the last round: with all JOBS running, the operator reads
+   each job's rank 0 /progress every --progress-interval seconds for --progress-minutes;
+   the API writes per minute and the operator's CPU seconds per minute are printed against
+   the goals (writes <= JOBS * 60 / interval per minute; CPU < 10 % of one core). kwok pods
+   have fake IPs and no trainer, so this process serves every pod's /progress itself (a
+   record whose step rises with time) and the operator reads it through the test-only
+   KUBETRAIN_TEST_PROGRESS_URL (http://127.0.0.1:<port>/{namespace}/{pod}): everything
+   else (the schedule, the reads, the planner, the status writes) is the operator's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime as dt
+import http.server
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -165,13 +177,81 @@ def run_baseline(core: client.CoreV1Api, custom: client.CustomObjectsApi, namesp
     return {"pods": len(names), "created_s": created, "running_s": running}
 
 
+class ProgressServer:
+    """Serves /<namespace>/<pod> as that pod's launcher would serve /progress (docs/contract.md):
+    the step rises with time, so every read the operator makes has something new to write."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.reads = 0
+        bench = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                bench.reads += 1
+                m = re.search(r"-a(\d+)-n0$", self.path)
+                step = int((time.monotonic() - bench.started) * 2)
+                body = json.dumps({
+                    "kind": "kubetrain.io/progress", "step": step, "maxSteps": 100000, "epoch": step / 1000,
+                    "loss": 2.0 + 1 / (1 + step), "learningRate": 0.0003, "samplesPerSecond": 64.0,
+                    "tokensPerSecond": 8192.0, "etaSeconds": (100000 - step) / 2.0,
+                    "attempt": int(m.group(1)) if m else 1, "incarnation": 0,
+                    "updatedAt": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "pendingUploads": 0, "uploadLagSteps": 0, "lastCheckpoint": None}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def scrape_operator(port: int) -> dict[str, float]:
+    """The operator's own counters, from its Prometheus endpoint (no probe cache)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kubetrain_api_writes_total":
+                out["writes"] = out.get("writes", 0) + sample.value
+                if sample.labels.get("kind") == "trainingjob/status":
+                    out["status_writes"] = out.get("status_writes", 0) + sample.value
+            elif sample.name == "kubetrain_progress_polls_total":
+                out["polls"] = out.get("polls", 0) + sample.value
+    return out
+
+
+def measure_progress(ps: psutil.Process, metrics_port: int, progress: ProgressServer, minutes: float) -> dict:
+    """Steady state with every job running: writes and CPU of the operator per minute."""
+    before, cpu_before, start = scrape_operator(metrics_port), sum(ps.cpu_times()[:2]), time.monotonic()
+    time.sleep(minutes * 60)
+    after, cpu_after, elapsed = scrape_operator(metrics_port), sum(ps.cpu_times()[:2]), time.monotonic() - start
+    per_min = 60 / elapsed
+    return {key: (after.get(key, 0) - before.get(key, 0)) * per_min for key in ("writes", "status_writes", "polls")} | {
+        "cpu_s_per_min": (cpu_after - cpu_before) * per_min, "minutes": elapsed / 60, "served": progress.reads}
+
+
 def run_operator(env, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str, pool: str,
-                 args: argparse.Namespace, pods: PodWatch, prefix: str, log_path: str) -> dict:
-    """One round: start the operator, apply the jobs at once, wait for every pod to run."""
-    port = free_port()
+                 args: argparse.Namespace, pods: PodWatch, prefix: str, log_path: str,
+                 progress: ProgressServer | None = None) -> dict:
+    """One round: start the operator, apply the jobs at once, wait for every pod to run; with
+    `progress`, then measure the steady state of reading every job's progress."""
+    port, metrics_port = free_port(), free_port()
     op_env = {**env.subprocess_env(), "KUBETRAIN_NAMESPACES": namespace, "KUBETRAIN_LOG_LEVEL": "WARNING",
-              "KUBETRAIN_API_THREADS": str(args.threads),
+              "KUBETRAIN_API_THREADS": str(args.threads), "KUBETRAIN_METRICS_PORT": str(metrics_port),
+              "KUBETRAIN_PROGRESS_INTERVAL_SECONDS": str(args.progress_interval if progress else 0),
+              "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS": str(min(3.0, args.progress_interval / 2)),
               "PYTHONPATH": str(ROOT / "operator") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if progress is not None:  # test-only hook: kwok pods' IPs are fake (see the module docstring)
+        op_env["KUBETRAIN_TEST_PROGRESS_URL"] = f"http://127.0.0.1:{progress.port}/{{namespace}}/{{pod}}"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kubetrain", "operator", "run",
                                  f"--liveness=http://127.0.0.1:{port}/healthz"], env=op_env, stdout=log,
@@ -226,8 +306,13 @@ def run_operator(env, custom: client.CustomObjectsApi, core: client.CoreV1Api, n
         time.sleep(11)  # kopf caches probe results for 10 s
         writes = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read())
         writes = writes.get("api_writes", writes)
+        steady = None
+        if progress is not None and ok:
+            # Every job is Running; after one interval each has had its first read.
+            time.sleep(args.progress_interval + 2)
+            steady = measure_progress(ps, metrics_port, progress, args.progress_minutes)
         stop_sampling.set()
-        return {"ok": ok, "applies_s": applies_s, "created_s": all_created, "running_s": end - start,
+        return {"ok": ok, "progress": steady, "applies_s": applies_s, "created_s": all_created, "running_s": end - start,
                 "to_created": to_created, "to_running": to_running, "writes": writes,
                 "rss_mib": peak_rss[0] / 2**20, "cpu_s": cpu_s}
     finally:
@@ -254,6 +339,10 @@ def main() -> int:
     ap.add_argument("--raw-baseline", action="store_true",
                     help="the baseline client skips response models (a stricter baseline than the default client)")
     ap.add_argument("--keep", action="store_true", help="leave the namespace and nodes behind")
+    ap.add_argument("--progress-interval", type=float, default=30.0,
+                    help="KUBETRAIN_PROGRESS_INTERVAL_SECONDS of the progress measurement")
+    ap.add_argument("--progress-minutes", type=float, default=3.0,
+                    help="length of the progress measurement in the last round (0: skip it)")
     args = ap.parse_args()
 
     env = load_env(TestbedConfig.from_environ())
@@ -291,7 +380,12 @@ def main() -> int:
             print(f"  created in {ceil['created_s']:.2f}s ({ratio(base, ceil):.2f}x the pods alone)", flush=True)
             print(f"round {k + 1}/{args.rounds}: operator gets {args.jobs} TrainingJobs x {args.nodes} nodes "
                   f"applied at once ...", flush=True)
-            op = run_operator(env, custom, core, namespace, pool, args, pods, f"job{k}", log_path)
+            last = k == args.rounds - 1 and args.progress_minutes > 0
+            if last:
+                print(f"  (then {args.progress_minutes:g} min of progress reads every {args.progress_interval:g}s "
+                      f"with all {args.jobs} jobs running)", flush=True)
+            op = run_operator(env, custom, core, namespace, pool, args, pods, f"job{k}", log_path,
+                              progress=ProgressServer() if last else None)
             print(f"  all pods created after {op['created_s']:.2f}s ({ratio(base, op):.2f}x), "
                   f"all Running after {op['running_s']:.2f}s; apply -> created p50 "
                   f"{pct(op['to_created'], 50):.2f}s p99 {pct(op['to_created'], 99):.2f}s", flush=True)
@@ -329,6 +423,15 @@ def main() -> int:
               f"{writes.get('create event', 0) / args.jobs:.2f} (goal: <= nodes+3 = {args.nodes + 3} per start)")
         print(f"operator peak RSS {max(o['rss_mib'] for _, o in rounds):.0f} MiB (goal < 250), CPU "
               f"{op['cpu_s']:.1f}s ({op['cpu_s'] / args.jobs * 1000:.1f} ms per job)")
+        steady = next((o["progress"] for _, o in rounds if o.get("progress")), None)
+        if steady:
+            goal_writes = args.jobs * 60 / args.progress_interval
+            print(f"progress, {args.jobs} running jobs read every {args.progress_interval:g}s, "
+                  f"{steady['minutes']:.1f} min: {steady['polls']:.0f} reads/min, API writes "
+                  f"{steady['writes']:.0f}/min ({steady['status_writes']:.0f} status patches/min; goal <= "
+                  f"{goal_writes:.0f}/min, ratio {steady['writes'] / goal_writes:.2f}x of the bound); operator CPU "
+                  f"{steady['cpu_s_per_min']:.2f} s/min = {steady['cpu_s_per_min'] / 60 * 100:.1f}% of one core "
+                  f"(goal < 10%)")
         print(f"operator log: {log_path}")
         return 0
     finally:
