@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .args import TrainingArguments
+from .layout import metric_key
 from .state import TrainerState
 
 logger = logging.getLogger("kubetrain_trainer")
@@ -193,7 +194,7 @@ class EarlyStoppingCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         name = args.metric_for_best_model
-        key = name if name.startswith("eval_") else f"eval_{name}"
+        key = metric_key(name)
         value = (metrics or {}).get(key)
         if value is None or not math.isfinite(value):
             logger.warning("early stopping: metric %s missing or not finite; not counted", key)

@@ -19,25 +19,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from . import distributed as dist_util
+from .layout import TMP_PREFIX, TRAINER_STATE, by_step, checkpoint_dirname, tmp_dirname
 from .readiness import mark_ready
 
 logger = logging.getLogger("kubetrain_trainer")
 
-PREFIX = "checkpoint"
-TMP_PREFIX = "tmp-checkpoint"
-_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
-COMPLETE_MARKER = "trainer_state.json"  # written last inside the tmp folder
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{PREFIX}-{step}"
+COMPLETE_MARKER = TRAINER_STATE  # written last inside the tmp folder
+checkpoint_name = checkpoint_dirname  # the layout's name, under the one the Trainer calls
 
 
 @dataclass
@@ -78,12 +72,8 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = _NAME.match(child.name)
-        if m and child.is_dir() and (child / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    return [(step, child) for step, child in by_step((c.name, c) for c in root.iterdir())
+            if child.is_dir() and (child / COMPLETE_MARKER).is_file()]
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -128,7 +118,7 @@ def _fsync(path: Path) -> None:
 def save_checkpoint(output_dir: str | Path, step: int, registry: ResumeRegistry) -> Path:
     """*Collective.* Write every registered item under a temporary name, then commit it by renaming."""
     root = Path(output_dir)
-    tmp = root / f"{TMP_PREFIX}-{step}"
+    tmp = root / tmp_dirname(step)
     final = root / checkpoint_name(step)
     local_main = dist_util.is_local_main_process()
     if local_main:  # one process per node owns the node's folder

@@ -158,7 +158,7 @@ class LaunchConfig:
 
     def retention(self):
         """Remote retention from the trainer's own arguments (HF defaults for the best metric)."""
-        from kubetrain_trainer.manifest import RetentionPolicy
+        from kubetrain_trainer.decisions import RetentionPolicy
 
         a = self.trainer_args
         metric = a.get("metric_for_best_model") or ("loss" if a.get("load_best_model_at_end") else None)
@@ -478,7 +478,7 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
     missing bucket until `access_deadline` (None: not retried); a checksum
     mismatch marks that checkpoint bad and falls back to the next older one.
     """
-    from kubetrain_trainer.manifest import newest_complete
+    from kubetrain_trainer.decisions import newest_complete
     from kubetrain_trainer.storage import ChecksumError, retrying
     from kubetrain_trainer.sync import CommittedCheckpoint
 

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
+from kubetrain_trainer.layout import TRAINER_STATE
+
 READY_MARKER = ".kubetrain-ready"
 _RANK_MARKER = re.compile(r"^\.kubetrain-ready-(\d+)-of-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
 # Names only the HF Trainer writes (generic ones like optimizer.pt are not evidence): training_args.bin
 # comes with the model, first; rng_state files near the end; trainer_state.json last.
 _HF_NAMES = frozenset({TRAINER_STATE, "training_args.bin", "rng_state.pth"})

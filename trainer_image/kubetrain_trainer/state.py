@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-TRAINER_STATE_NAME = "trainer_state.json"
-
 
 class TrainingPreempted(RuntimeError):
     """Training stopped on SIGTERM after an emergency checkpoint; the job should be resumed."""

@@ -30,22 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
-from kubetrain_trainer.manifest import (
+from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
+from kubetrain_trainer.hashing import sha256_file
+from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
-    AttemptClaim,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    MultipartUpload,
-    NodePart,
-    RemoteCheckpoint,
     checkpoint_dirname,
-    parse_claim_name,
     node_part_name,
     parse_checkpoint_dirname,
-    sha256_file,
+    parse_claim_name,
 )
+from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

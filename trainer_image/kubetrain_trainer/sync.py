@@ -9,7 +9,7 @@ resume could half-read. So:
   its part record, node rank 0 waits for all parts) writes `manifest.json`
   LAST; only then does the checkpoint exist for resume;
 - before committing, the write fence is checked (a lower attempt never
-  overwrites or runs beside a higher one, see `manifest.check_fence`);
+  overwrites or runs beside a higher one, see `decisions.check_fence`);
 - after a commit, node rank 0 applies remote retention (`plan_retention`);
 - when S3 is down, uploads retry with backoff, at most `max_queued` snapshots
   wait on every node (older waiting ones are superseded by newer), and a
@@ -56,26 +56,27 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from kubetrain_trainer.callbacks import TrainerCallback
-from kubetrain_trainer.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    ManifestError,
-    NodePart,
+from kubetrain_trainer.decisions import (
+    MissingPartsError,
     RetentionPolicy,
-    build_manifest,
     check_fence,
-    is_already_committed,
-    stale_multipart_uploads,
-    checkpoint_dirname,
     merge_parts,
+    plan_commit,
+    plan_retention,
+    stale_multipart_uploads,
+)
+from kubetrain_trainer.hashing import build_manifest, scan_folder, sha256_file
+from kubetrain_trainer.layout import (
+    FINAL_FOLDER,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    checkpoint_dirname,
     node_part_name,
     parse_checkpoint_dirname,
-    plan_retention,
-    scan_folder,
-    utc_now_rfc3339,
 )
+from kubetrain_trainer.manifest import FileEntry, Manifest, ManifestError, NodePart, utc_now_rfc3339
 from kubetrain_trainer.readiness import (
-    TRAINER_STATE,
     CommitMode,
     FolderView,
     WriterView,
@@ -342,20 +343,16 @@ class CheckpointUploader:
         s = self.settings
         if job.files is None:
             job.files = scan_folder(job.folder)  # hashing once, not per retry
-        remote = self.store.list_checkpoints()
-        fence = check_fence(remote, step=job.step, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
-                            claims=self._new_claims())
-        if not fence.allowed:
-            raise FencedError(fence.reason)
-        existing = next((c for c in remote if c.step == job.step), None)
-        if existing is not None and existing.manifest is not None:
-            if is_already_committed(existing, attempt=s.attempt, files=job.files, nnodes=s.nnodes,
-                                    incarnation=s.incarnation):
-                log.info("checkpoint-%d is already committed with the same content", job.step)
-                self._committed(job.step)
-                return
-            # An older attempt's (or different) commit at this step: make the folder
-            # torn first, so it is never a mix of two checkpoints.
+        decision = plan_commit(self.store.list_checkpoints(), step=job.step, files=job.files, attempt=s.attempt,
+                               incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
+                               claims=self._new_claims())
+        if decision.action == "fenced":
+            raise FencedError(decision.reason)
+        if decision.action == "committed":
+            log.info("checkpoint-%d is already committed with the same content", job.step)
+            self._committed(job.step)
+            return
+        if decision.uncommit_first:
             self.store.uncommit(job.step)
         for f in job.files:
             if f.path not in job.uploaded:
@@ -394,15 +391,15 @@ class CheckpointUploader:
             parts = self.store.read_node_parts(step)
             try:
                 return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes, incarnation=s.incarnation)
-            except ManifestError as e:
-                if "missing" not in str(e) or time.monotonic() > deadline:
+            except MissingPartsError as e:
+                if time.monotonic() > deadline:
                     raise
+                missing = set(e.ranks)
             # A node skips a step only for a newer one, which this node saved too and has waiting:
             # without one queued here, nobody moved on, and the remote listing is not worth reading.
             with self._lock:
                 newer_waiting = bool(self._queue)
-            have = {p.node_rank for p in parts if p.step == step and p.writer == (s.incarnation, s.attempt)}
-            moved_on = self._moved_past(step, set(range(s.nnodes)) - have) if newer_waiting else set()
+            moved_on = self._moved_past(step, missing) if newer_waiting else set()
             if moved_on:
                 raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
                                       "checkpoint (their uploads lagged); it stays torn and the newer one is committed")
@@ -677,9 +674,6 @@ class CheckpointSyncCallback(TrainerCallback):
             self._uploader.close(self.wait_s)
 
 
-FINAL_FOLDER = "final"
-
-
 def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncSettings, *, step: int,
                        deadline: float) -> str | None:
     """Upload the finished run's top-level outputs (the `from_pretrained` layout) to `<uri>/final/`.
@@ -689,15 +683,12 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     so a torn final upload is recognisable. Returns the folder's URI, or None
     when there was nothing to upload.
     """
-    from kubetrain_trainer.manifest import Manifest, utc_now_rfc3339 as now
     from kubetrain_trainer.storage import retrying
-
-    from kubetrain_trainer.manifest import sha256_file
 
     found: list[FileEntry] = []
     for entry in sorted(output_dir.iterdir()):
         name = entry.name
-        if name.startswith((".", "tmp-checkpoint-")) or parse_checkpoint_dirname(name) is not None:
+        if name.startswith((".", f"{TMP_PREFIX}-")) or parse_checkpoint_dirname(name) is not None:
             continue  # checkpoints have their own folders; hidden ones are staging
         if entry.is_file() and not entry.is_symlink():
             found.append(FileEntry(path=name, size=entry.stat().st_size, sha256=sha256_file(entry)))
@@ -710,7 +701,8 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
         retrying(lambda: store.upload_file(step, output_dir / f.path, f.path, folder=FINAL_FOLDER),
                  deadline=deadline, backoff=settings.backoff, what=f"final/{f.path}")
     manifest = Manifest(step=step, attempt=settings.attempt, world_size=settings.world_size,
-                        strategy=settings.strategy, files=files, created=now(), incarnation=settings.incarnation)
+                        strategy=settings.strategy, files=files, created=utc_now_rfc3339(),
+                        incarnation=settings.incarnation)
     retrying(lambda: store.put_bytes(step, MANIFEST_NAME, manifest.to_json(), folder=FINAL_FOLDER),
              deadline=deadline, backoff=settings.backoff, what="final/manifest.json")
     log.info("final model uploaded to %s (%d files)", store.folder_uri(FINAL_FOLDER), len(files))

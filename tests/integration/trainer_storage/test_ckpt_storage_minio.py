@@ -11,7 +11,7 @@ import pytest
 
 from kubetrain_testbed import free_port
 from kubetrain_trainer.launch import restore_newest
-from kubetrain_trainer.manifest import RetentionPolicy, newest_complete
+from kubetrain_trainer.decisions import RetentionPolicy, newest_complete
 from kubetrain_trainer.storage import (
     Backoff,
     CheckpointStore,

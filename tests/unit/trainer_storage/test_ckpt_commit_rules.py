@@ -1,4 +1,4 @@
-"""Pure commit rules of manifest.py: "already committed" on one and many nodes, stale multipart uploads."""
+"""Pure commit rules of decisions.py: "already committed" on one and many nodes, stale multipart uploads."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from kubetrain_trainer.manifest import (
-    FileEntry,
-    Manifest,
-    MultipartUpload,
-    RemoteCheckpoint,
-    is_already_committed,
-    stale_multipart_uploads,
-)
+from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint, is_already_committed, stale_multipart_uploads
+from kubetrain_trainer.manifest import FileEntry, Manifest
 
 A = FileEntry("rng_state_0.pth", 1, "a" * 64)
 B = FileEntry("rng_state_1.pth", 1, "b" * 64)

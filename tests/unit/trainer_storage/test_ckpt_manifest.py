@@ -1,4 +1,5 @@
-"""Pure rules of the checkpoint commit record: building, validating, choosing, fencing, retention."""
+"""The checkpoint commit record (manifest.py), hashed from a folder (hashing.py), and the pure rules that read
+it (decisions.py): choosing, fencing, merging node parts, retention."""
 
 from __future__ import annotations
 
@@ -8,21 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer.manifest import (
-    BestCheckpoint,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    NodePart,
+from kubetrain_trainer.decisions import (
+    MissingPartsError,
     RemoteCheckpoint,
     RetentionPolicy,
-    build_manifest,
     check_fence,
     merge_parts,
     newest_complete,
     plan_retention,
-    verify_local,
 )
+from kubetrain_trainer.hashing import build_manifest, verify_local
+from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, ManifestError, NodePart
 
 SHA = "a" * 64
 
@@ -137,7 +134,8 @@ def test_a_newer_attempts_claim_fences_before_it_commits_anything():
 
 
 def test_attempt_claims_round_trip_and_names_parse():
-    from kubetrain_trainer.manifest import AttemptClaim, parse_claim_name
+    from kubetrain_trainer.layout import parse_claim_name
+    from kubetrain_trainer.manifest import AttemptClaim
     c = AttemptClaim(incarnation=1796302800, attempt=3, decided=True, restore_step=40)
     assert AttemptClaim.from_json(c.to_json()) == c and parse_claim_name(c.name) == (1796302800, 3)
     assert parse_claim_name("notes.txt") is None and parse_claim_name("1-x.json") is None
@@ -225,11 +223,16 @@ def test_merge_parts_needs_every_node_of_this_attempt():
     parts = [NodePart(0, 10, 2, (a, shared)), NodePart(1, 10, 2, (b, shared))]
     assert [f.path for f in merge_parts(parts, step=10, attempt=2, nnodes=2)] == [
         "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
-    with pytest.raises(ManifestError, match="missing"):
+    with pytest.raises(MissingPartsError) as missing:
         merge_parts([parts[0], NodePart(1, 10, 1, (b,))], step=10, attempt=2, nnodes=2)  # zombie's part
-    with pytest.raises(ManifestError, match="different content"):
+    assert missing.value.ranks == (1,)  # typed: node rank 0 waits for these ranks, never parses the message
+    with pytest.raises(MissingPartsError) as missing:
+        merge_parts([], step=10, attempt=2, nnodes=3)
+    assert missing.value.ranks == (0, 1, 2)
+    with pytest.raises(ManifestError, match="different content") as conflict:
         merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 64),))],
                     step=10, attempt=2, nnodes=2)
+    assert not isinstance(conflict.value, MissingPartsError)  # waiting cannot fix it: the step stays torn
     assert NodePart.from_json(parts[1].to_json()) == parts[1]
 
 
@@ -239,7 +242,7 @@ def test_merge_parts_ignores_a_part_of_the_same_attempt_from_another_incarnation
     ours = [NodePart(0, 10, 1, (a,), incarnation=200), NodePart(1, 10, 1, (b,), incarnation=200)]
     assert len(merge_parts(ours, step=10, attempt=1, nnodes=2, incarnation=200)) == 2
     old_job = NodePart(1, 10, 1, (b,), incarnation=100)
-    with pytest.raises(ManifestError, match="missing"):
+    with pytest.raises(MissingPartsError, match="missing"):
         merge_parts([ours[0], old_job], step=10, attempt=1, nnodes=2, incarnation=200)
     assert NodePart.from_json(ours[1].to_json()) == ours[1]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer.manifest import Manifest, scan_folder
+from kubetrain_trainer.hashing import scan_folder
+from kubetrain_trainer.manifest import Manifest
 from kubetrain_trainer.readiness import (
     FolderView,
     WriterView,

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from kubetrain_trainer.manifest import MANIFEST_NAME, Manifest, RemoteCheckpoint, RetentionPolicy, node_part_name
+from kubetrain_trainer.decisions import RemoteCheckpoint, RetentionPolicy
+from kubetrain_trainer.layout import MANIFEST_NAME, node_part_name
+from kubetrain_trainer.manifest import Manifest
 from kubetrain_trainer.storage import (
     Backoff,
     StorageAccessError,
@@ -104,7 +106,7 @@ class MemoryStore:
         return AttemptClaim.from_json(raw) if raw else None
 
     def list_claims(self):
-        from kubetrain_trainer.manifest import parse_claim_name
+        from kubetrain_trainer.layout import parse_claim_name
         self._maybe_fail()
         return [w for k in self.objects if k.startswith("attempts/") and (w := parse_claim_name(k[9:]))]
 

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from kubetrain_trainer import launch
-from kubetrain_trainer.manifest import MANIFEST_NAME, FileEntry, Manifest, checkpoint_dirname
+from kubetrain_trainer.layout import MANIFEST_NAME, checkpoint_dirname
+from kubetrain_trainer.manifest import FileEntry, Manifest
 from kubetrain_trainer.sync import CommittedCheckpoint
 
 ROOT = Path(__file__).resolve().parents[3]
