@@ -245,7 +245,7 @@ class Workers:
             env = worker_env(cfg, local_rank, base_env, resume_from)
             # Own process group: a terminal's Ctrl-C or a group kill of the
             # launcher reaches workers only through us, exactly once.
-            procs.append(subprocess.Popen(expand_command(cfg.command, env, base_env), env=env, process_group=0))
+            procs.append(subprocess.Popen(expand_command(cfg.command, env), env=env, process_group=0))
         log.info("started %d worker(s): %s", len(procs), " ".join(cfg.command))
         return cls(procs)
 
