@@ -172,6 +172,7 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
     import torch
 
     from .args import ConfigError
+    from .progress import declare_tokens_per_sample
     from .rng import set_seed
     from .state import TrainingPreempted
     from .trainer import Trainer
@@ -187,6 +188,7 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
                           eval_dataset=eval_ds if args.eval_strategy != "no" else None)
         for hook in test_hooks(env, trainer):
             trainer.add_callback(hook)
+        declare_tokens_per_sample(trainer.callback_handler.callbacks, getattr(task, "seq_len", None))
         resume = env.get("KUBETRAIN_RESUME_FROM") or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()

@@ -13,6 +13,11 @@ process's share of the folder; each local process marks its share
 n local processes did. A save interrupted half-way is never marked, so it is
 never committed. Outside kubetrain the markers are harmless empty files.
 
+The same callback reports the run's progress to the launcher (step, loss,
+learning rate, throughput, step and save times: `progress.py`), which serves
+it as the pod's /metrics and /progress. Tokens per second need the Trainer to
+count them (`include_num_input_tokens_seen`).
+
 This module needs `transformers` (kubetrain's trainer image has it), and
 never talks to S3.
 
@@ -36,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from kubetrain_trainer.progress import ProgressTracker
 from kubetrain_trainer.readiness import mark_ready
 
 log = logging.getLogger(__name__)
@@ -66,14 +72,43 @@ def _hold(what: str) -> None:
 
 
 class KubetrainCheckpointCallback(TrainerCallback):
-    """Marks each checkpoint folder the HF Trainer saved as complete for this process."""
+    """Marks each checkpoint folder the HF Trainer saved as complete for this process, and reports progress."""
 
     def __init__(self) -> None:
         raw = os.environ.get(HF_HOLD_ENV, "")
         self._holds = parse_holds(raw, int(os.environ.get("KUBETRAIN_ATTEMPT", "0") or 0)) if raw else {}
+        self.progress = ProgressTracker.from_env()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_local_process_zero:
+            self.progress.train_begin(step=state.global_step, max_steps=state.max_steps,
+                                      tokens_seen=getattr(state, "num_input_tokens_seen", None) or None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.is_local_process_zero:
+            self.progress.step_begin()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero:
+            self.progress.logged(logs)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.is_local_process_zero:
+            self.progress.event()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_local_process_zero:
+            self.progress.train_end()
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         step = state.global_step
+        if state.is_local_process_zero:
+            # HF's state.train_batch_size is per process: the global batch is counted here.
+            per_step = (state.train_batch_size or args.per_device_train_batch_size) \
+                * args.gradient_accumulation_steps * args.world_size
+            self.progress.step_end(step=step, max_steps=state.max_steps, epoch=state.epoch, samples_per_step=per_step,
+                                   tokens_seen=getattr(state, "num_input_tokens_seen", None) or None,
+                                   learning_rate=(lambda: lr_scheduler.get_last_lr()[0]) if lr_scheduler else None)
         if self._holds.get("step") == step:
             _hold(f"after step {step}")
         if self._holds.get("save") == step:
@@ -89,6 +124,8 @@ class KubetrainCheckpointCallback(TrainerCallback):
             torch.save = held_save
 
     def on_save(self, args, state, control, **kwargs):
+        if state.is_local_process_zero:  # before the marker: the launcher's commit record reads the save time
+            self.progress.saved(state.global_step)
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not folder.is_dir():  # rotated away already, or this process wrote nothing there
             return

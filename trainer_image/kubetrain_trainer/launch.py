@@ -10,11 +10,12 @@ It is the trainer side of docs/contract.md, and PID 1 of the pod:
    built-in trainer, `-- cmd...` runs the user's command;
 4. watch the local folder and upload every new `checkpoint-<step>` in the
    background (`sync.py`), so S3 never sits in the workers' way;
-5. forward SIGTERM to the workers, give them the grace period to take an
-   emergency checkpoint, then spend what is left uploading it;
+5. forward SIGTERM to the workers, give them what the emergency checkpoint
+   needs of the grace period (`grace.py`), then spend the rest uploading it;
 6. exit with the contract's code: 0 success, 83 preempted, 82 invalid
    configuration, 84 checkpoint storage unusable, else the worker's code; on node
    rank 0 report the last committed checkpoint (termination message, pod annotation).
+Throughout, it serves /metrics and /progress on KUBETRAIN_METRICS_PORT (`metrics.py`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
+from kubetrain_trainer.grace import GraceSplit, split_grace
+from kubetrain_trainer.metrics import DEFAULT_PORT, Telemetry
+from kubetrain_trainer.progress import PROGRESS_FILE_ENV
 
 from kubetrain_trainer.contract import EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE
 
@@ -83,6 +87,8 @@ class LaunchConfig:
     (KUBETRAIN_CHECKPOINT_SETTLE_SECONDS, see readiness.py)."""
     commit_mode: str = "auto"
     """KUBETRAIN_CHECKPOINT_COMMIT: `auto` (ready markers, else quiescence) or `marker` (only marked folders)."""
+    metrics_port: int = DEFAULT_PORT
+    """KUBETRAIN_METRICS_PORT: where /metrics and /progress are served; 0: not at all."""
     termination_log: Path = Path("/dev/termination-log")
     service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -125,8 +131,10 @@ class LaunchConfig:
         commit_mode = env.get("KUBETRAIN_CHECKPOINT_COMMIT") or "auto"
         if commit_mode not in ("auto", "marker"):
             raise ConfigError(f"KUBETRAIN_CHECKPOINT_COMMIT: unknown value {commit_mode!r}; allowed: auto, marker")
-        if port > 65535:
-            raise ConfigError(f"MASTER_PORT: {port} is not a TCP port")
+        metrics_port = _int(env, "KUBETRAIN_METRICS_PORT", DEFAULT_PORT, minimum=0)
+        for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
+            if value > 65535:
+                raise ConfigError(f"{name}: {value} is not a TCP port")
         return cls(
             nnodes=nnodes,
             node_rank=node_rank,
@@ -150,6 +158,7 @@ class LaunchConfig:
             access_retry_s=_float(env, "KUBETRAIN_S3_AUTH_RETRY_SECONDS", 120.0),
             settle_s=_float(env, "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS", 30.0),
             commit_mode=commit_mode,
+            metrics_port=metrics_port,
             termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
             service_account_dir=Path(
                 env.get("KUBETRAIN_SERVICEACCOUNT_DIR") or "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -284,7 +293,8 @@ class Workers:
             p.wait()
 
 
-def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig) -> float | None:
+def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig,
+              split: Callable[[float], GraceSplit] = split_grace) -> float | None:
     """Run until every worker exited. Returns when SIGTERM arrived (monotonic), or None."""
     signalled_at: float | None = None
     kill_at: float | None = None
@@ -292,10 +302,11 @@ def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig) -> flo
         now = time.monotonic()
         if stop.is_set() and signalled_at is None:
             signalled_at = now
-            log.warning("SIGTERM: asking workers for an emergency checkpoint (grace %.0fs)", cfg.grace_s)
+            plan = split(cfg.grace_s)  # what the save needs; the upload gets the rest (grace.py)
+            log.warning("SIGTERM: asking workers for an emergency checkpoint (grace %.0fs: workers %.0fs, "
+                        "upload at least %.0fs)", cfg.grace_s, plan.stop_s, plan.upload_s)
             workers.terminate()
-            # Leave a third of the grace period (at most 30 s) to upload the emergency checkpoint.
-            kill_at = now + cfg.grace_s - min(30.0, cfg.grace_s / 3)
+            kill_at = now + plan.stop_s
         if workers.first_failure is not None and kill_at is None:
             # One dead rank leaves the others blocked in collectives: stop them all.
             log.warning("a worker failed: stopping the others")
@@ -331,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     cfg.local_dir.mkdir(parents=True, exist_ok=True)
+    telemetry = Telemetry.for_pod(attempt=cfg.attempt, incarnation=cfg.incarnation)
+    if cfg.metrics_port:
+        telemetry.serve(cfg.metrics_port)  # a taken port costs a warning, never the job
 
     uploader = watch = None
     resume_from: Path | None = None
@@ -338,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kubetrain_trainer.storage import StorageAccessError, StorageError, StoragePermanentError
 
         try:
-            uploader, watch, resume_from = _start_sync(cfg, stop)
+            uploader, watch, resume_from = _start_sync(cfg, stop, telemetry)
         except RestoreAgreementError as e:
             if stop.is_set():
                 return EXIT_PREEMPTED
@@ -362,9 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PREEMPTED
 
     base = writable_extensions(os.environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
+    base[PROGRESS_FILE_ENV] = str(telemetry.progress_file)  # the workers' progress report (progress.py)
     workers = Workers.spawn(cfg, base, resume_from)
     started = time.monotonic()
-    signalled_at = supervise(workers, stop, cfg)
+    signalled_at = supervise(workers, stop, cfg, telemetry.grace_split)
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)
     log.info("workers finished after %.1fs; outcome exit code %d", time.monotonic() - started, code)
 
@@ -374,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watch.stop()  # one last scan: the emergency checkpoint
         if signalled_at is not None:
             uploader.keep_only_newest()
-            budget = max(1.0, signalled_at + cfg.grace_s - 2.0 - time.monotonic())
+            budget = max(1.0, signalled_at + cfg.grace_s - split_grace(cfg.grace_s).margin_s - time.monotonic())
         elif code == EXIT_OK:
             budget = cfg.upload_wait_s
         else:
@@ -534,7 +549,7 @@ def _upload_final(cfg: LaunchConfig, uploader) -> bool:
         return False
 
 
-def _start_sync(cfg: LaunchConfig, stop: threading.Event):
+def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     """Restore, then start the uploader and the folder watcher. Returns (uploader, watch, resume_from)."""
     from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageConfig
     from kubetrain_trainer.sync import CheckpointUploader, CommittedCheckpoint, FolderWatcher, SyncSettings, WatchLoop
@@ -544,6 +559,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
     restored = restore_agreed(store, cfg.local_dir, node_rank=cfg.node_rank, incarnation=cfg.incarnation,
                               attempt=cfg.attempt, deadline=started + cfg.restore_timeout_s, stop=stop,
                               access_deadline=started + cfg.access_retry_s)
+    telemetry.restored(time.monotonic() - started, restored.committed)
     resume_from, initial, history = restored.path, restored.committed, restored.history
     claims_at_start = restored.claims
 
@@ -577,8 +593,10 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event):
     )
     staging = cfg.local_dir.parent / f".{cfg.local_dir.name}.upload-staging"
     uploader = CheckpointUploader(
-        store, settings, staging_dir=staging, on_commit=on_commit, on_lag=on_lag, initial=initial
+        store, settings, staging_dir=staging, on_commit=on_commit, on_lag=on_lag, initial=initial,
+        on_upload=telemetry.uploaded, save_seconds=telemetry.save_seconds,
     ).start()
+    telemetry.attach(uploader)
     watcher = FolderWatcher(cfg.local_dir, settle_s=cfg.settle_s, node_rank=cfg.node_rank, mode=cfg.commit_mode)
     stale = watcher.prime()
     if stale:

@@ -1,7 +1,10 @@
-"""Reporters named by `report_to`: TensorBoard and a JSON-lines log.
+"""Reporters named by `report_to`: TensorBoard and a JSON-lines log; and the launcher's progress report.
 
 Both are callbacks that act on `on_log` on the main process only. An empty
 `report_to` simply adds none, so the loop never checks whether reporting is on.
+Under the launcher (it sets KUBETRAIN_PROGRESS_FILE) every run also reports its
+progress to it, whatever `report_to` says (`progress.py`): that feeds the pod's
+/metrics and /progress, not a user-facing log.
 The JSON-lines log (`<logging_dir>/log.jsonl`, one record per line) is the
 machine-readable history: easy to tail from a pod and to parse in tests.
 """
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from .args import TrainingArguments
 from .callbacks import TrainerCallback
+from .progress import progress_callbacks
 
 
 class JsonLinesCallback(TrainerCallback):
@@ -77,4 +81,4 @@ _REPORTERS = {"tensorboard": TensorBoardCallback, "jsonl": JsonLinesCallback}
 
 
 def reporters_for(args: TrainingArguments) -> list[TrainerCallback]:
-    return [_REPORTERS[name]() for name in args.report_to]
+    return [*(_REPORTERS[name]() for name in args.report_to), *progress_callbacks()]

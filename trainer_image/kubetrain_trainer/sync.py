@@ -134,11 +134,19 @@ class CommittedCheckpoint:
     step: int
     uri: str
     time: str
+    size_bytes: int | None = None
+    """Bytes of the committed checkpoint (all nodes' files), when this pod committed it."""
+    save_seconds: float | None = None
+    """How long the workers took to save it, when they reported it (progress.py)."""
+    upload_seconds: float | None = None
+    """From the first upload try to the commit, retries and waiting for other nodes included."""
 
     def to_json(self) -> str:
         # `kind` tells the operator this is the record, not a log line that looks like JSON.
+        optional = {"sizeBytes": self.size_bytes, "saveSeconds": self.save_seconds,
+                    "uploadSeconds": self.upload_seconds}
         return json.dumps({"kind": "kubetrain.io/last-checkpoint", "step": self.step, "uri": self.uri,
-                           "time": self.time}, sort_keys=True)
+                           "time": self.time, **{k: v for k, v in optional.items() if v is not None}}, sort_keys=True)
 
 
 @dataclass
@@ -149,6 +157,8 @@ class _Job:
     files: tuple[FileEntry, ...] | None = None
     uploaded: set[str] = field(default_factory=set)
     failures: int = 0
+    started: float | None = None
+    """When the first upload try began (monotonic)."""
 
 
 class CheckpointUploader:
@@ -163,8 +173,15 @@ class CheckpointUploader:
         on_commit: Callable[[CommittedCheckpoint], None] | None = None,
         on_lag: Callable[[bool, str], None] | None = None,
         initial: CommittedCheckpoint | None = None,
+        on_upload: Callable[[int, int, float], None] | None = None,
+        save_seconds: Callable[[int], float | None] | None = None,
     ) -> None:
         self.store = store
+        self.on_upload = on_upload
+        """Called with (step, bytes, seconds) once this node's share of a checkpoint is in storage (metrics)."""
+        self.save_seconds = save_seconds
+        """Looks up how long the workers took to save a step, for the last-checkpoint record."""
+        self.bytes_uploaded = 0
         self.settings = settings
         self.staging_dir = staging_dir
         self.on_commit = on_commit
@@ -341,6 +358,7 @@ class CheckpointUploader:
 
     def _process(self, job: _Job) -> None:
         s = self.settings
+        job.started = job.started or time.monotonic()
         if job.files is None:
             job.files = scan_folder(job.folder)  # hashing once, not per retry
         decision = plan_commit(self.store.list_checkpoints(), step=job.step, files=job.files, attempt=s.attempt,
@@ -362,12 +380,14 @@ class CheckpointUploader:
                 self._check_claims(job.step, at_most_every_s=s.fence_check_interval_s)
                 self.store.upload_file(job.step, job.folder / f.path, f.path)
                 job.uploaded.add(f.path)
+                self.bytes_uploaded += f.size
         files = job.files
         if s.nnodes > 1:
             self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files,
                                                 incarnation=s.incarnation))
             if s.node_rank != 0:
                 log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
+                self._uploaded(job)
                 return
             files = self._wait_for_parts(job.step)
         manifest = build_manifest(
@@ -381,7 +401,7 @@ class CheckpointUploader:
             raise FencedError(fence.reason)
         self.store.commit(manifest)
         log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
-        self._committed(job.step)
+        self._committed(job.step, size_bytes=manifest.total_bytes, upload_seconds=self._uploaded(job))
         self._apply_retention()
 
     def _wait_for_parts(self, step: int) -> tuple[FileEntry, ...]:
@@ -422,9 +442,24 @@ class CheckpointUploader:
                 return missing
         return set()
 
-    def _committed(self, step: int) -> None:
+    def _uploaded(self, job: _Job) -> float:
+        """This node's share of `job` is in storage: report it; returns the seconds it took."""
+        seconds = round(time.monotonic() - (job.started or time.monotonic()), 3)
+        if self.on_upload is not None:
+            try:
+                self.on_upload(job.step, sum(f.size for f in job.files or ()), seconds)
+            except Exception:  # reporting must never stop uploads
+                log.exception("on_upload hook failed")
+        return seconds
+
+    def _committed(self, step: int, *, size_bytes: int | None = None, upload_seconds: float | None = None) -> None:
         self.last_error = None
-        record = CommittedCheckpoint(step=step, uri=self.store.checkpoint_uri(step), time=utc_now_rfc3339())
+        try:
+            saved = self.save_seconds(step) if self.save_seconds is not None and upload_seconds is not None else None
+        except Exception:  # noqa: BLE001 - reporting must never stop uploads
+            saved = None
+        record = CommittedCheckpoint(step=step, uri=self.store.checkpoint_uri(step), time=utc_now_rfc3339(),
+                                     size_bytes=size_bytes, save_seconds=saved, upload_seconds=upload_seconds)
         if self.last_committed is None or step >= self.last_committed.step:
             self.last_committed = record
         if self.on_commit is not None:
