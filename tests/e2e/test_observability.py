@@ -3,7 +3,7 @@
 The chart is installed from the operator image with progress read every 2 s. One demo-shaped
 job (2 pods, checkpoints to MinIO) is followed from outside, as a user would:
 - `kubectl get tj` shows the Step rising and the newest committed Checkpoint while rank 0 runs;
-- a scrape of the trainer's /metrics (rank 0, pod IP:9410) and of the operator's /metrics,
+- a scrape of the trainer's /metrics (rank 0, :9410) and of the operator's /metrics (:9400),
   parsed with prometheus-client's parser, shows the step rising, samples/s > 0, the commits
   counted as MinIO holds them, and, after a forced preemption (the Eviction API), the operator's
   preemption and restart counters moved exactly as the job's status did;
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import urllib.request
 
 import pytest
 
@@ -50,18 +49,23 @@ def operator(real_node, images, testbed_env, core, tmp_path_factory):  # noqa: F
     helm(testbed_env, "upgrade", "--install", rel, str(CHART), "--namespace", ns, "--values", str(path),
          "--wait", "--timeout", "5m")
     pod = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=operator").items[0]
-    yield {"release": rel, "namespace": ns, "jobs": jobs_ns, "metrics": f"http://{pod.status.pod_ip}:9400/metrics"}
+    yield {"release": rel, "namespace": ns, "jobs": jobs_ns, "metrics": (testbed_env, ns, pod.metadata.name, 9400)}
     subprocess.run(["helm", "uninstall", rel, "--namespace", ns, "--wait", "--timeout", "2m"], env=testbed_env,
                    capture_output=True, timeout=180)
     for name in (jobs_ns, ns):
         core.delete_namespace(name, propagation_policy="Background")
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """One Prometheus scrape, parsed with prometheus-client's own parser."""
+SCRAPE = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+def scrape(target: tuple[dict, str, str, int]) -> dict[tuple[str, tuple], float]:
+    """One Prometheus scrape of (env, namespace, pod, port), parsed with prometheus-client's own parser.
+    It runs inside the pod (kubectl exec): the host has no route into the pod network, the pods do."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    env, ns, pod, port = target
+    text = _kubectl(env, "exec", "-n", ns, pod, "--", "python", "-c", SCRAPE, f"http://127.0.0.1:{port}/metrics")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -110,8 +114,7 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
     watch_table(held)
 
     # Attempt 1 holds after checkpoint-60: its uploads are done and nothing moves.
-    rank0 = core.read_namespaced_pod(f"{name}-a1-n0", ns)
-    trainer_url = f"http://{rank0.status.pod_ip}:9410/metrics"
+    trainer_url = (testbed_env, ns, f"{name}-a1-n0", 9410)
     def uploads_done():
         m = scrape(trainer_url)
         done = total(m, "kubetrain_checkpoint_pending_uploads") == 0 and total(m, "kubetrain_train_global_step") >= hold
@@ -139,8 +142,7 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
     assert after[("kubetrain_leader", ())] == 1 and total(after, "kubetrain_api_writes_total") > 0
 
     # Attempt 2 trains on from the emergency checkpoint; rank 0's step rises between two scrapes.
-    rank0 = core.read_namespaced_pod(f"{name}-a2-n0", ns)
-    trainer_url = f"http://{rank0.status.pod_ip}:9410/metrics"
+    trainer_url = (testbed_env, ns, f"{name}-a2-n0", 9410)
     first = wait_for(lambda: total(scrape(trainer_url), "kubetrain_train_global_step") > hold or None,
                      timeout=300, interval=1, what="attempt 2 training past the hold")
     step1 = total(scrape(trainer_url), "kubetrain_train_global_step")
