@@ -60,7 +60,7 @@ class ProgressFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int, int] | None = None
         self._report: WorkerProgress | None = None
         self._lock = threading.Lock()
 
@@ -68,7 +68,7 @@ class ProgressFile:
         with self._lock:
             try:
                 st = self.path.stat()
-                key = (st.st_mtime_ns, st.st_size)
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)  # every write is a new file (renamed into place)
                 if key != self._key:
                     self._report, self._key = WorkerProgress.from_file(self.path.read_text()), key
             except FileNotFoundError:
