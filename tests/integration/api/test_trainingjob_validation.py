@@ -47,6 +47,7 @@ def spec(**patch) -> dict:
     return merged(BASE, {"spec": patch})
 
 
+WEB_IDENTITY = {"roleArn": "arn:aws:iam::111122223333:role/ml-checkpoints", "serviceAccountName": "trainer"}
 ZERO3 = {"type": "zero3", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}
 VOLUME = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]}
 
@@ -97,8 +98,36 @@ MALFORMED = [
     ("user-in-uri", spec(checkpoint={"uri": "s3://bucket-name/p@x"}),
      ["spec.checkpoint.uri", "must not contain credentials"]),
     ("uri-not-s3", spec(checkpoint={"uri": "gs://bucket/p"}), ["spec.checkpoint.uri"]),
-    ("checkpoint-without-secret", spec(checkpoint={"credentialsSecret": DELETE}),
-     ["spec.checkpoint.credentialsSecret", "Required value"]),
+    ("checkpoint-without-identity", spec(checkpoint={"credentialsSecret": DELETE}),
+     ["spec.checkpoint", "must set exactly one identity: credentialsSecret"]),
+    ("checkpoint-secret-and-web-identity", spec(checkpoint={"webIdentity": WEB_IDENTITY}),
+     ["spec.checkpoint", "must set exactly one identity"]),
+    ("checkpoint-web-identity-and-ambient",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": WEB_IDENTITY, "ambient": {}}),
+     ["spec.checkpoint", "must set exactly one identity"]),
+    ("web-identity-without-role",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {"serviceAccountName": "trainer"}}),
+     ["spec.checkpoint.webIdentity.roleArn", "Required value"]),
+    ("web-identity-role-not-an-arn",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {**WEB_IDENTITY, "roleArn": "ml-checkpoints"}}),
+     ["spec.checkpoint.webIdentity.roleArn"]),
+    ("web-identity-without-service-account",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {"roleArn": WEB_IDENTITY["roleArn"]}}),
+     ["spec.checkpoint.webIdentity.serviceAccountName", "Required value"]),
+    ("web-identity-token-too-short",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {**WEB_IDENTITY, "tokenExpirationSeconds": 300}}),
+     ["spec.checkpoint.webIdentity.tokenExpirationSeconds", "greater than or equal to 600"]),
+    ("web-identity-inline-token",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {**WEB_IDENTITY, "token": "eyJhbGciOi"}}),
+     ["spec.checkpoint.webIdentity.token", "unknown field"]),
+    ("ambient-with-keys", spec(checkpoint={"credentialsSecret": DELETE, "ambient": {"accessKeyId": "AKIAEXAMPLE"}}),
+     ["spec.checkpoint.ambient.accessKeyId", "unknown field"]),
+    ("web-identity-and-another-pod-service-account",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": WEB_IDENTITY},
+          podTemplate={"serviceAccountName": "other"}),
+     ["spec.podTemplate.serviceAccountName", "must be unset or equal spec.checkpoint.webIdentity.serviceAccountName"]),
+    ("role-arn-env-with-checkpoint", spec(env=[{"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::1:role/x"}]),
+     ["spec.env", "AWS_ROLE_ARN"]),
     ("credentials-in-endpoint", spec(checkpoint={"endpoint": "http://key:secret@minio:9000"}),
      ["spec.checkpoint.endpoint", "must not contain credentials"]),
     ("reserved-env-rank", spec(env=[{"name": "NODE_RANK", "value": "3"}]),
@@ -319,6 +348,13 @@ ACCEPTED = [
          {"name": "info", "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}]})),
     ("checkpoint-uri-with-dotted-names-and-trailing-slash",
      spec(checkpoint={"uri": "s3://my.bucket/jobs/v1.2/..hidden/"})),
+    ("checkpoint-web-identity", spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {
+        **WEB_IDENTITY, "audience": "sts.amazonaws.com", "tokenExpirationSeconds": 600}})),
+    ("checkpoint-web-identity-minio-role-and-same-pod-account",
+     spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": {**WEB_IDENTITY, "roleArn": "arn:minio:iam:::role/Ab-c_1"}},
+          podTemplate={"serviceAccountName": "trainer", "automountServiceAccountToken": False})),
+    ("checkpoint-ambient", spec(checkpoint={"credentialsSecret": DELETE, "ambient": {}},
+                                podTemplate={"serviceAccountName": "pod-identity"})),
 ]
 
 
@@ -373,6 +409,14 @@ def test_nested_defaults_are_applied(submit):
         "name": "s3", "accessKeyIdKey": "accessKeyId", "secretAccessKeyKey": "secretAccessKey"}
     s = submit(spec(strategy={"type": "zero3", "deepspeed": {"configMapRef": {"name": "ds"}}}))["spec"]
     assert s["strategy"]["deepspeed"]["configMapRef"] == {"name": "ds", "key": "ds_config.json"}
+
+
+def test_web_identity_defaults_and_an_explicit_empty_ambient_are_kept(submit):
+    s = submit(spec(checkpoint={"credentialsSecret": DELETE, "webIdentity": WEB_IDENTITY}))["spec"]["checkpoint"]
+    assert s["webIdentity"] == {**WEB_IDENTITY, "audience": "sts.amazonaws.com", "tokenExpirationSeconds": 3600}
+    assert "credentialsSecret" not in s
+    s = submit(spec(checkpoint={"credentialsSecret": DELETE, "ambient": {}}))["spec"]["checkpoint"]
+    assert s["ambient"] == {} and "credentialsSecret" not in s
 
 
 def test_aws_variables_are_free_without_checkpoint_storage(submit):
