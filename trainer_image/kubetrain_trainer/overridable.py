@@ -57,7 +57,7 @@ class OverridableMixin:
     current_gradient_accumulation_steps: int = 1
     """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
 
-    def overrides(self, name: str) -> bool:
+    def _overrides(self, name: str) -> bool:
         """Whether this Trainer's class replaces the method `name` of this mixin."""
         return getattr(type(self), name) is not getattr(OverridableMixin, name)
 
@@ -104,7 +104,7 @@ class OverridableMixin:
 
     def _optimizer_for(self, max_steps: int, model: nn.Module) -> torch.optim.Optimizer:
         """The strategy's optimizer factory: through `create_optimizer_and_scheduler` when a subclass overrides it."""
-        if self.overrides("create_optimizer_and_scheduler"):
+        if self._overrides("create_optimizer_and_scheduler"):
             self.create_optimizer_and_scheduler(num_training_steps=max_steps)
             return self.optimizer
         return self.create_optimizer(model)
@@ -142,7 +142,7 @@ class OverridableMixin:
 
     def _wants_item_counts(self) -> bool:
         """Whether an override takes `num_items_in_batch` (the built-in methods ignore it: no count needed)."""
-        return any(self.overrides(name) and accepts(getattr(self, name), "num_items_in_batch")
+        return any(self._overrides(name) and accepts(getattr(self, name), "num_items_in_batch")
                    for name in ("compute_loss", "training_step"))
 
     def _training_step(self, model: nn.Module, inputs: Any, count: bool) -> torch.Tensor:
