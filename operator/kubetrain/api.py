@@ -64,6 +64,16 @@ DEFAULT_METRICS_PORT = 9410
 """The launcher's metrics and progress endpoint (KUBETRAIN_METRICS_PORT, containerPort `metrics`)."""
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
+FAILURE_RECORD_KIND = "kubetrain.io/failure"
+"""`kind` of the record a pod that exits 82 may leave in its termination message (docs/contract.md)."""
+FAILURE_REASONS: Mapping[str, str] = {
+    "StorageAccessDenied": "checkpoint storage refused access",
+    "StorageRequestInvalid": "checkpoint storage refused a request as invalid",
+}
+"""The failure record's reasons, the only ones the operator accepts (it becomes the Failed
+condition's reason), with what each means for status and events."""
+FAILURE_CODE = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,62}$")
+"""A failure record's `code` (the store's error code, e.g. AccessDenied), or the record is refused."""
 
 
 def pod_name(job: str, attempt: int, rank: int) -> str:

@@ -25,8 +25,8 @@ from typing import Any, Literal, Mapping
 from kubetrain.identity import describe
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, EXIT_INVALID_CONFIG, EXIT_PREEMPTED,
-    LABEL_ATTEMPT, LABEL_RANK, METRICS_PORT_NAME, STARTED_PHASES, Job, LastCheckpoint, Status,
-    format_time, parse_time, parse_time_or_none, pod_name, redact,
+    FAILURE_CODE, FAILURE_REASONS, FAILURE_RECORD_KIND, LABEL_ATTEMPT, LABEL_RANK, MAX_URI_LENGTH, METRICS_PORT_NAME,
+    STARTED_PHASES, Job, LastCheckpoint, Status, format_time, parse_time, parse_time_or_none, pod_name, redact,
 )
 from kubetrain.progress import ProgressObservation, lagging_message, next_progress, usable_checkpoint
 
@@ -88,6 +88,8 @@ class PodView:
     ready: bool = False
     ready_changed: dt.datetime | None = None
     checkpoint: LastCheckpoint | None = None
+    failure: TrainerFailure | None = None
+    """Why the trainer exited 82, from the failure record in its termination message, if any."""
     checkpoint_sync: str = ""
     """Why checkpoint uploads lag behind (annotation kubetrain.io/checkpoint-sync), if they do."""
     pod_ip: str | None = None
@@ -138,6 +140,7 @@ class PodView:
         message_ckpt = parse_checkpoint_record(message)
         if message_ckpt and (checkpoint is None or message_ckpt.step > checkpoint.step):
             checkpoint = message_ckpt
+        failure = parse_failure_record(message)
         return cls(
             name=meta.get("name") or "", attempt=attempt, rank=rank,
             phase=status.get("phase") or "Pending",
@@ -145,10 +148,10 @@ class PodView:
             disruption=disruption, reason=str(status.get("reason") or ""),
             status_message=str(status.get("message") or ""), starting_since=starting_since,
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
-            termination_message="" if message_ckpt else str(message),
+            termination_message="" if message_ckpt or failure else str(message),
             waiting_reason=waiting, waiting_message=waiting_message,
             node_name=(body.get("spec") or {}).get("nodeName") or None,
-            ready=ready, ready_changed=ready_changed, checkpoint=checkpoint,
+            ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
             pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body),
         )
@@ -179,6 +182,44 @@ def parse_checkpoint_record(text: Any) -> LastCheckpoint | None:
     if not isinstance(raw, dict) or raw.get("kind") != CHECKPOINT_RECORD_KIND:
         return None
     return LastCheckpoint.from_storage(raw)
+
+
+@dataclass(frozen=True)
+class TrainerFailure:
+    """A pod's failure record (docs/contract.md, "Reporting a failure"), every field validated."""
+
+    reason: str
+    """One of api.FAILURE_REASONS: the Failed condition's reason."""
+    code: str | None = None
+    """The store's error code (AccessDenied...), matching api.FAILURE_CODE."""
+    where: str | None = None
+    """The checkpoint location the store refused: an s3:// URI with nothing secret-shaped in it."""
+
+
+def parse_failure_record(text: Any) -> TrainerFailure | None:
+    """The trainer's failure record, or None. Like the last-checkpoint record, the whole text must
+    be one JSON object of kind FAILURE_RECORD_KIND, and it may hold nothing but `reason` (from the
+    fixed set), `code` and `where`: any other key or any value out of shape refuses all of it, so
+    only words the operator chose, a short code and a location reach status and events."""
+    if not text or not isinstance(text, str) or len(text) > MAX_RECORD_BYTES:
+        return None
+    try:
+        raw = json.loads(text.strip())
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or raw.get("kind") != FAILURE_RECORD_KIND \
+            or not set(raw) <= {"kind", "reason", "code", "where"}:
+        return None
+    reason, code, where = raw.get("reason"), raw.get("code"), raw.get("where")
+    if not isinstance(reason, str) or reason not in FAILURE_REASONS:
+        return None
+    if code is not None and not (isinstance(code, str) and FAILURE_CODE.match(code)):
+        return None
+    if where is not None and not (isinstance(where, str) and where.startswith("s3://") and len(where) <= MAX_URI_LENGTH
+                                  and all(c.isprintable() and not c.isspace() for c in where)
+                                  and redact(where) == where):
+        return None
+    return TrainerFailure(reason=reason, code=code, where=where)
 
 
 @dataclass(frozen=True)
@@ -574,9 +615,7 @@ def _supervise(d: _Draft, observed: Observed) -> None:
                                ("Deleted", f"pod {name} was deleted by someone else"))
             continue
         if pod.phase == "Failed" and pod.exit_code == EXIT_INVALID_CONFIG:
-            fatal = fatal or ("InvalidConfiguration",
-                              f"pod {pod.name} exited with code {EXIT_INVALID_CONFIG} (invalid configuration)"
-                              + _tail(d, pod))
+            fatal = fatal or _invalid_configuration(d, pod)
         elif pod.waiting_reason in FATAL_WAITING_REASONS:
             detail = _excerpt(pod.waiting_message)
             fatal = fatal or (pod.waiting_reason or "", f"pod {pod.name}: {pod.waiting_reason}"
@@ -665,6 +704,22 @@ def _excerpt(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 def _family(reason: str) -> str:
     return "ImagePull" if reason in ("ErrImagePull", "ImagePullBackOff") else reason
+
+
+def _invalid_configuration(d: _Draft, pod: PodView) -> tuple[str, str]:
+    """(reason, message) of a pod that exited 82: InvalidConfiguration, or the reason of its
+    failure record with the store's code and the location (only one inside this job's own
+    checkpoint prefix: the operator publishes no other place a pod names)."""
+    what = f"pod {pod.name} exited with code {EXIT_INVALID_CONFIG} (invalid configuration)"
+    failure = pod.failure
+    if failure is None:
+        return "InvalidConfiguration", what + _tail(d, pod)
+    prefix = d.job.checkpoint_uri
+    where = failure.where if failure.where and prefix and (
+        failure.where == prefix or failure.where.startswith(prefix + "/")) else None
+    details = ", ".join([failure.reason] + ([f"code {failure.code}"] if failure.code else [])
+                        + ([f"at {where}"] if where else []))
+    return failure.reason, f"{what}: {FAILURE_REASONS[failure.reason]} ({details}){_tail(d, pod)}"
 
 
 def _tail(d: _Draft, pod: PodView) -> str:

@@ -207,3 +207,36 @@ def test_the_last_checkpoint_record_and_annotations_agree() -> None:
         contract.ANNOTATION_LAST_CHECKPOINT, contract.ANNOTATION_CHECKPOINT_SYNC)
     report = _section("Reporting the last checkpoint")
     assert f"`{contract.ANNOTATION_LAST_CHECKPOINT}`" in report and f"`{contract.ANNOTATION_CHECKPOINT_SYNC}`" in report
+
+
+def test_the_failure_record_reads_on_the_operator_side_as_the_trainer_means_it() -> None:
+    from kubetrain.plan import MAX_RECORD_BYTES, parse_failure_record
+    from kubetrain_trainer.failure import FailureRecord
+
+    assert contract.FAILURE_KIND == api.FAILURE_RECORD_KIND
+    assert set(contract.FAILURE_REASONS) == set(api.FAILURE_REASONS)
+    assert contract.FAILURE_CODE_PATTERN == api.FAILURE_CODE.pattern
+    assert contract.TERMINATION_MESSAGE_LIMIT == MAX_RECORD_BYTES
+    section = _section("Reporting a failure")
+    assert f'"{contract.FAILURE_KIND}"' in section
+    assert all(f"`{reason}`" in section for reason in contract.FAILURE_REASONS), "every reason is documented"
+
+    # What a pod of example job ml/demo writes when its storage refuses it, through the planner.
+    job = _example(ROOT / "examples" / "trainingjob.yaml")
+    where = builders.get_checkpoint_uri(job)
+    for reason in contract.FAILURE_REASONS:
+        text = FailureRecord(reason=reason, code="AccessDenied", where=where).to_json()
+        parsed = parse_failure_record(text)
+        assert parsed is not None and (parsed.reason, parsed.code, parsed.where) == (reason, "AccessDenied", where)
+        rank0 = PodView.from_storage({
+            "metadata": {"name": "demo-a1-n0", "labels": {api.LABEL_JOB: "demo", api.LABEL_ATTEMPT: "1",
+                                                         api.LABEL_RANK: "0"}},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": api.CONTAINER_NAME, "state": {
+                "terminated": {"exitCode": contract.EXIT_INVALID_CONFIG, "message": text + "\n"}}}]}})
+        running = api.Job(**{**job.__dict__, "status": api.Status.from_storage(
+            {"phase": "Running", "attempt": 1, "nodesTotal": 2, "startTime": CREATED})})
+        status = plan(running, Observed(pods=(rank0, _pod(None, rank=1))), api.parse_time(CREATED)).status
+        assert status is not None and status.phase == "Failed"
+        failed = status.condition("Failed")
+        assert failed is not None and failed.reason == reason
+        assert "code AccessDenied" in failed.message and f"at {where}" in failed.message

@@ -26,6 +26,22 @@ ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
 ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
 """A short message while checkpoint uploads lag behind; removed once they caught up."""
 
+# --- the failure record: why a pod exited 82, in its termination message ------------------
+FAILURE_KIND = "kubetrain.io/failure"
+"""`kind` of the one-line JSON record a pod writes instead of the last-checkpoint record when
+checkpoint storage refused it at start (it committed nothing then, so nothing is lost)."""
+FAILURE_STORAGE_ACCESS_DENIED = "StorageAccessDenied"
+"""Storage refused access or has no such bucket (HTTP 401/403/404, STS refused the token, no
+credentials at all) for all of KUBETRAIN_S3_AUTH_RETRY_SECONDS."""
+FAILURE_STORAGE_REQUEST_INVALID = "StorageRequestInvalid"
+"""Storage refused a request as invalid (InvalidBucketName, an STS parameter it does not accept...)."""
+FAILURE_REASONS = (FAILURE_STORAGE_ACCESS_DENIED, FAILURE_STORAGE_REQUEST_INVALID)
+"""Every `reason` a failure record may carry; the operator accepts no other."""
+FAILURE_CODE_PATTERN = r"^[A-Za-z][A-Za-z0-9]{0,62}$"
+"""`code`: the store's error code (AccessDenied, InvalidIdentityToken...), or HTTP<status>."""
+TERMINATION_MESSAGE_LIMIT = 4096
+"""The kubelet keeps at most this many bytes of a termination message."""
+
 # --- the environment of every training container (the operator sets these) --------------
 NNODES = "NNODES"
 NODE_RANK = "NODE_RANK"

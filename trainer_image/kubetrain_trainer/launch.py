@@ -35,11 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
+from kubetrain_trainer.failure import storage_failure
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.metrics import DEFAULT_PORT, Telemetry
 from kubetrain_trainer.progress import PROGRESS_FILE_ENV
 
-from kubetrain_trainer.contract import EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE
+from kubetrain_trainer.contract import (
+    EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, FAILURE_STORAGE_ACCESS_DENIED,
+    FAILURE_STORAGE_REQUEST_INVALID,
+)
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
 BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")
@@ -365,10 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if isinstance(e, StorageAccessError):
                 log.error("invalid configuration: checkpoint storage %s refused access (or has no such bucket) "
                           "for %.0fs (KUBETRAIN_S3_AUTH_RETRY_SECONDS): %s", cfg.checkpoint_uri, cfg.access_retry_s, e)
-                return EXIT_INVALID_CONFIG
+                return _storage_refused(cfg, e, FAILURE_STORAGE_ACCESS_DENIED)
             if isinstance(e, StoragePermanentError):
                 log.error("invalid configuration: checkpoint storage %s: %s", cfg.checkpoint_uri, e)
-                return EXIT_INVALID_CONFIG
+                return _storage_refused(cfg, e, FAILURE_STORAGE_REQUEST_INVALID)
             log.error("checkpoint storage %s unreachable: %s", cfg.checkpoint_uri, e)
             return EXIT_STORAGE
     if stop.is_set():
@@ -604,8 +608,17 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     return uploader, WatchLoop(watcher, uploader).start(), resume_from
 
 
+def _storage_refused(cfg: LaunchConfig, error: Exception, reason: str) -> int:
+    """Exit 82 with the failure record in the termination message (every rank: each pod failed).
+    Storage refused this pod before its first commit, so no last-checkpoint record is displaced."""
+    write_termination_message(cfg.termination_log,
+                              storage_failure(error, reason=reason, where=cfg.checkpoint_uri).to_json())
+    return EXIT_INVALID_CONFIG
+
+
 def write_termination_message(path: Path, message: str) -> None:
-    """Best effort: the pod's terminationMessagePath carries the last committed checkpoint."""
+    """Best effort: the pod's terminationMessagePath carries the last committed checkpoint (or why
+    storage refused the pod: failure.py)."""
     try:
         tmp = path.with_name(path.name + ".tmp") if path.parent != Path("/dev") else path
         tmp.write_text(message + "\n")

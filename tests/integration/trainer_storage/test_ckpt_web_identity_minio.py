@@ -130,6 +130,10 @@ def test_a_job_whose_role_covers_another_prefix_fails_as_invalid_configuration_n
     code, log = _launch(env, tmp_path, 1, max_steps=10, KUBETRAIN_S3_AUTH_RETRY_SECONDS="2")
     assert code == 82, log[-4000:]
     assert "AccessDenied" in log and uri in log, log[-4000:]
+    # What the operator reads (docs/contract.md, "Reporting a failure"): reason, MinIO's code, the location.
+    record = (tmp_path / "termination-log-a1").read_text()
+    assert json.loads(record) == {"kind": "kubetrain.io/failure", "reason": "StorageAccessDenied",
+                                  "code": "AccessDenied", "where": uri}, record
 
 
 def test_a_token_for_another_audience_is_refused_by_the_sts(testbed, kubectl, namespace, service_account,

@@ -25,6 +25,16 @@ def record(step: int, *, uri: str | None = None, time: str | None = None) -> str
     return json.dumps(body)
 
 
+CKPT = {"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}
+
+
+def failure(reason: str, code: str | None = None, where: str | None = None) -> str:
+    """The trainer's failure record (docs/contract.md, "Reporting a failure")."""
+    body = {"kind": "kubetrain.io/failure", "reason": reason}
+    body.update({k: v for k, v in (("code", code), ("where", where)) if v is not None})
+    return json.dumps(body)
+
+
 @dataclass
 class Case:
     id: str
@@ -190,6 +200,56 @@ CASES = [
          phase="Failed", counters={"failures": 0}, deletes=["tj-a1-n1"], events=["Failed"],
          reason=("Failed", "InvalidConfiguration"), message="code 82 (invalid configuration)",
          extra={"no": "abc", "has": "kubectl logs -n ns tj-a1-n0"}),
+    Case("exit 82 with a storage failure record -> Failed naming the reason, the store's code and the prefix",
+         job(status=started(), spec=CKPT),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message=failure("StorageAccessDenied", "AccessDenied",
+                                                                            "s3://b/p/ns/tj")), pod(rank=1)),
+         phase="Failed", counters={"failures": 0}, deletes=["tj-a1-n1"], events=["Failed"],
+         reason=("Failed", "StorageAccessDenied"),
+         message="code 82 (invalid configuration): checkpoint storage refused access (StorageAccessDenied, "
+                 "code AccessDenied, at s3://b/p/ns/tj); its log says why: kubectl logs -n ns tj-a1-n0",
+         extra={"has": "code AccessDenied, at s3://b/p/ns/tj"}),
+    Case("a failure record's location outside the job's prefix is left out, its reason and code kept",
+         job(status=started(), spec=CKPT),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message=failure("StorageRequestInvalid", "InvalidBucketName",
+                                                                            "s3://b/p/ns/other")), pod(rank=1)),
+         phase="Failed", reason=("Failed", "StorageRequestInvalid"),
+         message="refused a request as invalid (StorageRequestInvalid, code InvalidBucketName); its log",
+         extra={"no": "ns/other"}),
+    Case("a failure record without code or location still names the reason", job(status=started(), spec=CKPT),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message=failure("StorageAccessDenied")), pod(rank=1)),
+         phase="Failed", reason=("Failed", "StorageAccessDenied"),
+         message="checkpoint storage refused access (StorageAccessDenied); its log"),
+    *[Case(f"a failure record out of shape is refused whole: {why}", job(status=started(), spec=CKPT),
+           observed(pod(rank=0, phase="Failed", exit_code=82, message=text), pod(rank=1)),
+           phase="Failed", reason=("Failed", "InvalidConfiguration"), message="code 82 (invalid configuration); its",
+           extra={"no": leak})
+      for why, text, leak in [
+          ("a reason not in the set", failure("YourBucketIsOnFire", "AccessDenied"), "OnFire"),
+          ("a code with spaces", failure("StorageAccessDenied", "Access denied: key=AKIAABCDEFGHIJKLMNOP"), "AKIA"),
+          ("a code too long", failure("StorageAccessDenied", "A" * 64), "A" * 64),
+          ("a credential in the location", failure("StorageAccessDenied", "AccessDenied",
+                                                   "s3://user:pw@b/p/ns/tj"), "pw@"),
+          ("a location with whitespace", failure("StorageAccessDenied", "AccessDenied", "s3://b/p/ns/tj x"), "tj x"),
+          ("a location that is not s3://", failure("StorageAccessDenied", "AccessDenied", "https://evil/ns/tj"),
+           "evil"),
+          ("a key the contract does not have", json.dumps({"kind": "kubetrain.io/failure",
+                                                           "reason": "StorageAccessDenied", "message": "leaked"}),
+           "leaked"),
+          ("a code that is not a string", json.dumps({"kind": "kubetrain.io/failure",
+                                                      "reason": "StorageAccessDenied", "code": 403}), "403"),
+          ("another kind", json.dumps({"kind": "kubetrain.io/oops", "reason": "StorageAccessDenied"}), "Storage"),
+          ("text around the JSON", "boom\n" + failure("StorageAccessDenied", "AccessDenied"), "AccessDenied"),
+      ]],
+    Case("a failure record with another exit code is not read (the code decides)", job(status=started(), spec=CKPT),
+         observed(pod(rank=0, phase="Failed", exit_code=1, message=failure("StorageAccessDenied", "AccessDenied")),
+                  pod(rank=1)),
+         phase="Restarting", counters={"failures": 1}, reason=("Restarting", "BackoffRestart"),
+         extra={"no": "AccessDenied"}),
+    Case("exit 82 after committing: the last-checkpoint record is kept, the reason stays InvalidConfiguration",
+         job(status=started(), spec=CKPT),
+         observed(pod(rank=0, phase="Failed", exit_code=82, message=record(30)), pod(rank=1)),
+         phase="Failed", reason=("Failed", "InvalidConfiguration"), extra={"last_checkpoint.step": 30}),
     Case("ImagePullBackOff within startupGraceSeconds: a condition, an event, a wake-up at the deadline",
          job(status=started(phase="Pending"), run_policy={"startupGraceSeconds": 60}),
          observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff", scheduled=iso(0),
