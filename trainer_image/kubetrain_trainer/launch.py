@@ -136,6 +136,7 @@ class LaunchConfig:
         if commit_mode not in ("auto", "marker"):
             raise ConfigError(f"KUBETRAIN_CHECKPOINT_COMMIT: unknown value {commit_mode!r}; allowed: auto, marker")
         metrics_port = _int(env, "KUBETRAIN_METRICS_PORT", DEFAULT_PORT, minimum=0)
+        _int(env, "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND", 0, minimum=0)  # checked here (exit 82); storage reads it
         for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
             if value > 65535:
                 raise ConfigError(f"{name}: {value} is not a TCP port")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,15 +137,44 @@ class StorageConfig:
     multipart_threshold: int = 64 << 20
     multipart_chunksize: int = 64 << 20
     max_concurrency: int = 4
+    test_upload_bytes_per_second: int = 0
+    """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
+    test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "StorageConfig":
+        raw = env.get(UPLOAD_RATE_ENV, "").strip() or "0"
+        if not raw.isdigit():
+            raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
         return cls(
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
             endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **overrides,
+            **{"test_upload_bytes_per_second": int(raw), **overrides},
         )
+
+
+UPLOAD_RATE_ENV = "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"
+
+
+class _Throttle:
+    """Caps the bytes per second of all of a store's uploads together (every transfer thread reserves
+    its chunk's time on one clock and sleeps until then: the read of the request body, and so the send,
+    waits). Only the `KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND` test hook creates one."""
+
+    def __init__(self, rate: int, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate, self.clock, self.sleep = rate, clock, sleep
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def __call__(self, sent: int) -> None:
+        with self._lock:
+            now = self.clock()
+            self._free_at = max(self._free_at, now) + sent / self.rate
+            wait = self._free_at - now
+        if wait > 0:
+            self.sleep(wait)
 
 
 @dataclass(frozen=True)
@@ -225,6 +255,11 @@ class CheckpointStore:
             max_concurrency=config.max_concurrency,
             use_threads=config.max_concurrency > 1,
         )
+        self._throttle = _Throttle(config.test_upload_bytes_per_second) if config.test_upload_bytes_per_second \
+            else None
+        if self._throttle is not None:
+            log.warning("%s=%d: uploads are slowed down (a test hook; never set it in production)",
+                        UPLOAD_RATE_ENV, config.test_upload_bytes_per_second)
 
     # ------------------------------------------------------------ reading
 
@@ -321,10 +356,23 @@ class CheckpointStore:
 
     # ------------------------------------------------------------ writing
 
-    def upload_file(self, step: int, local: Path, rel: str, *, folder: str | None = None) -> None:
+    def upload_file(self, step: int, local: Path, rel: str, *, folder: str | None = None,
+                    still_allowed: Callable[[], None] | None = None) -> None:
+        """Upload one file. `still_allowed` is called as bytes go out (it may skip calls, e.g. once a
+        second) and raises to stop the transfer: a multipart upload is then aborted, a single PUT cut
+        off before S3 stores it, so a fenced writer stops within one part, not one whole file."""
         key = self.location.key(folder or checkpoint_dirname(step), rel)
+        throttle = self._throttle
+
+        def progress(sent: int) -> None:
+            if throttle is not None:
+                throttle(sent)
+            if still_allowed is not None:
+                still_allowed()
+
+        extra = {"Callback": progress} if still_allowed is not None or throttle is not None else {}
         self._call("upload", key, lambda: self._client.upload_file(
-            str(local), self.location.bucket, key, Config=self._transfer
+            str(local), self.location.bucket, key, Config=self._transfer, **extra
         ))
 
     def put_bytes(self, step: int, rel: str, data: bytes, *, folder: str | None = None) -> None:

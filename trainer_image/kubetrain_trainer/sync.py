@@ -378,7 +378,8 @@ class CheckpointUploader:
                 # passed before a newer attempt claimed stops at its next file, so what it can still
                 # overwrite under a newer commit is one in-flight request, not a whole (retried) upload.
                 self._check_claims(job.step, at_most_every_s=s.fence_check_interval_s)
-                self.store.upload_file(job.step, job.folder / f.path, f.path)
+                self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self._check_claims(
+                    job.step, at_most_every_s=s.fence_check_interval_s))
                 job.uploaded.add(f.path)
                 self.bytes_uploaded += f.size
         files = job.files

@@ -124,3 +124,37 @@ def test_a_zombie_stops_at_its_next_file_and_never_overwrites_a_newer_commit(ckp
     # Attempt 2's checkpoint-20 is whole: every byte matches its manifest.
     restored = store.download_checkpoint(manifest, tmp_path / "check")
     _same_tree(tmp_path / "a2" / "out" / "checkpoint-20", restored)
+
+
+class _ClaimMidFile:
+    """The real store, with a newer attempt claiming while the zombie's big file is going out."""
+
+    def __init__(self, store, newer) -> None:
+        self._store, self._newer = store, newer
+
+    def upload_file(self, step, local, rel, *, still_allowed=None, **kw):
+        def check():
+            if self._newer is not None and rel == "big.bin":
+                newer, self._newer = self._newer, None
+                newer()
+            if still_allowed is not None:
+                still_allowed()
+
+        self._store.upload_file(step, local, rel, still_allowed=check, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_zombie_stops_inside_a_multipart_upload_and_leaves_no_object_nor_parts(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    _commit(store, tmp_path / "a1", [10], incarnation=5)
+    seam = _ClaimMidFile(store, lambda: restore_agreed(store, tmp_path / "a2", node_rank=0, incarnation=5, attempt=2,
+                                                       deadline=time.monotonic() + 120))
+    zombie = _uploader(seam, tmp_path / "z", attempt=1, incarnation=5, fence_check_interval_s=0)
+    zombie.submit(_checkpoint(tmp_path / "z" / "out", 20, big=12 * 1024 * 1024), 20)  # 3 parts of 5 MiB
+    zombie.close(60)
+    assert zombie.fenced and "attempt 2 > 1 has started" in zombie.fenced, zombie.fenced
+    key = store.location.key("checkpoint-20", "big.bin")
+    assert store._list(key) == [], "the zombie's big file was stored after attempt 2 claimed"
+    assert [u for u in store.list_multipart_uploads() if u.key == key] == [], "its parts were left behind"

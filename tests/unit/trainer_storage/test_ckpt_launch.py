@@ -60,6 +60,7 @@ def test_env_contract_is_read():
         ({"KUBETRAIN_TERMINATION_GRACE_SECONDS": "soon"}, [], "KUBETRAIN_TERMINATION_GRACE_SECONDS"),
         ({"KUBETRAIN_CHECKPOINT_COMMIT": "sometimes"}, [], "KUBETRAIN_CHECKPOINT_COMMIT"),
         ({"KUBETRAIN_CHECKPOINT_SETTLE_SECONDS": "0"}, [], "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS"),
+        ({"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": "1MB"}, [], "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"),
         ({}, ["--"], "command"),
         ({}, ["train.py"], "command"),
     ],

@@ -68,8 +68,11 @@ class MemoryStore:
         self.objects[key] = data
         self.writes.append(key)
 
-    def upload_file(self, step: int, local: Path, rel: str) -> None:
-        self._put(f"checkpoint-{step}/{rel}", local.read_bytes())
+    def upload_file(self, step: int, local: Path, rel: str, *, still_allowed=None) -> None:
+        data = local.read_bytes()
+        if still_allowed is not None:  # as a transfer's progress callback would, before the object exists
+            still_allowed()
+        self._put(f"checkpoint-{step}/{rel}", data)
 
     def commit(self, manifest: Manifest) -> None:
         self._put(f"checkpoint-{manifest.step}/{MANIFEST_NAME}", manifest.to_json())
