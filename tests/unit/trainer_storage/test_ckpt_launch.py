@@ -122,6 +122,10 @@ elif mode == "ignore":
 if mode == "ok":
     sys.exit(0)
 if mode == "fail" and rank == "1":
+    # Fail only once rank 0 runs (a loaded machine may start it later): the test is that it gets stopped.
+    deadline = time.monotonic() + 60
+    while not (out / "ready-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(int(os.environ["TEST_CODE"]))
 time.sleep(60)
 """
