@@ -63,16 +63,20 @@ def uninstall(env: dict[str, str], rel: Release) -> None:
 
 
 def training_job(*, name: str, bucket: str, prefix: str, endpoint: str, args: dict, master_port: int,
-                 secret: str = "kubetrain-s3") -> dict:
-    """examples/trainingjob.yaml, pointed at the testbed's MinIO and the agent's node."""
+                 secret: str = "kubetrain-s3", identity: dict | None = None) -> dict:
+    """examples/trainingjob.yaml, pointed at the testbed's MinIO and the agent's node. The pods
+    reach the store with the keys of Secret `secret`, or with `identity` instead (spec.checkpoint's
+    identity, e.g. {"webIdentity": {...}})."""
     job = yaml.safe_load(EXAMPLE.read_text())
     job["metadata"] = {"name": name}
     spec = job["spec"]
     spec["masterPort"] = master_port
     merged = {**spec["trainer"]["builtin"]["args"], **args}
     spec["trainer"]["builtin"]["args"] = {k: v for k, v in merged.items() if v is not None}  # None: drop the key
-    spec["checkpoint"] = {**spec.get("checkpoint", {}), "uri": f"s3://{bucket}/{prefix.strip('/')}",
-                          "endpoint": endpoint, "credentialsSecret": {"name": secret}}
+    checkpoint = {k: v for k, v in spec.get("checkpoint", {}).items()
+                  if k not in ("credentialsSecret", "webIdentity", "ambient")}
+    spec["checkpoint"] = {**checkpoint, "uri": f"s3://{bucket}/{prefix.strip('/')}", "endpoint": endpoint,
+                          **(identity or {"credentialsSecret": {"name": secret}})}
     tpl = spec.setdefault("podTemplate", {})
     tpl["nodeSelector"] = {**tpl.get("nodeSelector", {}), AGENT_LABEL: "true"}
     tpl["tolerations"] = [*tpl.get("tolerations", []), *AGENT_PLACEMENT["tolerations"]]

@@ -251,3 +251,145 @@ def test_evicted_worker_restarts_the_gang_and_resumes(operator, agent, kube_api,
     assert "Preempted" in reasons, reasons
     print(f"\n[e2e] preempted at checkpoint {max(first_attempt)}; restart took {born - evicted_at:.1f}s;"
           f" attempt 2 committed {sorted(second_attempt)[:3]}...")
+
+
+STATIC_KEYS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"}
+
+
+def _assert_only_web_identity(pod: dict, *, account: str, role) -> None:
+    """The pod as the API stores it: a role, a projected token for the role's audience, no key anywhere."""
+    spec, name = pod["spec"], pod["metadata"]["name"]
+    assert spec.get("serviceAccountName") == account, name
+    for c in spec["containers"] + spec.get("initContainers", []):
+        env = c.get("env") or []
+        assert not {e["name"] for e in env} & STATIC_KEYS, (name, c["name"], env)
+        assert not [e for e in env if "secretKeyRef" in (e.get("valueFrom") or {})], (name, c["name"], env)
+        assert not [s for s in c.get("envFrom") or [] if "secretRef" in s], (name, c["name"], c.get("envFrom"))
+    volumes = spec.get("volumes") or []
+    assert not [v for v in volumes if "secret" in v], (name, volumes)
+    sources = [s for v in volumes for s in (v.get("projected") or {}).get("sources") or []]
+    assert not [s for s in sources if "secret" in s], (name, sources)
+    tokens = [(v["name"], s["serviceAccountToken"]) for v in volumes for s in (v.get("projected") or {}).get("sources")
+              or [] if "serviceAccountToken" in s]
+    assert [t for _, t in tokens] == [{"audience": role.audience, "expirationSeconds": 3600, "path": "token"}], tokens
+    trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["AWS_ROLE_ARN"] == role.role_arn and env["AWS_ROLE_SESSION_NAME"] == name, env
+    assert env["AWS_WEB_IDENTITY_TOKEN_FILE"] == "/etc/kubetrain/aws-web-identity/token", env
+    assert {"name": tokens[0][0], "mountPath": "/etc/kubetrain/aws-web-identity", "readOnly": True} in \
+        trainer["volumeMounts"], trainer["volumeMounts"]
+
+
+def _process_envs(pod_name: str) -> list[dict[str, str]]:
+    """The environment of every running process of a pod (the agent runs them on this machine)."""
+    from .helpers import pids_with_env
+
+    envs = []
+    for pid in pids_with_env(f"KUBETRAIN_POD_NAME={pod_name}"):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                raw = f.read().split(b"\0")
+        except OSError:
+            continue
+        envs.append(dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e))
+    return envs
+
+
+def _jwt_claims(token: str) -> dict:
+    import base64
+
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def test_web_identity_job_without_a_secret_trains_survives_a_preemption_and_resumes(
+        operator, agent, kube_api, core, jobs_ns, s3, testbed, testbed_env):
+    """Issue 16, acceptance 1: the demo job with spec.checkpoint.webIdentity and no Secret. Its pods get a
+    projected ServiceAccount token for the testbed STS role's audience, exchange it at MinIO's STS for
+    temporary credentials limited to sts-jobs/, checkpoint there, and a preempted gang resumes from the
+    emergency checkpoint. No key reaches a pod: neither its spec nor its processes' environment has one."""
+    from kubernetes import client
+
+    from kubetrain_testbed.sts import JOBS_ROLE
+
+    account = "trainer"
+    try:
+        core.create_namespaced_service_account(jobs_ns, client.V1ServiceAccount(
+            metadata=client.V1ObjectMeta(name=account)))
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    name = f"wid-{secrets.token_hex(2)}"
+    prefix = f"{JOBS_ROLE.prefix}/e2e-{secrets.token_hex(4)}"
+    max_steps, hold = 40, 20
+    identity = {"webIdentity": {"roleArn": JOBS_ROLE.role_arn, "audience": JOBS_ROLE.audience,
+                                "serviceAccountName": account}}
+    job = training_job(name=name, bucket=testbed.bucket, prefix=prefix, endpoint=testbed.s3_endpoint,
+                       master_port=free_port(), identity=identity,
+                       args={"max_steps": max_steps, "save_steps": 10, "logging_steps": 10, "save_total_limit": None})
+    job["spec"]["env"] = [{"name": "KUBETRAIN_TEST_HOLD_AT_STEP", "value": str(hold)}]
+    assert set(job["spec"]["checkpoint"]) == {"uri", "endpoint", "webIdentity"}, job["spec"]["checkpoint"]
+    ckpt_prefix = f"{prefix}/{jobs_ns}/{name}/"
+    try:
+        _apply(testbed_env, jobs_ns, job)
+        committed = wait_for(lambda: hold in (m := _manifests(s3, testbed.bucket, ckpt_prefix)) and m, timeout=420,
+                             interval=1, what=f"checkpoint-{hold} of attempt 1 committed under {ckpt_prefix}",
+                             on_timeout=lambda: _diagnostics(agent, core, jobs_ns, _job(kube_api, jobs_ns, name)))
+        assert max(committed) == hold, f"the hold at step {hold} did not hold: {sorted(committed)}"
+
+        # The gang holds at step `hold`: what reached its pods, in the API and in their processes.
+        for rank in (0, 1):
+            pod = kube_api.sanitize_for_serialization(core.read_namespaced_pod(f"{name}-a1-n{rank}", jobs_ns))
+            _assert_only_web_identity(pod, account=account, role=JOBS_ROLE)
+            envs = _process_envs(f"{name}-a1-n{rank}")
+            assert envs, f"no process of pod {name}-a1-n{rank} found"
+            for env in envs:
+                assert not STATIC_KEYS & set(env), sorted(STATIC_KEYS & set(env))
+                assert env["AWS_ROLE_ARN"] == JOBS_ROLE.role_arn and env["AWS_ENDPOINT_URL"] == testbed.s3_endpoint
+                claims = _jwt_claims(open(env["AWS_WEB_IDENTITY_TOKEN_FILE"]).read().strip())
+                assert claims["aud"] == [JOBS_ROLE.audience], claims
+                assert claims["sub"] == f"system:serviceaccount:{jobs_ns}:{account}", claims
+                assert claims["exp"] - claims["iat"] <= 3600, claims  # a short-lived token, not a key
+
+        victim = f"{name}-a1-n1"
+        core.create_namespaced_pod_eviction(victim, jobs_ns, client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=victim, namespace=jobs_ns)))
+        done = _wait_finished(kube_api, agent, core, jobs_ns, name, timeout=600)
+        st = done["status"]
+        assert st["phase"] == "Succeeded" and st["attempt"] == 2 and st["preemptions"] == 1, st
+        assert st.get("failures", 0) == 0, st
+        assert st["lastCheckpoint"]["step"] == max_steps, st
+        assert st["lastCheckpoint"]["uri"] == f"s3://{testbed.bucket}/{ckpt_prefix}checkpoint-{max_steps}", st
+
+        manifests = _manifests(s3, testbed.bucket, ckpt_prefix)
+        first_attempt = {s for s, m in manifests.items() if m["attempt"] == 1}
+        second_attempt = {s for s, m in manifests.items() if m["attempt"] == 2}
+        # Attempt 1 committed its periodic checkpoints and, released by the SIGTERM, one more step as its
+        # emergency checkpoint; attempt 2 resumed from that one and never rewrote a step attempt 1 committed.
+        assert {10, hold, hold + 1} <= first_attempt and max(first_attempt) == hold + 1, sorted(manifests)
+        assert second_attempt and min(second_attempt) > hold + 1 and max_steps in second_attempt, sorted(manifests)
+        assert all(m["world_size"] == 2 for m in manifests.values()), manifests
+        rank0_logs = [p.read_text(errors="replace")
+                      for p in agent.state_dir.glob(f"pods/{jobs_ns}_{name}-a2-n0_*/trainer.log")]
+        assert rank0_logs and f"restored checkpoint-{hold + 1}" in rank0_logs[0], (
+            "attempt 2 must resume from the emergency checkpoint:\n" + (rank0_logs[0][-3000:] if rank0_logs else "no log"))
+
+        for rank in (0, 1):  # the new gang got the same identity, and nothing else
+            pod = kube_api.sanitize_for_serialization(core.read_namespaced_pod(f"{name}-a2-n{rank}", jobs_ns))
+            _assert_only_web_identity(pod, account=account, role=JOBS_ROLE)
+
+        mode = (f"checkpoint identity: webIdentity (role {JOBS_ROLE.role_arn}, ServiceAccount {account}, "
+                f"audience {JOBS_ROLE.audience})")
+        created = next(c for c in st["conditions"] if c["type"] == "Created")
+        assert mode in created["message"], created
+        events = core.list_namespaced_event(jobs_ns, field_selector=f"involvedObject.name={name}").items
+        created_events = [e.message for e in events if e.reason == "Created"]
+        assert created_events and all(mode in m for m in created_events), created_events
+        assert {"Preempted", "Restarting", "Succeeded"} <= {e.reason for e in events}, [e.reason for e in events]
+        shown = json.dumps(done) + "".join(e.message or "" for e in events)
+        assert testbed.secret_key not in shown and testbed.access_key not in shown
+    finally:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=testbed.bucket, Prefix=f"{prefix}/"):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=testbed.bucket, Delete={"Objects": keys, "Quiet": True})
