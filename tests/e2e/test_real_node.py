@@ -335,6 +335,77 @@ def test_eviction_sigterms_pid_1_which_commits_an_emergency_checkpoint_and_attem
     print(f"\n[real node] eviction -> attempt 2 Running in {restart_s:.1f}s ({len(running2)} pods)")
 
 
+def test_a_120s_grace_commits_the_emergency_checkpoint_while_a_slow_upload_is_in_flight(
+        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
+    """Issue 11's drain acceptance: with spec.runPolicy.terminationGracePeriodSeconds 120 and uploads that
+    take over 10 s (KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND caps rank 0's bandwidth: loopback MinIO is
+    otherwise instant), node rank 0 is evicted while checkpoint-10 is still uploading. Inside the grace
+    period its launcher finishes that upload, the workers write the emergency checkpoint-11, and it is
+    uploaded and committed too; attempt 2 resumes from it. (With the old fixed 30 s grace the launcher had
+    about 8 s for all of that.)"""
+    import time
+
+    from kubernetes import client
+
+    ns, name, hold, rate = real_operator["jobs"], f"grace-{secrets.token_hex(2)}", 10, 100_000
+    _s3_secret(core, ns, testbed)
+    job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix,
+                    args={"max_steps": 20, "save_total_limit": None},
+                    env=[{"name": "KUBETRAIN_TEST_HOLD_AT_STEP", "value": str(hold)},
+                         {"name": "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND", "value": str(rate)}])
+    job["spec"]["runPolicy"] = {**job["spec"].get("runPolicy", {}), "terminationGracePeriodSeconds": 120}
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+    prefix = f"{s3_prefix}{ns}/{name}/"
+    describe = lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns)  # noqa: E731
+
+    def folder(step: int) -> dict[str, dict]:
+        out = {}
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=testbed.bucket,
+                                                                  Prefix=f"{prefix}checkpoint-{step}/"):
+            out.update({o["Key"].rsplit("/", 1)[1]: o for o in page.get("Contents", [])})
+        return out
+
+    # checkpoint-10 is uploading: some of its objects are in MinIO, its manifest is not.
+    wait_for(lambda: (lambda f: f and "manifest.json" not in f)(folder(hold)), timeout=600, interval=0.5,
+             what=f"checkpoint-{hold} uploading", on_timeout=describe)
+    victim = f"{name}-a1-n0"
+    pod = core.read_namespaced_pod(victim, ns)
+    assert pod.spec.termination_grace_period_seconds == 120, pod.spec.termination_grace_period_seconds
+    core.create_namespaced_pod_eviction(victim, ns, client.V1Eviction(
+        metadata=client.V1ObjectMeta(name=victim, namespace=ns)))
+    evicted = time.monotonic()
+    # Watch status while attempt 2 starts: the emergency checkpoint's record says what its upload cost.
+    records: list[dict] = []
+
+    def emergency_committed():
+        st = client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
+            "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+        if (st.get("lastCheckpoint") or {}).get("step") == hold + 1:
+            records.append(st["lastCheckpoint"])
+        return hold + 1 in _committed_steps(s3, testbed.bucket, prefix)
+
+    wait_for(emergency_committed, timeout=150, interval=1, what=f"emergency checkpoint-{hold + 1} committed",
+             on_timeout=describe)
+    committed_after = time.monotonic() - evicted
+    st = _wait_finished(core, testbed_env, ns, name)
+    assert st["phase"] == "Succeeded", st
+    assert (st["attempt"], st["preemptions"], st.get("failures", 0)) == (2, 1, 0), st
+    committed = _committed_steps(s3, testbed.bucket, prefix)
+    assert {s: m["attempt"] for s, m in committed.items() if s <= hold + 1} == {hold: 1, hold + 1: 1}, committed
+    assert max(committed) == 20 and committed[20]["attempt"] == 2, sorted(committed)
+    # The premise: one checkpoint's upload took over 10 s (first object to manifest, by MinIO's clock).
+    objects = folder(hold + 1)
+    span = (objects["manifest.json"]["LastModified"] - min(o["LastModified"] for o in objects.values())).total_seconds()
+    assert span > 10, f"checkpoint-{hold + 1} uploaded in {span:.0f}s: the test hook did not slow it down"
+    if records:
+        assert records[-1]["uploadSeconds"] > 10 and records[-1]["sizeBytes"] > 0, records[-1]
+    rank0 = _kubectl(testbed_env, "logs", "-n", ns, f"{name}-a2-n0")
+    assert f"checkpoint-{hold + 1}" in rank0 and "resuming from" in rank0, rank0[-3000:]
+    print(f"\n[real node] grace 120: checkpoint-{hold} finished and emergency checkpoint-{hold + 1} "
+          f"({objects['manifest.json']['Size']} B manifest, uploaded in {span:.0f}s) committed "
+          f"{committed_after:.0f}s after the eviction")
+
+
 def test_dataloader_workers_run_in_the_container_with_the_memory_backed_dev_shm(
         real_node, real_operator, images, testbed_env, core, s3_prefix, testbed):
     ns, name = real_operator["jobs"], f"workers-{secrets.token_hex(2)}"
