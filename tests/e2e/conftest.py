@@ -15,6 +15,7 @@ Fixtures:
 from __future__ import annotations
 
 import os
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -123,3 +124,51 @@ def agent(agent_factory) -> AgentProc:
     while marked_pids(proc.node_name) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not marked_pids(proc.node_name), f"orphans after agent exit:\n{proc.log_tail()}"
+
+
+# The real node and the images pushed to its registry: defined here, once, so every module shares one
+# instance per session (a session fixture imported into two test modules is two fixtures: the node was
+# started by one, removed by the other's teardown, and the first then found nothing to remove).
+@pytest.fixture(scope="session")
+def real_node(testbed, testbed_config):
+    """The shared testbed with the real node added (kept until the testbed goes down)."""
+    from kubetrain_testbed import TestbedError, load_env, up
+    from kubetrain_testbed.realnode import missing_prerequisites
+
+    missing = missing_prerequisites()
+    if missing:
+        pytest.skip(f"the real node needs {', '.join(missing)} (scripts/test.sh installs them)")
+    from kubetrain_testbed.cluster import remove_real_node
+    from kubetrain_testbed.realnode import HOST_SETTINGS, leftovers
+
+    settings = {k: Path("/proc/sys", k).read_text() for k in HOST_SETTINGS}
+    try:
+        up(dataclasses.replace(testbed_config, real_node=True))
+    except TestbedError as exc:
+        pytest.fail(f"the real node could not start: {exc}", pytrace=False)
+    env = load_env(testbed_config)
+    assert env.registry and env.pod_s3_endpoint, env
+    yield env
+    # Removing the node (the code `scripts/testbed.sh down` runs) leaves no container, network
+    # namespace, mount, cgroup, rule or bridge behind, and the host's settings as they were.
+    layout = remove_real_node(testbed_config)
+    assert layout is not None
+    assert leftovers(layout) == []
+    assert {k: Path("/proc/sys", k).read_text() for k in HOST_SETTINGS} == settings
+    assert not list(layout.state.glob("containerd/**/rootfs/*")), "a container's root file system is still there"
+
+
+@pytest.fixture(scope="session")
+def images(real_node):
+    """Both images, built from the Dockerfiles (cached layers) and pushed to the registry: name -> ref."""
+    from kubetrain_testbed.cluster import _real_node_layout
+    from kubetrain_testbed.images import IMAGES, build_all
+    from kubetrain_testbed.realnode import real_node_bin_dir
+
+    from kubetrain_testbed import TestbedConfig
+
+    cfg = TestbedConfig.from_environ()
+    layout = _real_node_layout(cfg, real_node_bin_dir(cfg.build_script))
+    rows = build_all(layout, log_path=cfg.run_dir / "images.log")
+    assert {r["image"] for r in rows} == {i.name for i in IMAGES}
+    return {r["image"]: r["ref"] for r in rows}

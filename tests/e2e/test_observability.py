@@ -21,16 +21,14 @@ import pytest
 
 from .helpers import wait_for
 from .operator_release import CHART, helm
-from .test_real_node import (  # noqa: F401  (fixtures)
-    REAL_PLACEMENT, _committed_steps, _demo_job, _kubectl, _s3_secret, images, real_node,
-)
+from .test_real_node import REAL_PLACEMENT, _committed_steps, _demo_job, _kubectl, _s3_secret
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode, pytest.mark.timeout(1800)]
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 
 
 @pytest.fixture(scope="module")
-def operator(real_node, images, testbed_env, core, tmp_path_factory):  # noqa: F811  (imported fixtures)
+def operator(real_node, images, testbed_env, core, tmp_path_factory):
     """The chart from the operator image on the real node, reading progress every 2 s."""
     from kubernetes import client
 
@@ -83,7 +81,7 @@ def get_tj(env: dict, ns: str, name: str) -> dict[str, str]:
 
 
 def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
-        real_node, operator, images, testbed_env, core, s3, s3_prefix, testbed):  # noqa: F811  (imported fixtures)
+        real_node, operator, images, testbed_env, core, s3, s3_prefix, testbed):
     from kubernetes import client
 
     ns, name, hold = operator["jobs"], f"obs-{secrets.token_hex(2)}", 60
