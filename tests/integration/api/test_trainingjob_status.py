@@ -30,6 +30,8 @@ STATUS = {
     "phase": "Running", "message": "all 4 nodes running", "attempt": 3, "restarts": 2, "preemptions": 1,
     "failures": 1, "nodesReady": 3, "nodesTotal": 4, "startTime": "2026-01-01T00:00:00Z",
     "lastCheckpoint": {"step": 1200, "uri": "s3://b/p/ns/cols/checkpoint-1200", "time": "2026-01-01T01:00:00Z"},
+    "progress": {"step": 1234, "maxSteps": 4000, "steps": "1234/4000", "loss": 2.5, "samplesPerSecond": 96.5,
+                 "attempt": 3, "observedAt": "2026-01-01T01:00:30Z", "reachable": True},
     "conditions": [{"type": "Running", "status": "True", "reason": "AllNodesRunning", "message": "ok",
                     "lastTransitionTime": "2026-01-01T00:10:00Z"}],
     "observedGeneration": 1,
@@ -47,9 +49,10 @@ def test_status_subresource_and_printer_columns(trainingjob_crd, namespace, subm
 
     table = kubectl("get", "tj", "cols", "-n", namespace, "-o", "wide").splitlines()
     header, row = table[0].split(), table[1].split()
-    assert header[:9] == ["NAME", "PHASE", "READY", "NODES", "ATTEMPT", "RESTARTS", "PREEMPTIONS",
-                          "CHECKPOINT", "AGE"], header
-    assert row[:8] == ["cols", "Running", "3", "4", "3", "2", "1", "1200"], row
+    assert header[:12] == ["NAME", "PHASE", "READY", "NODES", "ATTEMPT", "RESTARTS", "PREEMPTIONS",
+                           "STEP", "CHECKPOINT", "AGE", "LOSS", "SAMPLES/S"], header
+    assert row[:9] == ["cols", "Running", "3", "4", "3", "2", "1", "1234/4000", "1200"], row
+    assert row[10:12] == ["2.5", "96.5"], row  # -o wide: loss and throughput
     assert "all 4 nodes running" in table[1]
 
 
@@ -79,4 +82,4 @@ def test_kubectl_explain_teaches_the_api(trainingjob_crd, kubectl):
     text = " ".join(out.split())  # explain wraps descriptions
     assert "Application failures" in text and "never count against it" in text, out
     text = " ".join(kubectl("explain", "tj.spec.checkpoint").split())
-    assert "credentialsSecret" in text and "Credentials come only from a Secret" in text, text
+    assert "credentialsSecret" in text and "exactly one of credentialsSecret" in text and "webIdentity" in text, text

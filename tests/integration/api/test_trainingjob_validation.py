@@ -397,7 +397,7 @@ def test_defaults_are_applied(submit):
     assert s["nodes"] == 1 and s["procsPerNode"] == 1 and s["masterPort"] == 29500
     assert s["strategy"] == {"type": "ddp"}
     assert s["runPolicy"] == {"backoffLimit": 3, "backoffSeconds": 10, "suspend": False, "nodeLostGraceSeconds": 60,
-                              "maxPreemptions": 30, "startupGraceSeconds": 300}
+                              "maxPreemptions": 30, "startupGraceSeconds": 300, "terminationGracePeriodSeconds": 120}
     assert "checkpoint" not in s
 
 
