@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -106,22 +107,36 @@ def discovery_binding() -> dict:
     }
 
 
+ADMIN_READY_TIMEOUT_S = 60.0
+"""How long `create_policies` waits for MinIO's admin API after MinIO reports itself live: it answers 503
+until its IAM subsystem is up, a moment later (seen once in a full test run on a loaded machine)."""
+
+
 def create_policies(*, endpoint: str, access_key: str, secret_key: str, region: str, bucket: str,
-                    send: Callable[[str, str, bytes, dict[str, str]], int] | None = None) -> None:
-    """Create (or replace) each role's policy through MinIO's admin API (a SigV4-signed PUT)."""
+                    send: Callable[[str, str, bytes, dict[str, str]], int] | None = None,
+                    timeout: float = ADMIN_READY_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> None:
+    """Create (or replace) each role's policy through MinIO's admin API (a SigV4-signed PUT). A 503 (the
+    admin API not ready yet) is retried for `timeout` seconds; any other refusal fails at once."""
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials
 
     creds = Credentials(access_key, secret_key)
+    deadline = clock() + timeout
     for role in ROLES:
         body = json.dumps(role.policy_document(bucket)).encode()
         url = f"{endpoint}/minio/admin/v3/add-canned-policy?name={role.policy}"
-        req = AWSRequest(method="PUT", url=url, data=body)
-        S3SigV4Auth(creds, "s3", region).add_auth(req)
-        status = (send or _send)("PUT", url, body, dict(req.headers.items()))
-        if status != 200:
-            raise RuntimeError(f"MinIO refused policy {role.policy}: HTTP {status}")
+        while True:
+            req = AWSRequest(method="PUT", url=url, data=body)
+            S3SigV4Auth(creds, "s3", region).add_auth(req)  # signed per try: the signature carries the time
+            status = (send or _send)("PUT", url, body, dict(req.headers.items()))
+            if status == 200:
+                break
+            if status != 503 or clock() >= deadline:
+                waited = f" (still after {timeout:g} s)" if status == 503 else ""
+                raise RuntimeError(f"MinIO refused policy {role.policy}: HTTP {status}{waited}")
+            sleep(0.5)
 
 
 def _send(method: str, url: str, body: bytes, headers: dict[str, str]) -> int:
