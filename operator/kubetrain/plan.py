@@ -173,15 +173,19 @@ def parse_checkpoint_record(text: Any) -> LastCheckpoint | None:
     of kind CHECKPOINT_RECORD_KIND with a valid step, an s3:// uri and an RFC 3339 time: pods
     write this text, so a value the status schema would refuse (and a log line that merely
     looks like JSON) never reaches a status patch."""
+    raw = _record_of_kind(text, CHECKPOINT_RECORD_KIND)
+    return None if raw is None else LastCheckpoint.from_storage(raw)
+
+
+def _record_of_kind(text: Any, kind: str) -> dict[str, Any] | None:
+    """A pod's record: the whole text one JSON object of `kind`, at most MAX_RECORD_BYTES; else None."""
     if not text or not isinstance(text, str) or len(text) > MAX_RECORD_BYTES:
         return None
     try:
         raw = json.loads(text.strip())
     except ValueError:
         return None
-    if not isinstance(raw, dict) or raw.get("kind") != CHECKPOINT_RECORD_KIND:
-        return None
-    return LastCheckpoint.from_storage(raw)
+    return raw if isinstance(raw, dict) and raw.get("kind") == kind else None
 
 
 @dataclass(frozen=True)
@@ -201,14 +205,8 @@ def parse_failure_record(text: Any) -> TrainerFailure | None:
     be one JSON object of kind FAILURE_RECORD_KIND, and it may hold nothing but `reason` (from the
     fixed set), `code` and `where`: any other key or any value out of shape refuses all of it, so
     only words the operator chose, a short code and a location reach status and events."""
-    if not text or not isinstance(text, str) or len(text) > MAX_RECORD_BYTES:
-        return None
-    try:
-        raw = json.loads(text.strip())
-    except ValueError:
-        return None
-    if not isinstance(raw, dict) or raw.get("kind") != FAILURE_RECORD_KIND \
-            or not set(raw) <= {"kind", "reason", "code", "where"}:
+    raw = _record_of_kind(text, FAILURE_RECORD_KIND)
+    if raw is None or not set(raw) <= {"kind", "reason", "code", "where"}:
         return None
     reason, code, where = raw.get("reason"), raw.get("code"), raw.get("where")
     if not isinstance(reason, str) or reason not in FAILURE_REASONS:

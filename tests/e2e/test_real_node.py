@@ -181,8 +181,7 @@ def _s3_secret(core, ns: str, testbed) -> None:
             raise
 
 
-def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict | None = None,
-              env: list | None = None, example: str = "trainingjob.yaml") -> dict:
+def _example_job(example: str, name: str, *, images, real_node, testbed, prefix: str) -> dict:
     """An examples/ job on the real node: our image from the registry, MinIO as pods reach it."""
     import yaml
 
@@ -197,6 +196,14 @@ def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict 
     spec["checkpoint"] = {**spec["checkpoint"], "uri": f"s3://{testbed.bucket}/{prefix.strip('/')}",
                           "endpoint": real_node.pod_s3_endpoint}
     spec["podTemplate"] = {**spec.get("podTemplate", {}), **REAL_PLACEMENT}
+    return job
+
+
+def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict | None = None,
+              env: list | None = None, example: str = "trainingjob.yaml") -> dict:
+    """A built-in trainer example on the real node, with extra trainer arguments and env."""
+    job = _example_job(example, name, images=images, real_node=real_node, testbed=testbed, prefix=prefix)
+    spec = job["spec"]
     spec["trainer"]["builtin"]["args"].update(args or {})
     if env:
         spec["env"] = env
@@ -487,18 +494,9 @@ HF_FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"
 
 def _hf_job(name: str, *, images, real_node, testbed, prefix: str, configmap: str, env: list) -> dict:
     """examples/trainingjob-hf.yaml on the real node: the unmodified HF script from a ConfigMap."""
-    import yaml
-
-    from .operator_release import EXAMPLE
-
-    job = yaml.safe_load((EXAMPLE.parent / "trainingjob-hf.yaml").read_text())
-    job["metadata"] = {"name": name}
+    job = _example_job("trainingjob-hf.yaml", name, images=images, real_node=real_node, testbed=testbed,
+                       prefix=prefix)
     spec = job["spec"]
-    spec["image"] = images["trainer"]
-    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
-    spec["checkpoint"] = {**spec["checkpoint"], "uri": f"s3://{testbed.bucket}/{prefix.strip('/')}",
-                          "endpoint": real_node.pod_s3_endpoint}
-    spec["podTemplate"] = {**spec["podTemplate"], **REAL_PLACEMENT}
     spec["podTemplate"]["volumes"][0]["configMap"]["name"] = configmap
     # The same thread count in both runs: the weights are compared bit for bit.
     spec["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}, *env]
