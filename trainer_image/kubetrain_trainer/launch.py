@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     uploader = watch = None
     resume_from: Path | None = None
     if cfg.checkpoint_uri:
-        from kubetrain_trainer.storage import StorageAccessError, StorageError, StoragePermanentError
+        from kubetrain_trainer.storage_errors import StorageAccessError, StorageError, StoragePermanentError
 
         try:
             uploader, watch, resume_from = _start_sync(cfg, stop, telemetry)
@@ -447,7 +447,7 @@ def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attem
     in the claim. The other ranks wait for that decision and restore exactly that step; if it is
     no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
     from kubetrain_trainer.manifest import AttemptClaim
-    from kubetrain_trainer.storage import retrying
+    from kubetrain_trainer.retry import retrying
 
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep
@@ -499,7 +499,8 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
     mismatch marks that checkpoint bad and falls back to the next older one.
     """
     from kubetrain_trainer.decisions import newest_complete
-    from kubetrain_trainer.storage import ChecksumError, retrying
+    from kubetrain_trainer.retry import retrying
+    from kubetrain_trainer.storage_errors import ChecksumError
     from kubetrain_trainer.sync import CommittedCheckpoint
 
     cancelled = stop.is_set if stop is not None else (lambda: False)
@@ -541,7 +542,7 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
 
 def _upload_final(cfg: LaunchConfig, uploader) -> bool:
     """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored."""
-    from kubetrain_trainer.storage import StorageError
+    from kubetrain_trainer.storage_errors import StorageError
     from kubetrain_trainer.sync import upload_final_model
 
     step = uploader.last_committed.step if uploader.last_committed else 0
@@ -556,7 +557,8 @@ def _upload_final(cfg: LaunchConfig, uploader) -> bool:
 
 def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     """Restore, then start the uploader and the folder watcher. Returns (uploader, watch, resume_from)."""
-    from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageConfig
+    from kubetrain_trainer.retry import Backoff
+    from kubetrain_trainer.storage import CheckpointStore, StorageConfig
     from kubetrain_trainer.sync import CheckpointUploader, CommittedCheckpoint, FolderWatcher, SyncSettings, WatchLoop
 
     store = CheckpointStore(StorageConfig.from_env(os.environ))

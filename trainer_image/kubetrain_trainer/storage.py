@@ -7,24 +7,14 @@ turns that into S3 objects under `KUBETRAIN_CHECKPOINT_URI`:
     <uri>/checkpoint-<step>/manifest.node-<r>.json   (sharded multi-node only)
     <uri>/checkpoint-<step>/manifest.json            (written LAST: the commit)
 
-Errors come in two types, so callers know what to do next:
-`StorageTemporaryError` (network, throttling, 5xx: retry after a delay) and
-`StoragePermanentError` (no bucket, bad credentials, bad URI: stop and report).
-`StorageAccessError`, a permanent error, marks refused access and missing
-buckets (HTTP 401/403/404): at a job's start these are retried for a bounded
-window (`RetryWindow.access_deadline`), because real clusters produce them
-transiently (a Secret or IAM policy still propagating, clock skew, a bucket
-another controller creates a few seconds after the job).
-Messages carry the operation, bucket/key and the S3 error code only; they
-never carry credentials (values of the AWS_* secrets are redacted even if a
-library puts them in a message).
+Errors are `storage_errors`' types (temporary, permanent, refused access), with
+messages that never carry credentials; when to retry is `retry.py`'s business.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -42,63 +32,10 @@ from kubetrain_trainer.layout import (
     parse_claim_name,
 )
 from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
+from kubetrain_trainer.storage_errors import ChecksumError, StorageError, StoragePermanentError, classify, error_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_ACCESS_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "NoSuchBucket",
-        "ExpiredToken",
-        "InvalidToken",
-        "RequestTimeTooSkewed",
-        "AllAccessDisabled",
-        "AccountProblem",
-        # STS AssumeRoleWithWebIdentity, called by boto3's credential chain (web identity mode):
-        # a token the identity provider or the role's trust policy does not accept.
-        "InvalidIdentityToken",
-        "IDPRejectedClaim",
-        "ExpiredTokenException",
-    }
-)
-"""Refused access or a missing bucket: `StorageAccessError` (see `should_retry`)."""
-
-_PERMANENT_CODES = _ACCESS_CODES | frozenset(
-    {
-        "InvalidBucketName",
-        "InvalidArgument",
-        "InvalidRequest",
-        "MethodNotAllowed",
-    }
-)
-
-
-class StorageError(Exception):
-    """Base of storage failures. The message is safe to log."""
-
-
-class StorageTemporaryError(StorageError):
-    """Network trouble, throttling or a server error: retry after a delay."""
-
-
-class StoragePermanentError(StorageError):
-    """Will not get better by retrying (missing bucket, bad credentials, bad URI)."""
-
-
-class StorageAccessError(StoragePermanentError):
-    """Access refused or the bucket missing (HTTP 401/403/404, or no credentials at all).
-
-    Permanent for one call; at a job's start it is retried within a bounded
-    window (`should_retry`), since a Secret, an IAM policy or a bucket may
-    still be on its way.
-    """
-
-
-class ChecksumError(StorageError):
-    """Downloaded bytes do not match the manifest: that checkpoint is not usable."""
 
 
 @dataclass(frozen=True)
@@ -176,68 +113,6 @@ class _Throttle:
         if wait > 0:
             self.sleep(wait)
 
-
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff with full jitter, capped."""
-
-    initial_s: float = 1.0
-    maximum_s: float = 60.0
-    factor: float = 2.0
-
-    def delay(self, failures: int) -> float:
-        ceiling = min(self.maximum_s, self.initial_s * self.factor ** max(0, failures - 1))
-        return random.uniform(ceiling / 2, ceiling)
-
-
-def should_retry(error: StorageError, *, now: float, delay: float, deadline: float | None,
-                 access_deadline: float | None = None) -> bool:
-    """Whether a failed storage call is tried again after `delay` seconds (times are time.monotonic).
-
-    - temporary errors: until `deadline` (None: forever);
-    - refused access or a missing bucket (`StorageAccessError`): until
-      `access_deadline`, and never past `deadline`; None: not retried;
-    - every other permanent error (bad URI, invalid bucket name...): never.
-    A retry whose wait would end past its deadline is not made: the caller
-    gets the error while the window is still open, not after it.
-    """
-    if isinstance(error, StorageAccessError):
-        if access_deadline is None:
-            return False
-        limit = access_deadline if deadline is None else min(deadline, access_deadline)
-        return now + delay <= limit
-    if isinstance(error, StorageTemporaryError):
-        return deadline is None or now + delay <= deadline
-    return False
-
-
-def retrying(
-    fn: Callable[[], T],
-    *,
-    deadline: float | None,
-    backoff: Backoff = Backoff(),
-    what: str = "",
-    sleep: Callable[[float], None] = time.sleep,
-    on_retry: Callable[[StorageError], None] | None = None,
-    access_deadline: float | None = None,
-    cancelled: Callable[[], bool] = lambda: False,
-) -> T:
-    """Run `fn`, retrying as `should_retry` says (temporary errors until `deadline`, time.monotonic;
-    refused access until `access_deadline`). `cancelled()` true (e.g. SIGTERM): the last error is raised."""
-    failures = 0
-    while True:
-        try:
-            return fn()
-        except StorageError as e:
-            failures += 1
-            delay = backoff.delay(failures)
-            if cancelled() or not should_retry(e, now=time.monotonic(), delay=delay, deadline=deadline,
-                                               access_deadline=access_deadline):
-                raise
-            if on_retry is not None:
-                on_retry(e)
-            log.warning("%s failed (%s); retry %d in %.1fs", what or "storage call", e, failures, delay)
-            sleep(delay)
 
 
 class CheckpointStore:
@@ -350,7 +225,7 @@ class CheckpointStore:
         try:
             self._client.download_file(self.location.bucket, key, str(target), Config=self._transfer)
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
-            if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
+            if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None
             raise
 
@@ -474,7 +349,7 @@ class CheckpointStore:
             try:
                 return self._client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
             except Exception as e:  # NoSuchKey is data, not an error
-                if _error_code(e) in ("NoSuchKey", "404", "NotFound"):
+                if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                     return None
                 raise
 
@@ -489,57 +364,6 @@ class CheckpointStore:
             raise classify(e, op=op, where=f"s3://{self.location.bucket}/{key}") from None
 
 
-def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
-    """Map a boto/botocore/OS exception to a temporary or permanent StorageError with a safe message."""
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        ConnectionError as BotoConnectionError,
-        HTTPClientError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-
-    code = _error_code(exc)
-    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        return StorageAccessError(f"{op} {where}: no S3 credentials found by the default AWS credential chain "
-                                  "(spec.checkpoint: credentialsSecret, webIdentity or ambient)")
-    if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
-        text = f"{op} {where}: {code or status} {message}".strip()
-        if code in _ACCESS_CODES or (code not in _PERMANENT_CODES and status in (401, 403, 404)):
-            return StorageAccessError(text)
-        if code in _PERMANENT_CODES or status in (400, 405):
-            return StoragePermanentError(text)
-        return StorageTemporaryError(text)
-    if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
-        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
-    if isinstance(exc, BotoCoreError):
-        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
-    # boto3's transfer manager wraps errors (S3UploadFailedError and friends);
-    # their text includes the inner ClientError's code.
-    text = _redact(str(exc))
-    if any(c in text for c in _ACCESS_CODES):
-        return StorageAccessError(f"{op} {where}: {type(exc).__name__}: {text}")
-    if any(c in text for c in _PERMANENT_CODES):
-        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {text}")
-    return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {text}")
-
-
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _redact(text: str) -> str:
-    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
-            text = text.replace(value, "***")
-    return text
 
 
 def _make_client(config: StorageConfig) -> Any:

@@ -86,7 +86,9 @@ from kubetrain_trainer.readiness import (
     markers_complete,
     observe_folder,
 )
-from kubetrain_trainer.storage import Backoff, CheckpointStore, StorageError, StoragePermanentError
+from kubetrain_trainer.retry import Backoff
+from kubetrain_trainer.storage import CheckpointStore
+from kubetrain_trainer.storage_errors import StorageError, StoragePermanentError
 
 log = logging.getLogger(__name__)
 
@@ -719,7 +721,7 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     so a torn final upload is recognisable. Returns the folder's URI, or None
     when there was nothing to upload.
     """
-    from kubetrain_trainer.storage import retrying
+    from kubetrain_trainer.retry import retrying
 
     found: list[FileEntry] = []
     for entry in sorted(output_dir.iterdir()):

@@ -27,7 +27,8 @@ import pytest
 
 from kubetrain_testbed.components import SA_ISSUER
 from kubetrain_testbed.sts import JOBS_ROLE, OTHER_ROLE
-from kubetrain_trainer.storage import CheckpointStore, StorageAccessError, StorageConfig, StoragePermanentError
+from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError
 
 pytestmark = [pytest.mark.integration]
 

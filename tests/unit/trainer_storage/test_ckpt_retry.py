@@ -11,14 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kubetrain_trainer.launch import ConfigError, LaunchConfig
-from kubetrain_trainer.storage import (
-    Backoff,
-    StorageAccessError,
-    StoragePermanentError,
-    StorageTemporaryError,
-    retrying,
-    should_retry,
-)
+from kubetrain_trainer.retry import Backoff, retrying, should_retry
+from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, StorageTemporaryError
 
 ACCESS = StorageAccessError("list s3://b/p/: InvalidAccessKeyId")
 TEMPORARY = StorageTemporaryError("list s3://b/p/: connection refused")

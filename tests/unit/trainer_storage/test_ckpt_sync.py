@@ -17,14 +17,8 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from kubetrain_trainer.decisions import RemoteCheckpoint, RetentionPolicy
 from kubetrain_trainer.layout import MANIFEST_NAME, node_part_name
 from kubetrain_trainer.manifest import Manifest
-from kubetrain_trainer.storage import (
-    Backoff,
-    StorageAccessError,
-    StoragePermanentError,
-    StorageTemporaryError,
-    classify,
-    retrying,
-)
+from kubetrain_trainer.retry import Backoff, retrying
+from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, StorageTemporaryError, classify
 from kubetrain_trainer.readiness import mark_ready
 from kubetrain_trainer.sync import CheckpointUploader, FolderWatcher, SyncSettings
 

@@ -20,7 +20,8 @@ from botocore.exceptions import NoCredentialsError
 
 from kubetrain_trainer import contract, launch
 from kubetrain_trainer.failure import FailureRecord, error_code, storage_failure
-from kubetrain_trainer.storage import CheckpointStore, StorageAccessError, StorageConfig
+from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+from kubetrain_trainer.storage_errors import StorageAccessError
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
 

@@ -1,0 +1,126 @@
+"""What a storage failure means: temporary, permanent or refused access, with a message safe to log.
+
+`classify` turns boto/botocore/OS exceptions into two types, so callers know
+what to do next: `StorageTemporaryError` (network, throttling, 5xx: retry after
+a delay) and `StoragePermanentError` (no bucket, bad credentials, bad URI: stop
+and report). `StorageAccessError`, a permanent error, marks refused access and
+missing buckets (HTTP 401/403/404): at a job's start these are retried for a
+bounded window (`retry.should_retry`), because real clusters produce them
+transiently (a Secret or IAM policy still propagating, clock skew, a bucket
+another controller creates a few seconds after the job). Messages carry the
+operation, bucket/key and the S3 error code only; they never carry credentials
+(values of the AWS_* secrets are redacted even if a library puts them in a
+message).
+"""
+
+from __future__ import annotations
+
+import os
+
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "NoSuchBucket",
+        "ExpiredToken",
+        "InvalidToken",
+        "RequestTimeTooSkewed",
+        "AllAccessDisabled",
+        "AccountProblem",
+        # STS AssumeRoleWithWebIdentity, called by boto3's credential chain (web identity mode):
+        # a token the identity provider or the role's trust policy does not accept.
+        "InvalidIdentityToken",
+        "IDPRejectedClaim",
+        "ExpiredTokenException",
+    }
+)
+"""Refused access or a missing bucket: `StorageAccessError` (see `retry.should_retry`)."""
+
+_PERMANENT_CODES = _ACCESS_CODES | frozenset(
+    {
+        "InvalidBucketName",
+        "InvalidArgument",
+        "InvalidRequest",
+        "MethodNotAllowed",
+    }
+)
+
+
+class StorageError(Exception):
+    """Base of storage failures. The message is safe to log."""
+
+
+class StorageTemporaryError(StorageError):
+    """Network trouble, throttling or a server error: retry after a delay."""
+
+
+class StoragePermanentError(StorageError):
+    """Will not get better by retrying (missing bucket, bad credentials, bad URI)."""
+
+
+class StorageAccessError(StoragePermanentError):
+    """Access refused or the bucket missing (HTTP 401/403/404, or no credentials at all).
+
+    Permanent for one call; at a job's start it is retried within a bounded
+    window (`retry.should_retry`), since a Secret, an IAM policy or a bucket may
+    still be on its way.
+    """
+
+
+class ChecksumError(StorageError):
+    """Downloaded bytes do not match the manifest: that checkpoint is not usable."""
+
+
+def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
+    """Map a boto/botocore/OS exception to a temporary or permanent StorageError with a safe message."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionError as BotoConnectionError,
+        HTTPClientError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    code = error_code(exc)
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return StorageAccessError(f"{op} {where}: no S3 credentials found by the default AWS credential chain "
+                                  "(spec.checkpoint: credentialsSecret, webIdentity or ambient)")
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
+        text = f"{op} {where}: {code or status} {message}".strip()
+        if code in _ACCESS_CODES or (code not in _PERMANENT_CODES and status in (401, 403, 404)):
+            return StorageAccessError(text)
+        if code in _PERMANENT_CODES or status in (400, 405):
+            return StoragePermanentError(text)
+        return StorageTemporaryError(text)
+    if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
+        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
+    if isinstance(exc, BotoCoreError):
+        return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
+    # boto3's transfer manager wraps errors (S3UploadFailedError and friends);
+    # their text includes the inner ClientError's code.
+    text = _redact(str(exc))
+    if any(c in text for c in _ACCESS_CODES):
+        return StorageAccessError(f"{op} {where}: {type(exc).__name__}: {text}")
+    if any(c in text for c in _PERMANENT_CODES):
+        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {text}")
+    return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {text}")
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError ('' for anything else)."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _redact(text: str) -> str:
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
