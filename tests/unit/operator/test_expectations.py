@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from kubetrain.handlers import EXPECTATION_TTL, Expectations
+from kubetrain.reconciler import EXPECTATION_TTL, Expectations
 from kubetrain.plan import CreatePod, DeletePod, PodView, Observed, plan
 from kubetrain_factories import at, gang, job, pod, started
 

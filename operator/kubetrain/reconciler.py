@@ -1,0 +1,352 @@
+"""The reconcile loop: per-job queueing, the in-memory observed world, and plan -> apply.
+
+No kopf here (`handlers.py` is the glue that feeds it events): the observed
+world is kept in memory, our pods by job (fed by `informer.py`) and node health
+(a kopf index handed over at startup), so a reconcile never lists anything.
+Every event that concerns a job (the job itself, one of its pods, the node under
+one of its pods) puts the job on a queue; one reconcile per job runs at a time
+and a burst of events collapses into one more run. Timers the planner asks for
+(backoff, deadlines, grace periods) are `call_later` wake-ups, and a slow resync
+re-plans every job anyway, so nothing depends on a single event.
+
+A reconcile reads the newest stored job, observes (pods, nodes, progress,
+`Expectations` of our own writes not yet seen), calls the pure `plan()`, and
+hands the plan to `k8s.apply`; the typed errors of `k8s` decide what happens
+next (re-read on a conflict, fail the job on a permanent error, back off on a
+refusal or a temporary error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kubetrain import k8s, metrics
+from kubetrain.api import LABEL_JOB, Job, pod_name
+from kubetrain.config import Settings
+from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
+from kubetrain.plan import (
+    CreatePod, DeletePod, NodeView, Observed, Plan, PodView, fail_plan, plan, rejected_plan,
+)
+from kubetrain.progress import ProgressObservation
+
+log = logging.getLogger("kubetrain.operator")
+EXPECTATION_TTL = dt.timedelta(seconds=60)
+POD_EVENT_DELAY = 0.3
+"""Pod events are coalesced: a gang's pods change state in bursts (scheduled, started,
+ready), and one reconcile per burst saves CPU and status writes."""
+CONFLICT_RETRIES = 5
+REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
+"""Seconds between pod creates the API server refused for a reason that can pass (quota)."""
+
+
+def utcnow() -> dt.datetime:
+    """The operator's clock (UTC)."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _rv(body: dict[str, Any] | None) -> int:
+    try:
+        return int((body or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+@dataclass
+class Expectations:
+    """Writes we made whose watch events have not arrived yet (as in kube-controller-manager):
+    a pod we just created is not 'missing', a pod we just deleted is not 'still running'."""
+
+    created: dict[str, tuple[dt.datetime, PodView]] = field(default_factory=dict)
+    deleted: dict[str, dt.datetime] = field(default_factory=dict)
+
+    def overlay(self, pods: list[PodView], now: dt.datetime) -> list[PodView]:
+        seen = {p.name for p in pods}
+        for name in [n for n, (t, _) in self.created.items() if n in seen or now - t > EXPECTATION_TTL]:
+            del self.created[name]
+        out = [replace(p, deletion_timestamp=self.deleted[p.name])
+               if p.name in self.deleted and p.deletion_timestamp is None else p for p in pods]
+        for name in [n for n, t in self.deleted.items() if n not in seen or now - t > EXPECTATION_TTL]:
+            del self.deleted[name]
+        return out + [view for _, view in self.created.values()]
+
+
+class PodIndex:
+    """Our pods by (namespace, job): pod name -> (controller uid, view)."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[tuple[str, str], dict[str, tuple[str, PodView]]] = {}
+
+    def put(self, key: tuple[str, str], name: str, entry: tuple[str, PodView]) -> None:
+        self._by_job.setdefault(key, {})[name] = entry
+
+    def discard(self, key: tuple[str, str], name: str) -> None:
+        pods = self._by_job.get(key)
+        if pods is not None:
+            pods.pop(name, None)
+            if not pods:
+                del self._by_job[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_job
+
+    def __getitem__(self, key: tuple[str, str]) -> list[tuple[str, PodView]]:
+        return list(self._by_job.get(key, {}).values())
+
+    def __iter__(self) -> Any:
+        return iter(list(self._by_job))
+
+
+class Reconciler:
+    """One serialized, coalescing reconcile loop per job."""
+
+    def __init__(self, *, api: k8s.Api, settings: Settings) -> None:
+        self.api, self.settings = api, settings
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods_index = PodIndex()
+        self.pods_synced = asyncio.Event()
+        self.nodes_index: Any = None
+        self.missing_nodes: dict[str, dt.datetime] = {}
+        self.gone: dict[tuple[str, str], dict[str, str]] = {}
+        self.node_ready: dict[str, bool] = {}
+        self.expectations: dict[tuple[str, str], Expectations] = {}
+        self.rejections: dict[tuple[str, str], int] = {}
+        self._running: set[tuple[str, str]] = set()
+        self._dirty: set[tuple[str, str]] = set()
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sem = asyncio.Semaphore(settings.max_concurrent_reconciles)
+        self.progress: dict[tuple[str, str], ProgressObservation] = {}
+        """The newest read of each job's rank 0 /progress (poller.py), an observation like the pods."""
+        self.active = 0
+
+    # ------------------------------------------------------------ queueing
+
+    def store_job(self, key: tuple[str, str], body: dict[str, Any]) -> None:
+        """Keep the newest body we know: the watch may lag behind our own writes."""
+        if _rv(body) >= _rv(self.jobs.get(key)):
+            self.jobs[key] = body
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self.jobs.pop(key, None)
+        self.expectations.pop(key, None)
+        self.gone.pop(key, None)
+        self.rejections.pop(key, None)
+        self.progress.pop(key, None)
+        timer = self._timers.pop(key, None)
+        if timer:
+            timer.cancel()
+
+    def enqueue(self, key: tuple[str, str], delay: float = 0.0) -> None:
+        if delay > 0:
+            loop = asyncio.get_running_loop()
+            when = loop.time() + delay
+            timer = self._timers.get(key)
+            if timer is not None and not timer.cancelled() and timer.when() <= when:
+                return
+            if timer is not None:
+                timer.cancel()
+            self._timers[key] = loop.call_at(when, self._fire, key)
+            return
+        if key in self._running:
+            self._dirty.add(key)
+            return
+        self._running.add(key)
+        task = asyncio.get_running_loop().create_task(self._run(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for a reconcile slot (queued, not yet running)."""
+        return len(self._running) - self.active
+
+    def _fire(self, key: tuple[str, str]) -> None:
+        self._timers.pop(key, None)
+        self.enqueue(key)
+
+    async def _run(self, key: tuple[str, str]) -> None:
+        try:
+            await self.pods_synced.wait()  # until the pod list is in, a missing pod proves nothing
+            while True:
+                self._dirty.discard(key)
+                async with self._sem:
+                    self.active += 1
+                    try:
+                        with metrics.RECONCILE_SECONDS.time():
+                            await self.reconcile(key)
+                    except Exception:  # a bug must not kill the loop of this job forever
+                        metrics.ERRORS.labels("reconcile_crash").inc()
+                        log.exception("reconcile of %s/%s crashed; retrying in 10s", *key)
+                        self.enqueue(key, 10.0)
+                    finally:
+                        self.active -= 1
+                if key not in self._dirty:
+                    return
+        finally:
+            self._running.discard(key)
+
+    async def resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            for key in list(self.jobs):
+                self.enqueue(key)
+
+    async def stop(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------ observing
+
+    def observe(self, job: Job, now: dt.datetime) -> Observed:
+        pods = [view for uid, view in self.pods_index[(job.namespace, job.name)] if uid == job.uid]
+        exp = self.expectations.setdefault((job.namespace, job.name), Expectations())
+        pods = exp.overlay(pods, now)
+        nodes: dict[str, NodeView] = {}
+        for pod in pods:
+            if pod.node_name and pod.node_name not in nodes:
+                nodes[pod.node_name] = self.node_view(pod.node_name, now)
+        gone = self.gone.get((job.namespace, job.name), {})
+        for name in [n for n in gone if not n.startswith(f"{job.name}-a{job.status.attempt}-")]:
+            del gone[name]  # only the current attempt's losses matter
+        return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes, gone=dict(gone),
+                        progress=self.progress.get((job.namespace, job.name)))
+
+    def node_view(self, name: str, now: dt.datetime) -> NodeView:
+        if self.nodes_index is not None and name in self.nodes_index:
+            for view in self.nodes_index[name]:
+                self.missing_nodes.pop(name, None)
+                return view
+        since = self.missing_nodes.setdefault(name, now)
+        return NodeView(name=name, exists=False, ready=False, since=since)
+
+    def job_event(self, kind: str, key: tuple[str, str], body: dict[str, Any]) -> None:
+        """One TrainingJob event: keep its newest body and wake it up; forget a deleted one."""
+        if kind == "DELETED":
+            self.forget(key)
+            return
+        self.store_job(key, body)
+        self.enqueue(key)
+
+    def node_event(self, kind: str, name: str, ready: bool) -> None:
+        """One node event: a change of readiness (or a deletion) wakes up the jobs with a pod
+        on that node; a heartbeat (no change) does nothing."""
+        if kind == "DELETED":
+            self.missing_nodes.setdefault(name, utcnow())
+        if self.node_ready.get(name) == ready and kind != "DELETED":
+            return  # a heartbeat, not a change
+        self.node_ready[name] = ready
+        for key in self.pods_index:
+            if any(view.node_name == name for _, view in self.pods_index[key]) and key in self.jobs:
+                self.enqueue(key)
+
+    def pod_event(self, kind: str, body: dict[str, Any]) -> None:
+        """One pod event from the informer: update the index, remember why a pod was
+        taken away, and wake its job up (after POD_EVENT_DELAY: a gang's pods change
+        state in bursts, and one reconcile per burst saves CPU and status writes)."""
+        meta = body.get("metadata") or {}
+        job = (meta.get("labels") or {}).get(LABEL_JOB)
+        if not job:
+            return
+        key, name = (meta.get("namespace") or "", job), meta.get("name") or ""
+        view = PodView.from_storage(body)
+        if kind == "DELETED":
+            self.pods_index.discard(key, name)
+            if key in self.jobs and view is not None and view.disruption:
+                self.gone.setdefault(key, {})[name] = view.disruption  # kept for the Preempted event
+        else:
+            if view is None:  # no longer labelled as ours
+                self.pods_index.discard(key, name)
+                return
+            owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
+            self.pods_index.put(key, name, (owner or "", view))
+        if key in self.jobs:
+            self.enqueue(key, POD_EVENT_DELAY)
+
+    # ------------------------------------------------------------ reconciling
+
+    async def reconcile(self, key: tuple[str, str]) -> None:
+        for _ in range(CONFLICT_RETRIES):
+            body = self.jobs.get(key)
+            if body is None:
+                return
+            now = utcnow()
+            job = Job.from_storage(body, default_image=self.settings.default_image)
+            observed = self.observe(job, now)
+            result = plan(job, observed, now)
+            if not result.actions and not result.events:
+                if result.requeue_after is not None:
+                    self.enqueue(key, result.requeue_after + 0.05)
+                return
+            rv = str(body["metadata"].get("resourceVersion") or "")
+            try:
+                written = await k8s.apply(self.api, job, rv, result)
+            except ConflictError:
+                metrics.ERRORS.labels("conflict").inc()
+                fresh = await self.api.get_job(*key)
+                if fresh is None:
+                    self.forget(key)
+                    return
+                self.jobs[key] = fresh
+                continue
+            except PermanentError as exc:
+                metrics.ERRORS.labels("permanent").inc()
+                log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
+                failed = fail_plan(job, observed, now, reason=exc.reason, message=str(exc))
+                try:
+                    written = await k8s.apply(self.api, job, rv, failed)
+                except ApiError:
+                    self.enqueue(key, 2.0)
+                    return
+            except RejectedError as exc:
+                metrics.ERRORS.labels("rejected").inc()
+                count = self.rejections[key] = self.rejections.get(key, 0) + 1
+                delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
+                log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,
+                            exc.reason, delay)
+                waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
+                try:
+                    written = await k8s.apply(self.api, job, rv, waiting)
+                    if written is not None:
+                        self.store_job(key, written)
+                except ApiError:
+                    pass  # the retry below plans again from whatever is stored
+                self.enqueue(key, delay)
+                return
+            except TemporaryError as exc:
+                metrics.ERRORS.labels("temporary").inc()
+                log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
+                self.enqueue(key, exc.delay)
+                return
+            except ApiError as exc:  # refused (404, 403, 400/422 on a write that is not a create): look again later
+                metrics.ERRORS.labels("api").inc()
+                log.warning("reconcile of %s/%s: HTTP %s %s; retrying", job.namespace, job.name, exc.status,
+                            exc.http_reason)
+                self.enqueue(key, 5.0)
+                return
+            self._remember(key, result, now)
+            metrics.count_plan(job.status, result)
+            if any(isinstance(a, CreatePod) for a in result.actions):
+                self.rejections.pop(key, None)
+            if written is not None:
+                self.store_job(key, written)
+            for event in result.events:
+                log.info("%s/%s %s: %s", job.namespace, job.name, event.reason, event.message)
+            if result.requeue_after is not None:
+                self.enqueue(key, result.requeue_after + 0.05)
+            return
+        self.enqueue(key, 1.0)
+
+    def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime) -> None:
+        exp = self.expectations.setdefault(key, Expectations())
+        for action in result.actions:
+            if isinstance(action, CreatePod):
+                name = pod_name(key[1], action.attempt, action.rank)
+                exp.created[name] = (now, PodView(name=name, attempt=action.attempt, rank=action.rank))
+            elif isinstance(action, DeletePod):
+                exp.deleted[action.name] = now
