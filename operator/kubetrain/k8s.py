@@ -7,16 +7,16 @@ stale state: the caller re-reads and re-plans), then deletions (NotFound is
 success), then the events. Every write is counted in `Api.writes`, which the
 liveness endpoint and the benchmark report.
 
-Errors are split the kopf way: `TemporaryError` (network, 5xx, 429: retry
-later), `ConflictError` (re-read and re-plan now), `PermanentError` (the API
-server rejected an object we built from the spec: the job cannot run).
+Every client error is classified once, in `Api._call`, into the types of
+`errors.py`; the functions here decide what each means for their request
+(AlreadyExists on a create is success, a conflict on the status write makes
+the caller re-read and re-plan, an invalid pod is a `PermanentError`).
 The Kubernetes client is synchronous; calls run in a bounded thread pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import collections
 import concurrent.futures
 import datetime as dt
@@ -31,6 +31,10 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from kubetrain import builders
+from kubetrain.errors import (
+    ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
+    classify, classify_forbidden,
+)
 from kubetrain.api import GROUP, PLURAL, VERSION, Job, format_time
 from kubetrain.plan import (
     CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus, Plan,
@@ -39,35 +43,6 @@ from kubetrain.plan import (
 log = logging.getLogger("kubetrain.k8s")
 MERGE_PATCH = "application/merge-patch+json"
 COMPONENT = "kubetrain-operator"
-
-
-class TemporaryError(RuntimeError):
-    """The API could not be reached or refused for now: retry after a delay."""
-
-    def __init__(self, message: str, delay: float = 2.0) -> None:
-        super().__init__(message)
-        self.delay = delay
-
-
-class RejectedError(TemporaryError):
-    """The API server refused to create a pod for a reason that can pass (a ResourceQuota that
-    is full, RBAC not yet granted): wait with backoff, and show the reason on the job."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class ConflictError(RuntimeError):
-    """The job changed since it was observed: re-read it and plan again."""
-
-
-class PermanentError(RuntimeError):
-    """The API server rejected an object built from the spec: retrying cannot help."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def load_client_config(*, threads: int) -> client.ApiClient:
@@ -101,7 +76,7 @@ class Api:
         self._urgent_idle.set()
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
-        """Run one blocking client call in the pool; map errors to our error types.
+        """Run one blocking client call in the pool; errors come as the types of `errors.py`.
 
         Responses are returned as parsed JSON dicts: the client's model classes cost
         more CPU than everything else the operator does."""
@@ -141,10 +116,7 @@ class Api:
         try:
             return await loop.run_in_executor(self.pool, blocking)
         except ApiException as exc:
-            if exc.status in (409, 404, 422, 400, 403):
-                raise
-            raise TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}",
-                                 delay=5.0 if exc.status == 429 else 2.0) from None
+            raise classify(exc, what) from None
         except (OSError, ValueError) as exc:
             raise TemporaryError(f"{what}: {type(exc).__name__}: {exc}") from None
 
@@ -164,9 +136,9 @@ class Api:
         try:
             return await self.call("get trainingjob", self.custom.get_namespaced_custom_object,
                                    GROUP, VERSION, namespace, PLURAL, name, write=False)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
+        except NotFoundError:
+            return None
+        except RefusedError as exc:
             raise TemporaryError(f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
 
 
@@ -235,38 +207,27 @@ async def patch_status(api: Api, job: Job, resource_version: str, action: PatchS
     try:
         return await api.call("patch trainingjob/status", api.custom.patch_namespaced_custom_object_status,
                               GROUP, VERSION, job.namespace, PLURAL, job.name, body, _content_type=MERGE_PATCH)
-    except ApiException as exc:
-        if exc.status == 409:
-            raise ConflictError(f"trainingjob {job.namespace}/{job.name} changed since it was read") from None
-        if exc.status == 404:
-            return None
-        raise TemporaryError(f"patch status of {job.namespace}/{job.name}: HTTP {exc.status} {exc.reason}") from None
+    except ConflictError as exc:
+        raise ConflictError(f"trainingjob {job.namespace}/{job.name} changed since it was read",
+                            status=exc.status, http_reason=exc.http_reason, api_message=exc.api_message) from None
+    except NotFoundError:
+        return None
+    except RefusedError as exc:
+        raise TemporaryError(f"patch status of {job.namespace}/{job.name}: HTTP {exc.status} {exc.http_reason}") \
+            from None
 
 
 async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, body: dict[str, Any]) -> None:
     try:
         await api.call(what, fn, namespace, body)
-    except ApiException as exc:
-        if exc.status == 409:
-            return  # AlreadyExists: deterministic names make creation idempotent
-        message = f"{what} {body['metadata']['name']}: {_api_message(exc)}"
-        if exc.status in (400, 422):
-            raise PermanentError("InvalidPodTemplate", message) from None
-        if exc.status == 403:
-            raise classify_forbidden(_api_message(exc), message) from None
-        raise TemporaryError(f"{what}: HTTP {exc.status} {exc.reason}") from None
-
-
-def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:
-    """A 403 on a create: a full ResourceQuota or missing RBAC can pass (wait); PodSecurity,
-    a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
-    if "exceeded quota" in api_message:
-        return RejectedError("QuotaExceeded", message)
-    if "cannot create resource" in api_message:
-        return RejectedError("Forbidden", message)
-    if "violates PodSecurity" in api_message:
-        return PermanentError("PodSecurity", message)
-    return PermanentError("PodRejected", message)
+    except ConflictError:
+        return  # AlreadyExists: deterministic names make creation idempotent
+    except InvalidError as exc:
+        raise PermanentError("InvalidPodTemplate", f"{what} {body['metadata']['name']}: {exc.api_message}") from None
+    except ForbiddenError as exc:
+        raise classify_forbidden(exc.api_message, f"{what} {body['metadata']['name']}: {exc.api_message}") from None
+    except NotFoundError as exc:
+        raise TemporaryError(f"{what}: HTTP {exc.status} {exc.http_reason}") from None
 
 
 async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
@@ -278,29 +239,33 @@ async def _ensure_configmap(api: Api, job: Job) -> None:
     body = builders.get_deepspeed_configmap(job=job)
     try:
         await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
-        await api.call("patch configmap", api.core.patch_namespaced_config_map, body["metadata"]["name"],
-                       job.namespace, {"data": body["data"]})
+        return
+    except ConflictError:
+        pass  # it exists: bring its data up to date
+    except RefusedError as exc:
+        raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
+    await api.call("patch configmap", api.core.patch_namespaced_config_map, body["metadata"]["name"],
+                   job.namespace, {"data": body["data"]})
 
 
 async def _delete_pod(api: Api, job: Job, action: DeletePod) -> None:
     kwargs: dict[str, Any] = {"grace_period_seconds": 0} if action.force else {}
     try:
         await api.call("delete pod", api.core.delete_namespaced_pod, action.name, job.namespace, **kwargs)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise TemporaryError(f"delete pod {action.name}: HTTP {exc.status}") from None
+    except NotFoundError:
+        pass
+    except RefusedError as exc:
+        raise TemporaryError(f"delete pod {action.name}: HTTP {exc.status}") from None
 
 
 async def _delete_job(api: Api, job: Job) -> None:
     try:
         await api.call("delete trainingjob", api.custom.delete_namespaced_custom_object, GROUP, VERSION,
                        job.namespace, PLURAL, job.name, propagation_policy="Background")
-    except ApiException as exc:
-        if exc.status != 404:
-            raise TemporaryError(f"delete trainingjob {job.name}: HTTP {exc.status}") from None
+    except NotFoundError:
+        pass
+    except RefusedError as exc:
+        raise TemporaryError(f"delete trainingjob {job.name}: HTTP {exc.status}") from None
 
 
 async def post_event(api: Api, job: Job, event: Event) -> None:
@@ -317,12 +282,6 @@ async def post_event(api: Api, job: Job, event: Event) -> None:
     }
     try:
         await api.call("create event", api.core.create_namespaced_event, job.namespace, body)
-    except (ApiException, TemporaryError) as exc:
+    except ApiError as exc:
         log.warning("could not post event %s for %s/%s: %s", event.reason, job.namespace, job.name, exc)
 
-
-def _api_message(exc: ApiException) -> str:
-    try:
-        return str(json.loads(exc.body).get("message") or exc.reason)[:600]
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)

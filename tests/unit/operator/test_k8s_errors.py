@@ -1,10 +1,18 @@
-"""Which API refusals of a pod create can pass (wait) and which cannot (fail the job)."""
+"""The API's errors as types: each HTTP status once, in `Api._call`; which refusals of a pod
+create can pass (wait) and which cannot (fail the job)."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import json
 
-from kubetrain.k8s import PermanentError, RejectedError, classify_forbidden
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from kubetrain import errors
+from kubetrain.errors import PermanentError, RejectedError, classify_forbidden
+from kubetrain.k8s import Api
 
 CASES = [
     ('pods "tj-a1-n0" is forbidden: exceeded quota: q, requested: pods=1, used: pods=4, limited: pods=4',
@@ -22,3 +30,52 @@ CASES = [
 def test_forbidden_pod_creates_are_classified(api_message: str, kind: type, reason: str) -> None:
     err = classify_forbidden(api_message, f"create pod tj-a1-n0: {api_message}")
     assert isinstance(err, kind) and err.reason == reason and api_message in str(err)
+
+
+STATUSES = [
+    (409, errors.ConflictError), (404, errors.NotFoundError), (400, errors.InvalidError),
+    (422, errors.InvalidError), (403, errors.ForbiddenError), (429, errors.TemporaryError),
+    (500, errors.TemporaryError), (503, errors.TemporaryError), (410, errors.TemporaryError),
+]
+
+
+@pytest.mark.parametrize("status,kind", STATUSES, ids=[str(s) for s, _ in STATUSES])
+def test_api_call_raises_one_typed_error_per_status(status: int, kind: type) -> None:
+    """What a caller of `Api.call` catches: never a raw ApiException, never a status to inspect."""
+    body = json.dumps({"kind": "Status", "message": f"pods \"tj-a1-n0\" says {status}"})
+
+    def create_namespaced_pod(*_: object, **__: object) -> None:
+        exc = ApiException(status=status, reason="Reason")
+        exc.body = body
+        raise exc
+
+    async def call() -> None:
+        api = Api(client.ApiClient(), threads=2)
+        try:
+            await api.call("create pod", create_namespaced_pod, "ns", {})
+        finally:
+            api.close()
+
+    with pytest.raises(errors.ApiError) as raised:
+        asyncio.run(call())
+    assert type(raised.value) is kind
+    assert raised.value.status == status
+    assert raised.value.api_message == f'pods "tj-a1-n0" says {status}'
+    assert str(raised.value) == f"create_namespaced_pod: HTTP {status} Reason"
+    if kind is errors.TemporaryError:
+        assert raised.value.delay == (5.0 if status == 429 else 2.0)
+
+
+def test_network_trouble_is_temporary() -> None:
+    def list_namespaced_pod(*_: object, **__: object) -> None:
+        raise ConnectionRefusedError("connection refused")
+
+    async def call() -> None:
+        api = Api(client.ApiClient(), threads=2)
+        try:
+            await api.call("list pods", list_namespaced_pod, "ns", write=False)
+        finally:
+            api.close()
+
+    with pytest.raises(errors.TemporaryError, match="list_namespaced_pod: ConnectionRefusedError"):
+        asyncio.run(call())

@@ -1,0 +1,116 @@
+"""The Kubernetes API's answers as types: every `ApiException` is classified here, once.
+
+`k8s.Api._call` turns each client error into one of these, so no caller ever
+inspects an HTTP status. Two families, the kopf way:
+- `TemporaryError`: no definite answer (network trouble, 5xx, 429 or any other
+  status): retry after `delay`. `RejectedError` is a refusal of a pod create
+  that can pass (a full ResourceQuota, RBAC not yet granted): wait with backoff.
+- `RefusedError`: a definite answer about this request: `ConflictError` (409:
+  changed since read, or already exists), `NotFoundError` (404), `InvalidError`
+  (400, 422: the object is wrong), `ForbiddenError` (403). What it means
+  depends on the request, and the caller decides (a conflict on a create is
+  success, on a status write a reason to re-read and plan again).
+`PermanentError` is the caller's verdict that a job cannot run (the API server
+rejected an object built from its spec).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kubernetes.client.rest import ApiException
+
+
+class ApiError(RuntimeError):
+    """An error from a call to the Kubernetes API."""
+
+    def __init__(self, message: str, *, status: int | None = None, http_reason: str = "",
+                 api_message: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status, when the API server answered."""
+        self.http_reason = http_reason
+        """The HTTP reason phrase (Conflict, Not Found...)."""
+        self.api_message = api_message
+        """The `message` of the API server's Status object (or the reason phrase), at most 600 characters."""
+
+
+class TemporaryError(ApiError):
+    """The API could not be reached or refused for now: retry after a delay."""
+
+    def __init__(self, message: str, delay: float = 2.0, *, status: int | None = None, http_reason: str = "",
+                 api_message: str = "") -> None:
+        super().__init__(message, status=status, http_reason=http_reason, api_message=api_message)
+        self.delay = delay
+
+
+class RejectedError(TemporaryError):
+    """The API server refused to create a pod for a reason that can pass (a ResourceQuota that
+    is full, RBAC not yet granted): wait with backoff, and show the reason on the job."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RefusedError(ApiError):
+    """A definite answer about this request; the subclass says which."""
+
+
+class ConflictError(RefusedError):
+    """409: the object changed since it was read (re-read and plan again), or already exists."""
+
+
+class NotFoundError(RefusedError):
+    """404: the object (or its namespace) does not exist."""
+
+
+class InvalidError(RefusedError):
+    """400 or 422: the API server refused the object itself (schema, validation)."""
+
+
+class ForbiddenError(RefusedError):
+    """403: RBAC, a ResourceQuota, PodSecurity, a LimitRange or an admission webhook said no."""
+
+
+class PermanentError(RuntimeError):
+    """The API server rejected an object built from the spec: retrying cannot help."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_REFUSALS: dict[int, type[RefusedError]] = {
+    409: ConflictError, 404: NotFoundError, 400: InvalidError, 422: InvalidError, 403: ForbiddenError,
+}
+
+
+def classify(exc: ApiException, what: str) -> ApiError:
+    """The typed error of a client's ApiException (`what`: the call, for the message)."""
+    status, reason, api_message = exc.status, str(exc.reason), _api_message(exc)
+    message = f"{what}: HTTP {status} {reason}"
+    refused = _REFUSALS.get(status) if isinstance(status, int) else None
+    if refused is not None:
+        return refused(message, status=status, http_reason=reason, api_message=api_message)
+    return TemporaryError(message, delay=5.0 if status == 429 else 2.0, status=status, http_reason=reason,
+                          api_message=api_message)
+
+
+def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:
+    """A 403 on a create: a full ResourceQuota or missing RBAC can pass (wait); PodSecurity,
+    a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
+    if "exceeded quota" in api_message:
+        return RejectedError("QuotaExceeded", message)
+    if "cannot create resource" in api_message:
+        return RejectedError("Forbidden", message)
+    if "violates PodSecurity" in api_message:
+        return PermanentError("PodSecurity", message)
+    return PermanentError("PodRejected", message)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)[:600]
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)
