@@ -14,7 +14,7 @@ It is the trainer side of docs/contract.md, and PID 1 of the pod:
    needs of the grace period (`grace.py`), then spend the rest uploading it;
 6. exit with the contract's code: 0 success, 83 preempted, 82 invalid
    configuration, 84 checkpoint storage unusable, else the worker's code; on node
-   rank 0 report the last committed checkpoint (termination message, pod annotation).
+   rank 0 report the last committed checkpoint in the termination message (`podreport.py`).
 Throughout, it serves /metrics and /progress on KUBETRAIN_METRICS_PORT (`metrics.py`).
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
-from kubetrain_trainer.failure import storage_failure
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.metrics import DEFAULT_PORT, Telemetry
+from kubetrain_trainer.podreport import report_storage_refused, write_termination_message
 from kubetrain_trainer.progress import PROGRESS_FILE_ENV
 
 from kubetrain_trainer.contract import (
@@ -94,7 +94,6 @@ class LaunchConfig:
     metrics_port: int = DEFAULT_PORT
     """KUBETRAIN_METRICS_PORT: where /metrics and /progress are served; 0: not at all."""
     termination_log: Path = Path("/dev/termination-log")
-    service_account_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -165,9 +164,6 @@ class LaunchConfig:
             commit_mode=commit_mode,
             metrics_port=metrics_port,
             termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
-            service_account_dir=Path(
-                env.get("KUBETRAIN_SERVICEACCOUNT_DIR") or "/var/run/secrets/kubernetes.io/serviceaccount"
-            ),
         )
 
     def retention(self):
@@ -370,10 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if isinstance(e, StorageAccessError):
                 log.error("invalid configuration: checkpoint storage %s refused access (or has no such bucket) "
                           "for %.0fs (KUBETRAIN_S3_AUTH_RETRY_SECONDS): %s", cfg.checkpoint_uri, cfg.access_retry_s, e)
-                return _storage_refused(cfg, e, FAILURE_STORAGE_ACCESS_DENIED)
+                report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_ACCESS_DENIED,
+                                       where=cfg.checkpoint_uri)
+                return EXIT_INVALID_CONFIG
             if isinstance(e, StoragePermanentError):
                 log.error("invalid configuration: checkpoint storage %s: %s", cfg.checkpoint_uri, e)
-                return _storage_refused(cfg, e, FAILURE_STORAGE_REQUEST_INVALID)
+                report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_REQUEST_INVALID,
+                                       where=cfg.checkpoint_uri)
+                return EXIT_INVALID_CONFIG
             log.error("checkpoint storage %s unreachable: %s", cfg.checkpoint_uri, e)
             return EXIT_STORAGE
     if stop.is_set():
@@ -574,17 +574,6 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
         if cfg.node_rank != 0:
             return
         write_termination_message(cfg.termination_log, record.to_json())
-        annotate_pod(
-            sa_dir=cfg.service_account_dir, namespace=cfg.namespace, pod=cfg.pod_name,
-            annotations={"kubetrain.io/last-checkpoint": record.to_json()},
-        )
-
-    def on_lag(lagging: bool, line: str) -> None:
-        # The operator can surface this in the job's status ("checkpoints are lagging").
-        annotate_pod(
-            sa_dir=cfg.service_account_dir, namespace=cfg.namespace, pod=cfg.pod_name,
-            annotations={"kubetrain.io/checkpoint-sync": line if lagging else None},
-        )
 
     settings = SyncSettings(
         attempt=cfg.attempt,
@@ -600,7 +589,7 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     )
     staging = cfg.local_dir.parent / f".{cfg.local_dir.name}.upload-staging"
     uploader = CheckpointUploader(
-        store, settings, staging_dir=staging, on_commit=on_commit, on_lag=on_lag, initial=initial,
+        store, settings, staging_dir=staging, on_commit=on_commit, initial=initial,
         on_upload=telemetry.uploaded, save_seconds=telemetry.save_seconds,
     ).start()
     telemetry.attach(uploader)
@@ -609,63 +598,6 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     if stale:
         log.warning("ignoring local checkpoints left from before this launch: %s", stale)
     return uploader, WatchLoop(watcher, uploader).start(), resume_from
-
-
-def _storage_refused(cfg: LaunchConfig, error: Exception, reason: str) -> int:
-    """Exit 82 with the failure record in the termination message (every rank: each pod failed).
-    Storage refused this pod before its first commit, so no last-checkpoint record is displaced."""
-    write_termination_message(cfg.termination_log,
-                              storage_failure(error, reason=reason, where=cfg.checkpoint_uri).to_json())
-    return EXIT_INVALID_CONFIG
-
-
-def write_termination_message(path: Path, message: str) -> None:
-    """Best effort: the pod's terminationMessagePath carries the last committed checkpoint (or why
-    storage refused the pod: failure.py)."""
-    try:
-        tmp = path.with_name(path.name + ".tmp") if path.parent != Path("/dev") else path
-        tmp.write_text(message + "\n")
-        if tmp != path:
-            tmp.replace(path)
-    except OSError as e:
-        log.debug("cannot write termination message to %s: %s", path, e)
-
-
-def annotate_pod(
-    *, sa_dir: Path, namespace: str, pod: str, annotations: Mapping[str, str | None], timeout_s: float = 5.0
-) -> bool:
-    """Best effort: set (None: remove) annotations on our pod with a plain HTTPS merge patch.
-
-    Uses the mounted ServiceAccount token; no Kubernetes client library in the
-    trainer image. Failures are logged at debug level and never raised.
-    """
-    import ssl
-    import urllib.request
-
-    token_file = sa_dir / "token"
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    if not pod or not host or not token_file.is_file():
-        return False
-    if not namespace:
-        try:
-            namespace = (sa_dir / "namespace").read_text().strip()
-        except OSError:
-            return False
-    host = f"[{host}]" if ":" in host else host
-    url = f"https://{host}:{port}/api/v1/namespaces/{namespace}/pods/{pod}"
-    body = json.dumps({"metadata": {"annotations": dict(annotations)}}).encode()
-    try:
-        ca = sa_dir / "ca.crt"
-        context = ssl.create_default_context(cafile=str(ca) if ca.is_file() else None)
-        request = urllib.request.Request(url, data=body, method="PATCH")
-        request.add_header("Authorization", "Bearer " + token_file.read_text().strip())
-        request.add_header("Content-Type", "application/merge-patch+json")
-        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
-            return 200 <= response.status < 300
-    except Exception as e:  # noqa: BLE001 - reporting is best effort; the token is never logged
-        log.debug("cannot annotate pod %s/%s: %s", namespace, pod, type(e).__name__)
-        return False
 
 
 def _signal(p: subprocess.Popen, sig: int, *, group: bool) -> None:
