@@ -197,7 +197,7 @@ def test_every_documented_exit_code_reads_on_the_operator_side_as_documented() -
 
 
 def test_the_last_checkpoint_record_and_annotations_agree() -> None:
-    from kubetrain_trainer.sync import CommittedCheckpoint
+    from kubetrain_trainer.commit import CommittedCheckpoint
 
     text = CommittedCheckpoint(step=1200, uri="s3://b/p/ml/j/checkpoint-1200", time="2026-01-01T00:00:00Z").to_json()
     assert json.loads(text)["kind"] == contract.LAST_CHECKPOINT_KIND

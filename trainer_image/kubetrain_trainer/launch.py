@@ -501,7 +501,7 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
     from kubetrain_trainer.decisions import newest_complete
     from kubetrain_trainer.retry import retrying
     from kubetrain_trainer.storage_errors import ChecksumError
-    from kubetrain_trainer.sync import CommittedCheckpoint
+    from kubetrain_trainer.commit import CommittedCheckpoint
 
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
@@ -543,7 +543,7 @@ def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event 
 def _upload_final(cfg: LaunchConfig, uploader) -> bool:
     """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored."""
     from kubetrain_trainer.storage_errors import StorageError
-    from kubetrain_trainer.sync import upload_final_model
+    from kubetrain_trainer.final_model import upload_final_model
 
     step = uploader.last_committed.step if uploader.last_committed else 0
     try:
@@ -559,7 +559,9 @@ def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
     """Restore, then start the uploader and the folder watcher. Returns (uploader, watch, resume_from)."""
     from kubetrain_trainer.retry import Backoff
     from kubetrain_trainer.storage import CheckpointStore, StorageConfig
-    from kubetrain_trainer.sync import CheckpointUploader, CommittedCheckpoint, FolderWatcher, SyncSettings, WatchLoop
+    from kubetrain_trainer.commit import CommittedCheckpoint, SyncSettings
+    from kubetrain_trainer.sync import CheckpointUploader
+    from kubetrain_trainer.watcher import FolderWatcher, WatchLoop
 
     store = CheckpointStore(StorageConfig.from_env(os.environ))
     started = time.monotonic()

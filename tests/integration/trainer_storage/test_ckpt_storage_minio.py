@@ -15,7 +15,8 @@ from kubetrain_trainer.decisions import RetentionPolicy, newest_complete
 from kubetrain_trainer.retry import Backoff
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
 from kubetrain_trainer.storage_errors import StoragePermanentError, StorageTemporaryError
-from kubetrain_trainer.sync import CheckpointUploader, SyncSettings
+from kubetrain_trainer.commit import SyncSettings
+from kubetrain_trainer.sync import CheckpointUploader
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20

@@ -22,7 +22,9 @@ from kubetrain_trainer.readiness import (
     markers_complete,
     rank_marker_name,
 )
-from kubetrain_trainer.sync import CheckpointUploader, FolderWatcher, SyncSettings, WatchLoop
+from kubetrain_trainer.commit import SyncSettings
+from kubetrain_trainer.sync import CheckpointUploader
+from kubetrain_trainer.watcher import FolderWatcher, WatchLoop
 
 from test_ckpt_sync import FAST, MemoryStore
 

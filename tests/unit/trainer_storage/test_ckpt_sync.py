@@ -20,7 +20,9 @@ from kubetrain_trainer.manifest import Manifest
 from kubetrain_trainer.retry import Backoff, retrying
 from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, StorageTemporaryError, classify
 from kubetrain_trainer.readiness import mark_ready
-from kubetrain_trainer.sync import CheckpointUploader, FolderWatcher, SyncSettings
+from kubetrain_trainer.commit import SyncSettings
+from kubetrain_trainer.sync import CheckpointUploader
+from kubetrain_trainer.watcher import FolderWatcher
 
 FAST = Backoff(initial_s=0.01, maximum_s=0.05)
 
@@ -465,7 +467,7 @@ def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
 def test_sync_callback_uploads_on_save_unless_the_launcher_does(tmp_path: Path, monkeypatch):
     from types import SimpleNamespace
 
-    from kubetrain_trainer.sync import CheckpointSyncCallback
+    from kubetrain_trainer.watcher import CheckpointSyncCallback
 
     store = MemoryStore()
     folder = _local_checkpoint(tmp_path / "out", 9)

@@ -14,7 +14,7 @@ from pathlib import Path
 from kubetrain_trainer import launch
 from kubetrain_trainer.layout import MANIFEST_NAME, checkpoint_dirname
 from kubetrain_trainer.manifest import FileEntry, Manifest
-from kubetrain_trainer.sync import CommittedCheckpoint
+from kubetrain_trainer.commit import CommittedCheckpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTRACT = (ROOT / "docs" / "contract.md").read_text()

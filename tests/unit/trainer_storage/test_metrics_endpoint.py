@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetrain_trainer.launch import ConfigError, LaunchConfig
 from kubetrain_trainer.metrics import Telemetry, progress_document
 from kubetrain_trainer.progress import ProgressTracker, WorkerProgress
-from kubetrain_trainer.sync import CommittedCheckpoint
+from kubetrain_trainer.commit import CommittedCheckpoint
 
 PROGRESS_KEYS = {"kind", "step", "maxSteps", "epoch", "loss", "learningRate", "samplesPerSecond", "tokensPerSecond",
                  "etaSeconds", "attempt", "incarnation", "updatedAt", "pendingUploads", "uploadLagSteps",

@@ -1,0 +1,269 @@
+"""The commit protocol for one checkpoint: fence, upload its files, gather the nodes' parts, manifest last.
+
+The I/O around `decisions.plan_commit`, for one hard-linked snapshot
+(`UploadJob`) of a local `checkpoint-<step>/`:
+
+1. list the remote checkpoints and the claims, and ask `plan_commit`: fenced,
+   already committed with the same content, or upload (uncommitting another
+   writer's manifest first);
+2. upload every file not yet uploaded (a retry resumes where the last try
+   stopped), the claims fence re-read before each file and while its bytes go
+   out (`ClaimsFence`, at most once per `fence_check_interval_s`);
+3. multi-node: write this node's part (`manifest.node-<r>.json`); node rank 0
+   then waits up to `part_wait_s` for every node's part and merges them
+   (`decisions.merge_parts`, `MissingPartsError` while one is missing), or gives
+   the step up (`SupersededError`) once a missing node wrote a part of a newer
+   step (each node uploads in step order, so it skipped this one);
+4. re-check the fence against manifests and claims, then write `manifest.json`
+   LAST: from then on the checkpoint exists for resume.
+
+Fencing is check-then-write (plain S3 has no compare-and-swap across objects,
+and boto3's managed transfers take no If-None-Match): a zombie (an attempt
+still running after its pod was force-deleted) stops at its next request, so
+what it can overwrite under a newer commit is bounded by one in-flight
+request, which restore's sha256 check then catches.
+
+Retries, the queue and reporting are the uploader's (`sync.py`); retention
+after the commit is `retention.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Literal
+
+from kubetrain_trainer.contract import LAST_CHECKPOINT_KIND
+from kubetrain_trainer.decisions import (
+    MissingPartsError,
+    RemoteCheckpoint,
+    RetentionPolicy,
+    check_fence,
+    merge_parts,
+    plan_commit,
+)
+from kubetrain_trainer.hashing import build_manifest, scan_folder
+from kubetrain_trainer.layout import node_part_name
+from kubetrain_trainer.manifest import FileEntry, ManifestError, NodePart
+from kubetrain_trainer.retry import Backoff
+from kubetrain_trainer.storage_errors import StorageError
+
+if TYPE_CHECKING:
+    from kubetrain_trainer.storage import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+
+class FencedError(StorageError):
+    """A newer attempt owns the checkpoint location: this process must not commit."""
+
+
+class SupersededError(Exception):
+    """Another node skipped this checkpoint for a newer one: node rank 0 gives it up too."""
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """Who is uploading, and the rules to follow."""
+
+    attempt: int
+    world_size: int
+    strategy: str
+    node_rank: int = 0
+    nnodes: int = 1
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    backoff: Backoff = field(default_factory=Backoff)
+    part_wait_s: float = 900.0
+    """How long node rank 0 waits for the other nodes' parts of one checkpoint."""
+    max_queued: int = 2
+    """Snapshots waiting behind the one uploading; older waiting ones are dropped beyond this."""
+    status_interval_s: float = 30.0
+    history: frozenset[tuple[int, int, int]] = frozenset()
+    """(step, incarnation, attempt) of every manifest seen at start (see `check_fence`)."""
+    incarnation: int = 0
+    """KUBETRAIN_JOB_INCARNATION: orders this job's writers after those of a job it replaced."""
+    claims_at_start: frozenset[tuple[int, int]] = frozenset()
+    """Attempt claims already in storage at start: history, never a reason to stop (see `check_fence`)."""
+    fence_check_interval_s: float = 1.0
+    """The claims fence is re-read before a file upload at most this often (0: before every file)."""
+    stale_upload_margin_s: float = 300.0
+    """Incomplete multipart uploads begun this long before the uploader started are aborted (clock skew margin)."""
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """The contract's last-checkpoint record (termination message, pod annotation)."""
+
+    step: int
+    uri: str
+    time: str
+    size_bytes: int | None = None
+    """Bytes of the committed checkpoint (all nodes' files), when this pod committed it."""
+    save_seconds: float | None = None
+    """How long the workers took to save it, when they reported it (progress.py)."""
+    upload_seconds: float | None = None
+    """From the first upload try to the commit, retries and waiting for other nodes included."""
+
+    def to_json(self) -> str:
+        # `kind` tells the operator this is the record, not a log line that looks like JSON.
+        optional = {"sizeBytes": self.size_bytes, "saveSeconds": self.save_seconds,
+                    "uploadSeconds": self.upload_seconds}
+        return json.dumps({"kind": LAST_CHECKPOINT_KIND, "step": self.step, "uri": self.uri,
+                           "time": self.time, **{k: v for k, v in optional.items() if v is not None}}, sort_keys=True)
+
+
+@dataclass
+class UploadJob:
+    """One snapshot on its way to storage, with what its earlier tries already did."""
+
+    step: int
+    folder: Path
+    """The hard-linked snapshot under the staging folder (owned by the uploader)."""
+    files: tuple[FileEntry, ...] | None = None
+    uploaded: set[str] = field(default_factory=set)
+    failures: int = 0
+    started: float | None = None
+    """When the first upload try began (monotonic)."""
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """What one successful run of the protocol did with its checkpoint."""
+
+    action: Literal["already committed", "part uploaded", "committed"]
+    size_bytes: int | None = None
+    """Bytes of the committed checkpoint (all nodes' files), when this run committed it."""
+
+
+class ClaimsFence:
+    """The claims half of the write fence, read from storage: FencedError once a newer attempt has claimed."""
+
+    def __init__(self, store: CheckpointStore, settings: SyncSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self._checked_at = float("-inf")
+
+    def new_claims(self) -> list[tuple[int, int]]:
+        """Claims written since this writer started (those at start are history)."""
+        return [w for w in self.store.list_claims() if w not in self.settings.claims_at_start]
+
+    def check(self, step: int, *, at_most_every_s: float = 0.0) -> None:
+        """FencedError when a newer attempt has claimed since this writer started (one LIST; skipped
+        within `at_most_every_s` of the last check, so a thousand-shard checkpoint is not a thousand LISTs)."""
+        now = time.monotonic()
+        if now - self._checked_at < at_most_every_s:
+            return
+        self._checked_at = now
+        s = self.settings
+        fence = check_fence((), step=step, attempt=s.attempt, incarnation=s.incarnation, claims=self.new_claims())
+        if not fence.allowed:
+            raise FencedError(fence.reason)
+
+    def check_remote(self, remote: list[RemoteCheckpoint], step: int) -> None:
+        """FencedError when a newer writer's manifest or claim is in storage (`decisions.check_fence`)."""
+        s = self.settings
+        fence = check_fence(remote, step=step, attempt=s.attempt, history=s.history, incarnation=s.incarnation,
+                            claims=self.new_claims())
+        if not fence.allowed:
+            raise FencedError(fence.reason)
+
+
+class CommitProtocol:
+    """Runs the protocol for one `UploadJob` at a time; raises what the uploader retries or gives up on.
+
+    `stopped` cuts the wait for other nodes' parts short; `newer_waiting` says
+    whether a newer snapshot waits behind this one (only then can a missing
+    node have moved past this step).
+    """
+
+    def __init__(self, store: CheckpointStore, settings: SyncSettings, *, fence: ClaimsFence,
+                 stopped: threading.Event, newer_waiting: Callable[[], bool]) -> None:
+        self.store = store
+        self.settings = settings
+        self.fence = fence
+        self.stopped = stopped
+        self.newer_waiting = newer_waiting
+        self.bytes_uploaded = 0
+        """Bytes of checkpoint files this writer has put in storage (manifests and parts not counted)."""
+
+    def run(self, job: UploadJob) -> CommitOutcome:
+        s = self.settings
+        if job.files is None:
+            job.files = scan_folder(job.folder)  # hashing once, not per retry
+        decision = plan_commit(self.store.list_checkpoints(), step=job.step, files=job.files, attempt=s.attempt,
+                               incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
+                               claims=self.fence.new_claims())
+        if decision.action == "fenced":
+            raise FencedError(decision.reason)
+        if decision.action == "committed":
+            log.info("checkpoint-%d is already committed with the same content", job.step)
+            return CommitOutcome("already committed")
+        if decision.uncommit_first:
+            self.store.uncommit(job.step)
+        for f in job.files:
+            if f.path not in job.uploaded:
+                # Fence re-checked before every write, not once per checkpoint: a zombie whose check
+                # passed before a newer attempt claimed stops at its next file, so what it can still
+                # overwrite under a newer commit is one in-flight request, not a whole (retried) upload.
+                self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
+                self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self.fence.check(
+                    job.step, at_most_every_s=s.fence_check_interval_s))
+                job.uploaded.add(f.path)
+                self.bytes_uploaded += f.size
+        files = job.files
+        if s.nnodes > 1:
+            self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files,
+                                                incarnation=s.incarnation))
+            if s.node_rank != 0:
+                log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
+                return CommitOutcome("part uploaded")
+            files = self._wait_for_parts(job.step)
+        manifest = build_manifest(
+            job.folder, step=job.step, attempt=s.attempt, world_size=s.world_size, strategy=s.strategy, files=files,
+            incarnation=s.incarnation,
+        )
+        # Re-check right before the commit: a newer attempt may have started meanwhile.
+        self.fence.check_remote(self.store.list_checkpoints(), job.step)
+        self.store.commit(manifest)
+        log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
+        return CommitOutcome("committed", size_bytes=manifest.total_bytes)
+
+    def _wait_for_parts(self, step: int) -> tuple[FileEntry, ...]:
+        s = self.settings
+        deadline = time.monotonic() + s.part_wait_s
+        while True:
+            parts = self.store.read_node_parts(step)
+            try:
+                return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes, incarnation=s.incarnation)
+            except MissingPartsError as e:
+                if time.monotonic() > deadline:
+                    raise
+                missing = set(e.ranks)
+            # A node skips a step only for a newer one, which this node saved too and has waiting:
+            # without one queued here, nobody moved on, and the remote listing is not worth reading.
+            moved_on = self._moved_past(step, missing) if self.newer_waiting() else set()
+            if moved_on:
+                raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
+                                      "checkpoint (their uploads lagged); it stays torn and the newer one is committed")
+            if self.stopped.wait(2.0):
+                raise ManifestError(f"checkpoint-{step}: stopped while waiting for other nodes' parts")
+
+    def _moved_past(self, step: int, missing: set[int]) -> set[int]:
+        """The missing ranks if every one of them wrote a part of a newer step in this attempt (so it will
+        never write one for `step`: each node uploads in step order), else the empty set."""
+        if not missing:
+            return set()
+        seen: set[int] = set()
+        for remote in self.store.list_checkpoints():
+            if remote.step <= step or not any(node_part_name(r) in remote.listing for r in missing - seen):
+                continue
+            for part in self.store.read_node_parts(remote.step):
+                if part.writer == (self.settings.incarnation, self.settings.attempt) and part.node_rank in missing:
+                    seen.add(part.node_rank)
+            if seen == missing:
+                return missing
+        return set()
