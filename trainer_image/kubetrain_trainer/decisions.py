@@ -2,8 +2,9 @@
 
 Each function takes what storage holds (`RemoteCheckpoint`s, node parts,
 claims, multipart uploads, as `storage.py` lists them) plus who is asking, and
-returns what to do; `sync.py` and `launch.py` do the I/O around them. That is
-the shape of the operator's `plan.py`, and the tests are tables like its own
+returns what to do; `commit.py`, `retention.py` and the launcher's restore do the
+I/O around them. That is the shape of the operator's `plan.py`, and the tests are
+tables like its own
 (tests/unit/trainer_storage/test_ckpt_commit_plan.py, test_ckpt_manifest.py).
 An import-linter contract keeps boto3 and storage out of this module.
 """

@@ -54,7 +54,7 @@ class FailureRecord:
 
 
 def storage_failure(error: BaseException, *, reason: str, where: str | None) -> FailureRecord:
-    """The record of a storage error (`storage.StorageError`) that exits the pod with 82."""
+    """The record of a storage error (`storage_errors.StorageError`) that exits the pod with 82."""
     uri = where if where and where.startswith("s3://") and where.isprintable() and " " not in where else None
     return FailureRecord(reason=reason, code=error_code(error), where=uri)
 

@@ -2,7 +2,7 @@
 
 The trainer has no Kubernetes client and training pods no API rights (docs/contract.md,
 "Reporting the last checkpoint"), so the termination message is the launcher's only written
-report: node rank 0's last-checkpoint record (`sync.CommittedCheckpoint.to_json`), or, on
+report: node rank 0's last-checkpoint record (`commit.CommittedCheckpoint.to_json`), or, on
 every pod that checkpoint storage refused at start, the failure record of `failure.py`.
 While the pod runs, the operator reads the same record from /progress (`metrics.py`).
 """

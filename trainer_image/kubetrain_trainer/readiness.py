@@ -25,7 +25,7 @@ checkpoint is complete"), checked in this order by `decide_commit`:
    it died is never committed.
 
 Markers are never uploaded (they are not part of the checkpoint). This module
-is pure apart from `mark_ready`/`observe_folder`; the watcher in `sync.py`
+is pure apart from `mark_ready`/`observe_folder`; the watcher in `watcher.py`
 feeds it observations and acts on the decisions.
 """
 
