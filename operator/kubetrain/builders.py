@@ -9,10 +9,10 @@ labels, the environment the trainer reads, credentials by secretKeyRef only.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from kubetrain.api import (
-    API_VERSION, CONTAINER_NAME, DEFAULT_METRICS_PORT, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
+    API_VERSION, CONTAINER_NAME, DEFAULT_METRICS_PORT, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
     MANAGED_BY, METRICS_PORT_NAME, Job, Spec, pod_name,
 )
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
@@ -75,6 +75,25 @@ def get_deepspeed_configmap(*, job: Job) -> dict[str, Any]:
                      "labels": {LABEL_JOB: job.name, LABEL_MANAGED_BY: MANAGED_BY},
                      "ownerReferences": [get_owner_reference(job)]},
         "data": {DEEPSPEED_KEY: json.dumps(dict(spec.strategy.deepspeed_config or {}), sort_keys=True)},
+    }
+
+
+EVENT_COMPONENT = "kubetrain-operator"
+EVENT_MESSAGE_LIMIT = 1024
+"""Longest Event message the operator posts (the API server refuses longer ones)."""
+
+
+def get_event(*, job: Job, type: Literal["Normal", "Warning"], reason: str, message: str, instance: str,
+              time: str) -> dict[str, Any]:
+    """A core/v1 Event on the TrainingJob (what `kubectl describe tj` and `get events` show);
+    `instance` is the reporting operator replica, `time` its RFC 3339 first and last timestamp."""
+    return {
+        "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": job.name,
+                           "namespace": job.namespace, "uid": job.uid},
+        "reason": reason, "message": message[:EVENT_MESSAGE_LIMIT], "type": type,
+        "source": {"component": EVENT_COMPONENT}, "reportingComponent": f"{GROUP}/operator",
+        "reportingInstance": instance, "firstTimestamp": time, "lastTimestamp": time, "count": 1,
     }
 
 

@@ -42,7 +42,6 @@ from kubetrain.plan import (
 
 log = logging.getLogger("kubetrain.k8s")
 MERGE_PATCH = "application/merge-patch+json"
-COMPONENT = "kubetrain-operator"
 
 
 def load_client_config(*, threads: int) -> client.ApiClient:
@@ -269,17 +268,9 @@ async def _delete_job(api: Api, job: Job) -> None:
 
 
 async def post_event(api: Api, job: Job, event: Event) -> None:
-    """A core/v1 Event on the TrainingJob (`kubectl describe tj` and `get events` show it).
-    Losing one is not worth failing a reconcile over."""
-    now = format_time(dt.datetime.now(dt.timezone.utc))
-    body = {
-        "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
-        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "name": job.name,
-                           "namespace": job.namespace, "uid": job.uid},
-        "reason": event.reason, "message": event.message[:1024], "type": event.type,
-        "source": {"component": COMPONENT}, "reportingComponent": f"{GROUP}/operator",
-        "reportingInstance": api.instance, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-    }
+    """Post one Event on the TrainingJob. Losing one is not worth failing a reconcile over."""
+    body = builders.get_event(job=job, type=event.type, reason=event.reason, message=event.message,
+                              instance=api.instance, time=format_time(dt.datetime.now(dt.timezone.utc)))
     try:
         await api.call("create event", api.core.create_namespaced_event, job.namespace, body)
     except ApiError as exc:

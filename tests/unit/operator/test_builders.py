@@ -127,6 +127,22 @@ def test_headless_service() -> None:
     assert svc["metadata"]["ownerReferences"][0]["controller"] is True
 
 
+def test_event_on_the_job() -> None:
+    """What `kubectl describe tj` shows: an Event on the TrainingJob from the operator replica,
+    its message cut to what the API server accepts."""
+    job = Job.from_storage(BODY)
+    event = builders.get_event(job=job, type="Warning", reason="Preempted", message="x" * 5000,
+                               instance="kubetrain-7d9f", time="2026-12-03T13:05:00Z")
+    assert event["metadata"] == {"generateName": "gpt-small.", "namespace": "ml"}
+    assert event["involvedObject"] == {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                                       "name": "gpt-small", "namespace": "ml", "uid": "u-1"}
+    assert (event["type"], event["reason"], event["message"]) == ("Warning", "Preempted", "x" * 1024)
+    assert event["source"] == {"component": "kubetrain-operator"}
+    assert (event["reportingComponent"], event["reportingInstance"]) == ("kubetrain.io/operator", "kubetrain-7d9f")
+    assert (event["firstTimestamp"], event["lastTimestamp"], event["count"]) == (
+        "2026-12-03T13:05:00Z", "2026-12-03T13:05:00Z", 1)
+
+
 def test_built_pod_parses_back_into_a_view() -> None:
     pod = builders.get_pod(job=Job.from_storage(BODY), attempt=2, rank=1)
     view = PodView.from_storage(pod)
