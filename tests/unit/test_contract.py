@@ -19,7 +19,7 @@ import yaml
 
 from kubetrain import api, builders
 from kubetrain.plan import Observed, PodView, parse_checkpoint_record, plan
-from kubetrain_trainer import builtin, contract, launch
+from kubetrain_trainer import builtin, contract, launch_config
 from kubetrain_trainer.storage import StorageConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_every_example_pod_parses_in_the_launcher_as_the_operator_meant(path: Pa
         env = _pod_env(container["env"], pod["metadata"]["name"])
         launcher = tuple(builders.LAUNCHER)
         assert tuple(container["command"][:len(launcher)]) == launcher
-        cfg = launch.LaunchConfig.from_env(env, container["command"][len(launcher):])
+        cfg = launch_config.LaunchConfig.from_env(env, container["command"][len(launcher):])
 
         assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (spec.nodes, rank, spec.procs_per_node)
         assert (cfg.master_addr, cfg.master_port) == (builders.get_master_addr(job), spec.master_port)
@@ -121,7 +121,7 @@ def test_every_example_pod_parses_in_the_launcher_as_the_operator_meant(path: Pa
 
 def test_the_examples_cover_every_strategy_and_both_kinds_of_trainer() -> None:
     specs = [_example(p).spec for p in EXAMPLES]
-    assert {s.strategy.type for s in specs} == set(launch.STRATEGIES)
+    assert {s.strategy.type for s in specs} == set(launch_config.STRATEGIES)
     assert {bool(s.trainer.command) for s in specs} == {True, False}
     assert any(s.checkpoint is not None for s in specs)
 

@@ -3,7 +3,8 @@
 import pytest
 
 from kubetrain_trainer.command import LAUNCHER_SET, expand_command
-from kubetrain_trainer.launch import LaunchConfig, worker_env
+from kubetrain_trainer.launch import worker_env
+from kubetrain_trainer.launch_config import LaunchConfig
 
 # As in a pod: the image's ENV names the local folder too, and Kubernetes left the reference alone.
 POD = {"KUBETRAIN_LOCAL_CHECKPOINT_DIR": "/tmp/kubetrain/checkpoints", "HOME": "/tmp/home", "MASTER_PORT": "29500"}

@@ -17,14 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer.launch import (
-    EXIT_INVALID_CONFIG,
-    EXIT_PREEMPTED,
-    ConfigError,
-    LaunchConfig,
-    exit_code_for,
-    worker_env,
-)
+from kubetrain_trainer.contract import EXIT_INVALID_CONFIG, EXIT_PREEMPTED
+from kubetrain_trainer.launch import exit_code_for, worker_env
+from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
 
 BASE = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "3", "MASTER_ADDR": "job-n0.job.ns.svc",
         "MASTER_PORT": "29500", "KUBETRAIN_ATTEMPT": "4", "KUBETRAIN_STRATEGY": "fsdp"}

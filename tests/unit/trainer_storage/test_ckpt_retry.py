@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain_trainer.launch import ConfigError, LaunchConfig
+from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
 from kubetrain_trainer.retry import Backoff, retrying, should_retry
 from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, StorageTemporaryError
 

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from kubetrain_trainer import launch
+from kubetrain_trainer import launch, launch_config
 from kubetrain_trainer.layout import MANIFEST_NAME, checkpoint_dirname
 from kubetrain_trainer.manifest import FileEntry, Manifest
 from kubetrain_trainer.commit import CommittedCheckpoint
@@ -30,7 +30,7 @@ def test_command_and_local_folder_match_the_contract():
     command = _section("Command")
     assert "python -m kubetrain_trainer.launch" in command and callable(launch.main)
     default_dir = re.search(r"default `([^`]+)`", command).group(1)
-    cfg = launch.LaunchConfig.from_env({}, ["--", "true"])
+    cfg = launch_config.LaunchConfig.from_env({}, ["--", "true"])
     assert str(cfg.local_dir) == default_dir
     assert "KUBETRAIN_RESUME_FROM" in command
     env = launch.worker_env(cfg, 0, {}, cfg.local_dir / "checkpoint-3")

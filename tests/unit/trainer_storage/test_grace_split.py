@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from kubetrain_trainer.grace import GraceSplit, split_grace
-from kubetrain_trainer.launch import LaunchConfig, Workers, supervise
+from kubetrain_trainer.launch import Workers, supervise
+from kubetrain_trainer.launch_config import LaunchConfig
 from kubetrain_trainer.metrics import Telemetry
 from kubetrain_trainer.progress import ProgressTracker
 

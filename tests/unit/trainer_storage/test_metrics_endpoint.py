@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetrain_trainer.launch import ConfigError, LaunchConfig
+from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
 from kubetrain_trainer.metrics import Telemetry, progress_document
 from kubetrain_trainer.progress import ProgressTracker, WorkerProgress
 from kubetrain_trainer.commit import CommittedCheckpoint

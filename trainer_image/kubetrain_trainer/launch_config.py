@@ -1,0 +1,179 @@
+"""The pod contract's environment for the launcher, read and validated once (docs/contract.md).
+
+`LaunchConfig.from_env` is the only parser of the variables the operator sets on a training
+pod (`builders.get_env` on the operator side); a bad value raises `ConfigError` naming the
+variable, and the launcher exits 82 (invalid configuration) without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from kubetrain_trainer.decisions import RetentionPolicy
+from kubetrain_trainer.metrics import DEFAULT_PORT
+from kubetrain_trainer.readiness import COMMIT_MODES, CommitMode
+
+STRATEGIES = ("ddp", "fsdp", "zero3")
+BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")
+
+
+class ConfigError(ValueError):
+    """The pod environment is invalid; the message names the variable. Never retried (exit 82)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The pod contract's environment, validated."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    attempt: int
+    incarnation: int
+    """KUBETRAIN_JOB_INCARNATION (the job's creation time; 0 when not given)."""
+    strategy: str
+    checkpoint_uri: str | None
+    """None: the job has no checkpoint storage (nothing restored or uploaded)."""
+    trainer_args: Mapping[str, object]
+    local_dir: Path
+    """Where checkpoints are restored to and watched: the trainer's output_dir."""
+    command: tuple[str, ...]
+    builtin: bool
+    job_name: str = ""
+    namespace: str = ""
+    pod_name: str = ""
+    grace_s: float = 30.0
+    """The pod's terminationGracePeriodSeconds (KUBETRAIN_TERMINATION_GRACE_SECONDS)."""
+    upload_wait_s: float = 1800.0
+    """How long a finished run waits for pending uploads (KUBETRAIN_UPLOAD_TIMEOUT_SECONDS)."""
+    restore_timeout_s: float = 600.0
+    """How long S3 may stay unreachable before the start gives up (KUBETRAIN_RESTORE_TIMEOUT_SECONDS)."""
+    access_retry_s: float = 120.0
+    """How long refused access or a missing bucket (S3 401/403/404) is retried at start before exit 82
+    (KUBETRAIN_S3_AUTH_RETRY_SECONDS): a Secret, IAM policy or bucket may still be propagating."""
+    settle_s: float = 30.0
+    """How long an unmarked in-place checkpoint folder must stay unchanged before it is committed
+    (KUBETRAIN_CHECKPOINT_SETTLE_SECONDS, see readiness.py)."""
+    commit_mode: CommitMode = "auto"
+    """KUBETRAIN_CHECKPOINT_COMMIT: `auto` (ready markers, else quiescence) or `marker` (only marked folders)."""
+    metrics_port: int = DEFAULT_PORT
+    """KUBETRAIN_METRICS_PORT: where /metrics and /progress are served; 0: not at all."""
+    termination_log: Path = Path("/dev/termination-log")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], argv: Sequence[str]) -> "LaunchConfig":
+        nnodes = _int(env, "NNODES", 1, minimum=1)
+        node_rank = _int(env, "NODE_RANK", 0, minimum=0)
+        if node_rank >= nnodes:
+            raise ConfigError(f"NODE_RANK: {node_rank} is not below NNODES={nnodes}")
+        strategy = env.get("KUBETRAIN_STRATEGY") or "ddp"
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"KUBETRAIN_STRATEGY: unknown value {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        uri = env.get("KUBETRAIN_CHECKPOINT_URI") or None
+        if uri is not None and (not uri.startswith("s3://") or len(uri) <= len("s3://")):
+            raise ConfigError(f"KUBETRAIN_CHECKPOINT_URI: must look like s3://bucket/prefix, got {uri!r}")
+        raw_args = env.get("KUBETRAIN_TRAINER_ARGS") or "{}"
+        try:
+            trainer_args = json.loads(raw_args)
+        except ValueError as e:
+            raise ConfigError(f"KUBETRAIN_TRAINER_ARGS: not valid JSON ({e})") from None
+        if not isinstance(trainer_args, dict):
+            raise ConfigError("KUBETRAIN_TRAINER_ARGS: must be a JSON object")
+        command = tuple(argv)
+        if command and command[0] == "--":
+            command = command[1:]
+            if not command:
+                raise ConfigError("command: nothing after '--'")
+        elif command:
+            raise ConfigError(f"command: expected '-- <command...>', got {' '.join(command)!r}")
+        builtin = not command
+        local_dir = Path(env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR") or "/tmp/kubetrain/checkpoints")
+        if builtin and trainer_args.get("output_dir"):
+            local_dir = Path(str(trainer_args["output_dir"]))
+        port = _int(env, "MASTER_PORT", 29500, minimum=1)
+        commit_mode = env.get("KUBETRAIN_CHECKPOINT_COMMIT") or "auto"
+        if commit_mode not in COMMIT_MODES:
+            raise ConfigError(f"KUBETRAIN_CHECKPOINT_COMMIT: unknown value {commit_mode!r}; allowed: auto, marker")
+        metrics_port = _int(env, "KUBETRAIN_METRICS_PORT", DEFAULT_PORT, minimum=0)
+        _int(env, "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND", 0, minimum=0)  # checked here (exit 82); storage reads it
+        for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
+            if value > 65535:
+                raise ConfigError(f"{name}: {value} is not a TCP port")
+        return cls(
+            nnodes=nnodes,
+            node_rank=node_rank,
+            nproc_per_node=_int(env, "NPROC_PER_NODE", 1, minimum=1),
+            master_addr=env.get("MASTER_ADDR") or ("127.0.0.1" if nnodes == 1 else _missing("MASTER_ADDR")),
+            master_port=port,
+            attempt=_int(env, "KUBETRAIN_ATTEMPT", 1, minimum=1),
+            incarnation=_int(env, "KUBETRAIN_JOB_INCARNATION", 0, minimum=0),
+            strategy=strategy,
+            checkpoint_uri=uri,
+            trainer_args=trainer_args,
+            local_dir=local_dir,
+            command=command or BUILTIN_COMMAND,
+            builtin=builtin,
+            job_name=env.get("KUBETRAIN_JOB_NAME", ""),
+            namespace=env.get("KUBETRAIN_NAMESPACE", ""),
+            pod_name=env.get("KUBETRAIN_POD_NAME", ""),
+            grace_s=_float(env, "KUBETRAIN_TERMINATION_GRACE_SECONDS", 30.0),
+            upload_wait_s=_float(env, "KUBETRAIN_UPLOAD_TIMEOUT_SECONDS", 1800.0),
+            restore_timeout_s=_float(env, "KUBETRAIN_RESTORE_TIMEOUT_SECONDS", 600.0),
+            access_retry_s=_float(env, "KUBETRAIN_S3_AUTH_RETRY_SECONDS", 120.0),
+            settle_s=_float(env, "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS", 30.0),
+            commit_mode=commit_mode,
+            metrics_port=metrics_port,
+            termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
+        )
+
+    def retention(self) -> RetentionPolicy:
+        """Remote retention from the trainer's own arguments (HF defaults for the best metric)."""
+        a = self.trainer_args
+        metric = a.get("metric_for_best_model") or ("loss" if a.get("load_best_model_at_end") else None)
+        limit = a.get("save_total_limit")
+        greater = a.get("greater_is_better")
+        return RetentionPolicy(
+            save_total_limit=limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
+            metric_for_best_model=metric if isinstance(metric, str) else None,
+            greater_is_better=greater if isinstance(greater, bool) else None,
+        )
+
+
+def _missing(name: str) -> str:
+    raise ConfigError(f"{name}: required when NNODES > 1")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0, got {value}")
+    return value
