@@ -23,7 +23,7 @@ from kubetrain import k8s, metrics, poller
 from kubetrain.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, parse_time
 from kubetrain.config import Settings
 from kubetrain.informer import PodInformer
-from kubetrain.plan import NodeView
+from kubetrain.observe import NodeView
 from kubetrain.reconciler import Reconciler
 
 log = logging.getLogger("kubetrain.operator")

@@ -36,7 +36,7 @@ from kubetrain.errors import (
     classify, classify_forbidden,
 )
 from kubetrain.api import GROUP, PLURAL, VERSION, Job, format_time
-from kubetrain.plan import (
+from kubetrain.actions import (
     CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus, Plan,
 )
 

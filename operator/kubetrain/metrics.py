@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kubetrain.api import Status
-from kubetrain.plan import Plan
+from kubetrain.actions import Plan
 
 log = logging.getLogger("kubetrain.metrics")
 

@@ -29,7 +29,7 @@ import aiohttp
 
 from kubetrain import metrics
 from kubetrain.config import Settings
-from kubetrain.plan import PodView
+from kubetrain.observe import PodView
 from kubetrain.progress import (
     MAX_PROGRESS_BYTES, ProgressObservation, RecordError, parse_progress_record, progress_url,
 )

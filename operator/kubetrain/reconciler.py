@@ -28,9 +28,9 @@ from kubetrain import k8s, metrics
 from kubetrain.api import LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
-from kubetrain.plan import (
-    CreatePod, DeletePod, NodeView, Observed, Plan, PodView, fail_plan, plan, rejected_plan,
-)
+from kubetrain.actions import CreatePod, DeletePod, Plan
+from kubetrain.observe import NodeView, Observed, PodView
+from kubetrain.plan import fail_plan, plan, rejected_plan
 from kubetrain.progress import ProgressObservation
 
 log = logging.getLogger("kubetrain.operator")

@@ -18,7 +18,9 @@ import pytest
 import yaml
 
 from kubetrain import api, builders
-from kubetrain.plan import Observed, PodView, parse_checkpoint_record, plan
+from kubetrain.observe import Observed, PodView
+from kubetrain.plan import plan
+from kubetrain.records import parse_checkpoint_record
 from kubetrain_trainer import builtin, contract, launch_config
 from kubetrain_trainer.storage import StorageConfig
 
@@ -210,7 +212,7 @@ def test_the_last_checkpoint_record_and_annotations_agree() -> None:
 
 
 def test_the_failure_record_reads_on_the_operator_side_as_the_trainer_means_it() -> None:
-    from kubetrain.plan import MAX_RECORD_BYTES, parse_failure_record
+    from kubetrain.records import MAX_RECORD_BYTES, parse_failure_record
     from kubetrain_trainer.failure import FailureRecord
 
     assert contract.FAILURE_KIND == api.FAILURE_RECORD_KIND

@@ -6,7 +6,7 @@ import datetime as dt
 from typing import Any
 
 from kubetrain.api import Job
-from kubetrain.plan import NodeView, Observed, PodView
+from kubetrain.observe import NodeView, Observed, PodView
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
 

@@ -9,7 +9,7 @@ import pytest
 from kubetrain import builders
 from kubetrain.api import Job, SpecError, Spec
 from kubetrain.config import ConfigError, Settings
-from kubetrain.plan import PodView
+from kubetrain.observe import PodView
 
 BODY = {
     "metadata": {"name": "gpt-small", "namespace": "ml", "uid": "u-1", "generation": 1,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime as dt
 
 from kubetrain.reconciler import EXPECTATION_TTL, Expectations
-from kubetrain.plan import CreatePod, DeletePod, PodView, Observed, plan
+from kubetrain.actions import CreatePod, DeletePod
+from kubetrain.observe import Observed, PodView
+from kubetrain.plan import plan
 from kubetrain_factories import at, gang, job, pod, started
 
 

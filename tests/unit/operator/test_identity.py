@@ -13,7 +13,8 @@ import pytest
 from kubetrain import builders
 from kubetrain.api import Job, Spec, SpecError
 from kubetrain.identity import TOKEN_DIR, TOKEN_FILE, TOKEN_VOLUME, describe
-from kubetrain.plan import Observed, plan
+from kubetrain.observe import Observed
+from kubetrain.plan import plan
 
 from kubetrain_factories import at, job
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain import metrics
-from kubetrain.plan import Observed, plan
+from kubetrain.observe import Observed
+from kubetrain.plan import plan
 from kubetrain_factories import at, gang, job, started
 
 

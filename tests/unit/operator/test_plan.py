@@ -9,10 +9,9 @@ from typing import Any
 import pytest
 
 from kubetrain.api import Job
-from kubetrain.plan import (
-    CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, NodeView, Observed,
-    PatchStatus, plan,
-)
+from kubetrain.actions import CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, PatchStatus
+from kubetrain.observe import NodeView, Observed
+from kubetrain.plan import plan
 from kubetrain_factories import at, gang, iso, job, observed, pod, started
 
 
@@ -532,7 +531,7 @@ def test_a_refusal_that_cannot_pass_fails_the_job_with_the_message_redacted() ->
 
 def test_a_pod_with_unparsable_fields_is_still_seen() -> None:
     """Pods are written by others: odd values make a field unknown, never the pod invisible."""
-    from kubetrain.plan import PodView
+    from kubetrain.observe import PodView
     from kubetrain_factories import pod_body
     body = pod_body(rank=1, phase="Failed", exit_code=1)
     body["metadata"]["creationTimestamp"] = "not a time"

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from kubetrain.config import ConfigError, Settings
-from kubetrain.plan import PodView
+from kubetrain.observe import PodView
 from kubetrain.poller import ProgressPoller, Target, select_targets
 from test_progress import record
 

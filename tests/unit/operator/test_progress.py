@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kubetrain.api import Job, LastCheckpoint, Progress, SpecError, Spec
-from kubetrain.plan import Observed, plan
+from kubetrain.observe import Observed
+from kubetrain.plan import plan
 from kubetrain.progress import ProgressObservation, RecordError, next_progress, parse_progress_record
 from kubetrain_factories import at, gang, job, started
 

@@ -1,0 +1,74 @@
+"""What the planner decides: frozen actions, events and the `Plan` that holds them.
+
+`plan.py` (pure) returns a `Plan`; `k8s.apply` carries it out in order (creations,
+the status write, deletions, then the events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kubetrain.api import Status
+
+
+@dataclass(frozen=True)
+class CreateService:
+    """Create the headless Service `<job>` (AlreadyExists is success)."""
+
+
+@dataclass(frozen=True)
+class EnsureDeepSpeedConfigMap:
+    """Create or update ConfigMap `<job>-deepspeed` from the inline DeepSpeed config."""
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    attempt: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    force: bool = False
+    """Grace period 0: the pod's node is gone and will never confirm the deletion."""
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    status: Status
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """ttlSecondsAfterFinished has passed."""
+
+
+Action = CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob
+
+
+Action = CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+    cause: str = ""
+    """Machine-readable why, for metrics (a Preempted event's cause: PreemptionByScheduler...)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Actions to apply in order, events to post once the status is written, and
+    when to look again even if nothing changes (backoff, deadlines, grace periods)."""
+
+    actions: tuple[Action, ...] = ()
+    events: tuple[Event, ...] = ()
+    requeue_after: float | None = None
+
+    @property
+    def status(self) -> Status | None:
+        return next((a.status for a in self.actions if isinstance(a, PatchStatus)), None)

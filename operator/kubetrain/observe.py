@@ -1,0 +1,144 @@
+"""What the planner observes besides the job: its pods, their nodes, rank 0's progress.
+
+`PodView.from_storage` reads one pod dict (as the informer delivers it) into a
+frozen view, including the records it carries (`records.py`); `NodeView` is a
+node's health; `Observed` bundles them for one `plan()` call. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kubetrain.api import (
+    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK,
+    METRICS_PORT_NAME, LastCheckpoint, parse_time_or_none,
+)
+from kubetrain.progress import ProgressObservation
+from kubetrain.records import TrainerFailure, parse_checkpoint_record, parse_failure_record
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the planner reads from one pod of a job."""
+
+    name: str
+    attempt: int
+    rank: int
+    phase: str = "Pending"
+    deletion_timestamp: dt.datetime | None = None
+    disruption: str | None = None
+    """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, EvictionByEvictionAPI...)."""
+    reason: str = ""
+    """`pod.status.reason` (Evicted, NodeLost...)."""
+    status_message: str = ""
+    """`pod.status.message` (the kubelet's eviction message...)."""
+    starting_since: dt.datetime | None = None
+    """When the pod was bound to its node (else created): the start of its startup window."""
+    exit_code: int | None = None
+    termination_message: str = ""
+    waiting_reason: str | None = None
+    waiting_message: str = ""
+    node_name: str | None = None
+    ready: bool = False
+    ready_changed: dt.datetime | None = None
+    checkpoint: LastCheckpoint | None = None
+    failure: TrainerFailure | None = None
+    """Why the trainer exited 82, from the failure record in its termination message, if any."""
+    checkpoint_sync: str = ""
+    """Why checkpoint uploads lag behind (annotation kubetrain.io/checkpoint-sync), if they do."""
+    pod_ip: str | None = None
+    metrics_port: int | None = None
+    """The trainer container's port named `metrics` (its /progress endpoint), if it has one."""
+
+    @property
+    def terminating(self) -> bool:
+        return self.deletion_timestamp is not None
+
+    @property
+    def active(self) -> bool:
+        """Still holding (or waiting for) resources: worth deleting."""
+        return self.phase not in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_storage(cls, body: Mapping[str, Any]) -> "PodView | None":
+        """Parse a pod dict; None when it lacks the kubetrain labels."""
+        meta = body.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        try:
+            attempt, rank = int(labels[LABEL_ATTEMPT]), int(labels[LABEL_RANK])
+        except (KeyError, TypeError, ValueError):
+            return None
+        status = body.get("status") or {}
+        disruption = ready_changed = None
+        starting_since = parse_time_or_none(meta.get("creationTimestamp"))
+        ready = False
+        for cond in status.get("conditions") or ():
+            if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+                disruption = cond.get("reason") or "DisruptionTarget"
+            elif cond.get("type") == "PodScheduled" and cond.get("status") == "True":
+                starting_since = parse_time_or_none(cond.get("lastTransitionTime")) or starting_since
+            elif cond.get("type") == "Ready":
+                ready = cond.get("status") == "True"
+                ready_changed = parse_time_or_none(cond.get("lastTransitionTime"))
+        exit_code, message, waiting, waiting_message = None, "", None, ""
+        statuses = status.get("containerStatuses") or ()
+        trainer = next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
+        state = trainer.get("state") or {}
+        if state.get("terminated"):
+            exit_code = state["terminated"].get("exitCode")
+            message = state["terminated"].get("message") or ""
+        if state.get("waiting"):
+            waiting = state["waiting"].get("reason")
+            waiting_message = state["waiting"].get("message") or ""
+        checkpoint = parse_checkpoint_record((meta.get("annotations") or {}).get(ANNOTATION_LAST_CHECKPOINT))
+        message_ckpt = parse_checkpoint_record(message)
+        if message_ckpt and (checkpoint is None or message_ckpt.step > checkpoint.step):
+            checkpoint = message_ckpt
+        failure = parse_failure_record(message)
+        return cls(
+            name=meta.get("name") or "", attempt=attempt, rank=rank,
+            phase=status.get("phase") or "Pending",
+            deletion_timestamp=parse_time_or_none(meta.get("deletionTimestamp")),
+            disruption=disruption, reason=str(status.get("reason") or ""),
+            status_message=str(status.get("message") or ""), starting_since=starting_since,
+            exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
+            termination_message="" if message_ckpt or failure else str(message),
+            waiting_reason=waiting, waiting_message=waiting_message,
+            node_name=(body.get("spec") or {}).get("nodeName") or None,
+            ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,
+            checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
+            pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body),
+        )
+
+
+def _metrics_port(body: Mapping[str, Any]) -> int | None:
+    containers = (body.get("spec") or {}).get("containers") or ()
+    trainer = next((c for c in containers if c.get("name") == CONTAINER_NAME), {})
+    port = next((p.get("containerPort") for p in trainer.get("ports") or () if p.get("name") == METRICS_PORT_NAME), None)
+    return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node's health as far as a gang cares."""
+
+    name: str
+    ready: bool = True
+    exists: bool = True
+    since: dt.datetime | None = None
+    """When it stopped being Ready (or was first seen missing)."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything observed about one job besides the job itself."""
+
+    pods: tuple[PodView, ...] = ()
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)
+    """Nodes the pods are bound to; a pod's node absent here is assumed healthy."""
+    gone: Mapping[str, str] = field(default_factory=dict)
+    """Why pods that no longer exist went away (their last DisruptionTarget reason), by name."""
+    progress: ProgressObservation | None = None
+    """The newest poll of node rank 0's /progress endpoint (poller.py), if any."""
