@@ -1,4 +1,4 @@
-"""A tiny kubelet that runs pods' containers as local processes, for the e2e tier.
+"""A tiny kubelet for the e2e tier: runs the pods bound to its node as local processes (the I/O shell).
 
 kwok only fakes pods, and this machine has no container engine, so real
 training in the e2e tests needs something that behaves like a kubelet towards
@@ -10,6 +10,12 @@ reports status as a kubelet does: Pending -> Running -> Succeeded/Failed with
 exit codes and termination messages; deletion gets SIGTERM, the grace period,
 SIGKILL, then the pod is finalized (deleted with grace 0).
 
+This module is the shell: threads, the event loop, and running actions. What
+to do with a pod is decided by the pure state machine in `agent_machine.py`;
+how a pod becomes processes and files by `agent_pod.py`; how its status reads
+by `agent_status.py`; every API call is in `agent_api.py`; processes are
+started, signalled and swept by `agent_runtime.py`.
+
 Usage::
 
     python -m kubetrain_testbed.agent --kubeconfig .testbed/kubeconfig --node-name kubetrain-agent-0
@@ -20,83 +26,46 @@ Rules a pod author must know are in docs/e2e.md (paths, env, credentials).
 from __future__ import annotations
 
 import argparse
-import base64
-import datetime as dt
-import json
 import logging
 import queue
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .agent_pod import (
-    ContainerConfigError,
-    projected_token_seconds,
-    ContainerPlan,
-    CState,
-    decode_secret,
-    exit_code_of,
-    node_object,
-    node_status,
-    plan_pod,
-    pod_status,
-    termination_message,
-)
+from . import agent_machine as machine
+from .agent_api import NodeApi, now_str
+from .agent_machine import (TOKEN_SECONDS, Action, Exit, Finalize, Materialize, PodState, Push, Reap, Signal,
+                            StartContainer, WriteStatus)
+from .agent_pod import ContainerConfigError, ContainerPlan, PodPlan, plan_pod
 from .agent_runtime import ContainerProcess, sweep_orphans, wait_gone, write_files
+from .agent_status import exit_code_of
 
 log = logging.getLogger("kubetrain.agent")
-
-TOKEN_SECONDS = 3600
-RESTART_BACKOFF_MAX = 20.0
-SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
-
-
-def now_str(*, micro: bool = False) -> str:
-    """Now in UTC as the API stores it: RFC 3339 seconds (Time), or with microseconds (MicroTime: Leases)."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
 class PodRecord:
-    """What the agent knows of one pod bound to its node."""
+    """One pod: the state machine's value, and the processes and plans that only the shell holds."""
 
-    pod: dict
-    states: dict[str, CState]
+    state: PodState
     procs: dict[str, ContainerProcess] = field(default_factory=dict)
     plans: dict[str, ContainerPlan] = field(default_factory=dict)
-    start_time: str | None = None
-    retry_at: float = 0.0
-    restart_at: dict[str, float] = field(default_factory=dict)
-    kill_at: float | None = None
-    """Set once deletion began: SIGKILL after this monotonic time."""
-    done: bool = False
-    """Terminal status pushed; only the deletion is left to handle."""
-    finalized: bool = False
-    last_pushed: str | None = None
-    token_refresh_at: float = 0.0
-
-    @property
-    def uid(self) -> str:
-        return self.pod["metadata"]["uid"]
-
-    @property
-    def ref(self) -> str:
-        return f"{self.pod['metadata']['namespace']}/{self.pod['metadata']['name']}"
 
 
 class Agent:
+    """One node: registers it, keeps it Ready, and runs the machine's actions for every pod bound to it.
+
+    One thread handles watch events and ticks (every 0.2 s at most); the heartbeat and the watch run
+    on their own threads and only hand events over through a queue."""
+
     def __init__(self, *, kubeconfig: str, node_name: str, state_dir: Path, capacity: dict[str, str],
                  labels: dict[str, str], taints: list[dict], delete_node_on_exit: bool, shutdown_grace: float,
                  heartbeat_seconds: float = 2.0, lease_seconds: int = 40) -> None:
-        from kubernetes import client, config
-
-        self.client = client
-        self.api = config.new_client_from_config(config_file=kubeconfig)
-        self.hb_api = config.new_client_from_config(config_file=kubeconfig)
-        self.core = client.CoreV1Api(self.api)
+        self.node = NodeApi(kubeconfig=kubeconfig, node_name=node_name, lease_seconds=lease_seconds)
         self.node_name = node_name
         self.state_dir = state_dir
         self.capacity = capacity
@@ -105,155 +74,14 @@ class Agent:
         self.delete_node_on_exit = delete_node_on_exit
         self.shutdown_grace = shutdown_grace
         self.heartbeat_seconds = heartbeat_seconds
-        self.lease_seconds = lease_seconds
         self.records: dict[str, PodRecord] = {}
         self.events: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.python_bin = Path(sys.executable).parent
-        self.started_at = now_str()
-        self.version = "v0.0.0"
         self.synced_once = False
-        from urllib.parse import urlsplit
+        self.pod_env = self.node.pod_env()
 
-        api_url = urlsplit(self.api.configuration.host)
-        # What a kubelet injects for the `kubernetes` Service, pointing at the real API server.
-        self.pod_env = {"KUBERNETES_SERVICE_HOST": api_url.hostname or "127.0.0.1",
-                        "KUBERNETES_SERVICE_PORT": str(api_url.port or 443)}
-
-    # ------------------------------------------------------------------ node
-    def register(self) -> None:
-        client = self.client
-        try:
-            self.version = client.VersionApi(self.api).get_code().git_version
-        except Exception:  # noqa: BLE001 - cosmetic only
-            pass
-        body = node_object(name=self.node_name, labels=self.labels, taints=self.taints)
-        try:
-            self.core.create_node(body)
-            log.info("registered node %s", self.node_name)
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            self.core.patch_node(self.node_name, {"metadata": {"labels": body["metadata"]["labels"]}, "spec": body["spec"]})
-            log.info("node %s already exists: labels and taints refreshed", self.node_name)
-        self._post_node_status(self.core)
-        self._renew_lease(client.CoordinationV1Api(self.api))
-
-    def _post_node_status(self, core) -> None:
-        status = node_status(capacity=self.capacity, now=now_str(), since=self.started_at, version=self.version)
-        core.patch_node_status(self.node_name, {"status": status})
-
-    def _renew_lease(self, coord) -> None:
-        client = self.client
-        try:
-            coord.patch_namespaced_lease(self.node_name, "kube-node-lease", {"spec": {"renewTime": now_str(micro=True), "holderIdentity": self.node_name}})
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-            node = self.core.read_node(self.node_name)
-            coord.create_namespaced_lease("kube-node-lease", {
-                "metadata": {"name": self.node_name, "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": node.metadata.uid}]},
-                "spec": {"holderIdentity": self.node_name, "leaseDurationSeconds": self.lease_seconds, "renewTime": now_str(micro=True)},
-            })
-
-    def _heartbeat_loop(self) -> None:
-        core = self.client.CoreV1Api(self.hb_api)
-        coord = self.client.CoordinationV1Api(self.hb_api)
-        last_status = 0.0
-        while not self.stop.wait(self.heartbeat_seconds):
-            try:
-                self._renew_lease(coord)
-                if time.monotonic() - last_status > 10:
-                    self._post_node_status(core)
-                    last_status = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - a heartbeat must survive API hiccups
-                log.warning("heartbeat failed: %s", exc)
-
-    # ------------------------------------------------------------------ watch
-    def _watch_loop(self) -> None:
-        from kubernetes import watch
-
-        selector = f"spec.nodeName={self.node_name}"
-        while not self.stop.is_set():
-            try:
-                resp = self.core.list_pod_for_all_namespaces(field_selector=selector, _preload_content=False)
-                body = json.loads(resp.data)
-                self.events.put(("SYNC", body["items"]))
-                w = watch.Watch()
-                for ev in w.stream(self.core.list_pod_for_all_namespaces, field_selector=selector,
-                                   resource_version=body["metadata"]["resourceVersion"], timeout_seconds=30):
-                    if self.stop.is_set():
-                        w.stop()
-                        break
-                    if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self.events.put((ev["type"], ev["raw_object"]))
-            except Exception as exc:  # noqa: BLE001 - relist after any watch failure
-                if not self.stop.is_set():
-                    log.warning("pod watch failed, relisting: %s", exc)
-                    self.stop.wait(1.0)
-
-    # ------------------------------------------------------------------ lookups
-    def _secret(self, ns: str, name: str) -> dict[str, str] | None:
-        try:
-            return decode_secret(self.core.read_namespaced_secret(name, ns).data)
-        except self.client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def _configmap(self, ns: str, name: str) -> dict[str, str] | None:
-        try:
-            return dict(self.core.read_namespaced_config_map(name, ns).data or {})
-        except self.client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def _token(self, pod: dict, audience: str, seconds: int) -> bytes:
-        """A token of a projected serviceAccountToken source, bound to the pod, as a kubelet requests it."""
-        c = self.client
-        meta, sa = pod["metadata"], pod["spec"].get("serviceAccountName") or "default"
-        try:
-            tr = self.core.create_namespaced_service_account_token(sa, meta["namespace"], c.AuthenticationV1TokenRequest(
-                spec=c.V1TokenRequestSpec(audiences=[audience] if audience else [], expiration_seconds=seconds,
-                                          bound_object_ref=c.V1BoundObjectReference(
-                                              api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]))))
-        except c.ApiException as exc:
-            raise ContainerConfigError(f"TokenRequest for ServiceAccount {meta['namespace']}/{sa} "
-                                       f"(audience {audience!r}) failed: {exc.status} {exc.reason}") from None
-        return tr.status.token.encode()
-
-    def _credentials(self, pod: dict) -> tuple[bytes | None, dict[str, bytes]]:
-        """A kubeconfig and token files for the pod's ServiceAccount (TokenRequest bound to the pod)."""
-        spec = pod["spec"]
-        sa = spec.get("serviceAccountName") or "default"
-        if spec.get("automountServiceAccountToken") is False:
-            return None, {"token": b""}
-        c = self.client
-        meta = pod["metadata"]
-        try:
-            tr = self.core.create_namespaced_service_account_token(sa, meta["namespace"], c.AuthenticationV1TokenRequest(
-                spec=c.V1TokenRequestSpec(audiences=[], expiration_seconds=TOKEN_SECONDS, bound_object_ref=c.V1BoundObjectReference(
-                    api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]))))
-        except c.ApiException as exc:
-            raise ContainerConfigError(f"TokenRequest for ServiceAccount {meta['namespace']}/{sa} failed: {exc.status} {exc.reason}") from None
-        token = tr.status.token
-        cfg = self.api.configuration
-        ca = Path(cfg.ssl_ca_cert).read_bytes() if cfg.ssl_ca_cert else b""
-        kubeconfig = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "in-pod",
-            "clusters": [{"name": "testbed", "cluster": {"server": cfg.host, "certificate-authority-data": base64.b64encode(ca).decode()}}],
-            "users": [{"name": f"system:serviceaccount:{meta['namespace']}:{sa}", "user": {"token": token}}],
-            "contexts": [{"name": "in-pod", "context": {"cluster": "testbed", "user": f"system:serviceaccount:{meta['namespace']}:{sa}", "namespace": meta["namespace"]}}],
-        }
-        return json.dumps(kubeconfig).encode(), {"token": token.encode()}
-
-    # ------------------------------------------------------------------ pods
-    def pod_dir(self, pod: dict) -> Path:
-        m = pod["metadata"]
-        return self.state_dir / "pods" / f"{m['namespace']}_{m['name']}_{m['uid'][:8]}"
-
+    # ------------------------------------------------------------------ events
     def handle(self, kind: str, obj) -> None:
         if kind == "SYNC":
             seen = set()
@@ -269,197 +97,127 @@ class Agent:
             self.observe(obj, initial=False)
 
     def observe(self, pod: dict, *, initial: bool) -> None:
-        uid = pod["metadata"]["uid"]
-        rec = self.records.get(uid)
-        deleting = bool(pod["metadata"].get("deletionTimestamp"))
+        rec = self.records.get(pod["metadata"]["uid"])
         if rec is not None:
-            rec.pod = pod
-            if deleting and rec.done and not rec.finalized:
-                self.finalize(pod)
-                rec.finalized = True
-            elif deleting and rec.kill_at is None and not rec.done:
-                self.begin_termination(rec)
+            terminating, mono = rec.state.kill_at is not None, time.monotonic()
+            rec.state, actions = machine.updated(rec.state, pod, mono=mono)
+            if not terminating and rec.state.kill_at is not None:
+                log.info("pod %s deleted: SIGTERM to its containers, grace %.0fs", rec.state.ref, rec.state.kill_at - mono)
+            self._run(rec, actions)
             return
-        phase = (pod.get("status") or {}).get("phase")
-        if phase in ("Succeeded", "Failed"):
-            if deleting:
-                self.finalize(pod)
+        state, actions = machine.admit(pod, initial=initial, now=now_str())
+        if state is None:
+            for action in actions:
+                if isinstance(action, WriteStatus):
+                    log.info("pod %s/%s was started by a previous agent: failing it",
+                             pod["metadata"]["namespace"], pod["metadata"]["name"])
+                    self.node.patch_status(pod, action.status)
+                elif isinstance(action, Finalize):
+                    self.node.finalize(pod)
             return
-        if initial and (pod.get("status") or {}).get("startTime"):
-            # Started by an earlier agent whose processes are gone (swept at start).
-            log.info("pod %s/%s was started by a previous agent: failing it", pod["metadata"]["namespace"], pod["metadata"]["name"])
-            states = [CState(c["name"]).terminated(exit_code=137, reason="ContainerStatusUnknown",
-                                                   message="the node agent restarted; the container is gone", now=now_str())
-                      for c in pod["spec"]["containers"]]
-            self.patch_status(pod, pod_status(pod, states, now=now_str(), start_time=pod["status"]["startTime"], terminal=True))
-            if deleting:
-                self.finalize(pod)
-            return
-        rec = PodRecord(pod=pod, states={c["name"]: CState(c["name"]) for c in pod["spec"]["containers"]})
-        self.records[uid] = rec
-        if deleting:
-            self.finalize(pod)
-            rec.done = rec.finalized = True
-            return
-        self.try_start(rec)
-
-    def _materialize(self, rec: PodRecord):
-        """Plan the pod's processes with fresh credentials and write its files (volumes, token, kubeconfig)."""
-        kubeconfig, sa_files = self._credentials(rec.pod)
-        plan = plan_pod(rec.pod, pod_dir=self.pod_dir(rec.pod), node_name=self.node_name, python_bin=self.python_bin,
-                        secrets=self._secret, configmaps=self._configmap, kubeconfig=kubeconfig, sa_files=sa_files,
-                        extra_env=self.pod_env, token_for=lambda aud, secs: self._token(rec.pod, aud, secs))
-        write_files(plan.files, plan.dirs)
-        return plan
-
-    def try_start(self, rec: PodRecord) -> None:
-        try:
-            plan = self._materialize(rec)
-        except ContainerConfigError as exc:
-            log.info("pod %s cannot start yet: %s", rec.ref, exc)
-            rec.states = {n: s.waiting("CreateContainerConfigError", str(exc)) for n, s in rec.states.items()}
-            rec.retry_at = time.monotonic() + 2.0
-            self.push(rec)
-            return
-        rec.token_refresh_at = time.monotonic() + min([TOKEN_SECONDS, *projected_token_seconds(rec.pod)]) * 0.8
-        rec.start_time = rec.start_time or now_str()
-        for cp in plan.containers:
-            rec.plans[cp.name] = cp
-            self.start_container(rec, cp)
-        self.push(rec)
-
-    def start_container(self, rec: PodRecord, cp: ContainerPlan) -> None:
-        try:
-            rec.procs[cp.name] = ContainerProcess.start(cp)
-            rec.states[cp.name] = rec.states[cp.name].running(now_str())
-            log.info("pod %s: container %s started (pgid %d)", rec.ref, cp.name, rec.procs[cp.name].pgid)
-        except OSError as exc:
-            log.info("pod %s: container %s failed to start: %s", rec.ref, cp.name, exc)
-            now = now_str()
-            st = rec.states[cp.name]
-            rec.states[cp.name] = st.running(now).terminated(exit_code=128, reason="StartError", message=str(exc), now=now)
-            self.after_exit(rec, cp.name)
-
-    def after_exit(self, rec: PodRecord, name: str) -> None:
-        policy = rec.pod["spec"].get("restartPolicy", "Always")
-        st = rec.states[name]
-        if rec.kill_at is None and (policy == "Always" or (policy == "OnFailure" and st.exit_code != 0)):
-            n = st.restart_count
-            rec.states[name] = st.restarting()
-            rec.restart_at[name] = time.monotonic() + min(RESTART_BACKOFF_MAX, 1.0 * 2**n)
-
-    def begin_termination(self, rec: PodRecord) -> None:
-        grace = rec.pod["metadata"].get("deletionGracePeriodSeconds")
-        grace = 30 if grace is None else int(grace)
-        rec.restart_at.clear()
-        running = [p for p in rec.procs.values() if p.popen.poll() is None]
-        log.info("pod %s deleted: SIGTERM to %d container(s), grace %ds", rec.ref, len(running), grace)
-        for p in running:
-            p.signal(signal.SIGTERM)
-        rec.kill_at = time.monotonic() + grace
-
-    def tick(self) -> None:
-        mono = time.monotonic()
-        for rec in list(self.records.values()):
-            if rec.done:
-                continue
-            for name, proc in list(rec.procs.items()):
-                if rec.states[name].state != "running":
-                    continue
-                code = proc.poll()
-                if code is None:
-                    continue
-                msg = termination_message(proc.plan.message_policy, code, proc.termination_file_text(), proc.log_tail())
-                reason = "Completed" if code == 0 else "Error"
-                rec.states[name] = rec.states[name].terminated(exit_code=code, reason=reason, message=msg, now=now_str())
-                log.info("pod %s: container %s exited with %d", rec.ref, name, code)
-                self.after_exit(rec, name)
-            for name, at in list(rec.restart_at.items()):
-                if mono >= at:
-                    del rec.restart_at[name]
-                    self.start_container(rec, rec.plans[name])
-            if not rec.plans and rec.kill_at is None and rec.retry_at and mono >= rec.retry_at:
-                rec.retry_at = 0.0
-                self.try_start(rec)
-                continue
-            if rec.kill_at is not None:
-                alive = [p for n, p in rec.procs.items() if rec.states[n].state == "running"]
-                if alive and mono < rec.kill_at:
-                    continue
-                for p in alive:
-                    p.signal(signal.SIGKILL)
-                self._reap(rec, alive)
-                if rec.plans:
-                    self.push(rec, terminal=True)
-                self.finalize(rec.pod)
-                rec.done = rec.finalized = True
-                continue
-            if rec.plans and mono >= rec.token_refresh_at:
-                self._refresh_token(rec)
-            pushed = self.push(rec)
-            if pushed and rec.plans and not rec.restart_at and all(s.state == "terminated" for s in rec.states.values()):
-                rec.done = True  # the terminal status is in the API; only a deletion is left to handle
-
-    def _reap(self, rec: PodRecord, procs: list[ContainerProcess]) -> None:
-        for p in procs:
-            try:
-                rc = p.popen.wait(timeout=5)
-            except Exception:  # noqa: BLE001
-                rc = -9
-            code = exit_code_of(rc)
-            msg = termination_message(p.plan.message_policy, code, p.termination_file_text(), p.log_tail())
-            rec.states[p.plan.name] = rec.states[p.plan.name].terminated(
-                exit_code=code, reason="Completed" if code == 0 else "Error", message=msg, now=now_str())
-            p.signal(signal.SIGKILL)
-
-    def _refresh_token(self, rec: PodRecord) -> None:
-        rec.token_refresh_at = time.monotonic() + min([TOKEN_SECONDS, *projected_token_seconds(rec.pod)]) * 0.8
-        try:
-            self._materialize(rec)
-        except Exception as exc:  # noqa: BLE001 - the old token is still valid for a while
-            log.warning("pod %s: token refresh failed: %s", rec.ref, exc)
-
-    def push(self, rec: PodRecord, *, terminal: bool = False, **extra) -> bool:
-        """Write the pod's status if it changed; False when the API refused it (retried next tick)."""
-        status = pod_status(rec.pod, list(rec.states.values()), now=now_str(), start_time=rec.start_time, terminal=terminal, **extra)
-        key = json.dumps(status, sort_keys=True)
-        if key == rec.last_pushed:
-            return True
-        if self.patch_status(rec.pod, status):
-            rec.last_pushed = key
-            return True
-        return False
-
-    def patch_status(self, pod: dict, status: dict) -> bool:
-        m = pod["metadata"]
-        try:
-            self.core.patch_namespaced_pod_status(m["name"], m["namespace"], {"metadata": {"uid": m["uid"]}, "status": status},
-                                                  _content_type="application/strategic-merge-patch+json")
-            return True
-        except self.client.ApiException as exc:
-            if exc.status in (404, 409):
-                return True  # gone or replaced: nothing left to report on
-            log.warning("status of pod %s/%s not written (%s), will retry", m["namespace"], m["name"], exc.status)
-            return False
-
-    def finalize(self, pod: dict) -> None:
-        c, m = self.client, pod["metadata"]
-        try:
-            self.core.delete_namespaced_pod(m["name"], m["namespace"], body=c.V1DeleteOptions(
-                grace_period_seconds=0, preconditions=c.V1Preconditions(uid=m["uid"])))
-            log.info("pod %s/%s finalized", m["namespace"], m["name"])
-        except c.ApiException as exc:
-            if exc.status not in (404, 409):
-                log.warning("finalizing pod %s/%s failed: %s", m["namespace"], m["name"], exc.status)
+        rec = self.records[state.uid] = PodRecord(state)
+        self._run(rec, actions)
 
     def forget(self, uid: str) -> None:
         rec = self.records.pop(uid, None)
         if rec is None:
             return
-        for p in rec.procs.values():
-            if p.popen.poll() is None:
-                log.info("pod %s vanished: killing its processes", rec.ref)
-            p.signal(signal.SIGKILL)
+        if any(p.popen.poll() is None for p in rec.procs.values()):
+            log.info("pod %s vanished: killing its processes", rec.state.ref)
+        self._run(rec, machine.vanished(rec.state))
+
+    def tick(self) -> None:
+        for rec in list(self.records.values()):
+            if rec.state.done:
+                continue
+            exits = {}
+            for name in rec.state.running:
+                proc = rec.procs[name]
+                code = proc.poll()
+                if code is not None:
+                    exits[name] = Exit(code, proc.termination_file_text(), proc.log_tail())
+                    log.info("pod %s: container %s exited with %d", rec.state.ref, name, code)
+            rec.state, actions = machine.tick(rec.state, exits=exits, mono=time.monotonic(), now=now_str())
+            self._run(rec, actions)
+
+    # ------------------------------------------------------------------ actions
+    def _run(self, rec: PodRecord, actions: tuple[Action, ...]) -> None:
+        """Run ``actions`` in order; the actions an outcome leads to run before the rest."""
+        todo = deque(actions)
+        while todo:
+            todo.extendleft(reversed(self._do(rec, todo.popleft())))
+
+    def _do(self, rec: PodRecord, action: Action) -> tuple[Action, ...]:
+        st = rec.state
+        if isinstance(action, Materialize) and action.start:
+            try:
+                plan = self._materialize(st.pod)
+            except ContainerConfigError as exc:
+                log.info("pod %s cannot start yet: %s", st.ref, exc)
+                rec.state, more = machine.config_error(st, str(exc), mono=time.monotonic())
+                return more
+            rec.plans = {cp.name: cp for cp in plan.containers}
+            rec.state, more = machine.materialized(st, mono=time.monotonic(), now=now_str())
+            return more
+        if isinstance(action, Materialize):
+            try:
+                self._materialize(st.pod)
+            except Exception as exc:  # noqa: BLE001 - the old token is still valid for a while
+                log.warning("pod %s: token refresh failed: %s", st.ref, exc)
+        elif isinstance(action, StartContainer):
+            self._start(rec, action.name)
+        elif isinstance(action, Signal):
+            for name in action.names:
+                proc = rec.procs.get(name)
+                if proc is not None and not (action.only_alive and proc.popen.poll() is not None):
+                    proc.signal(action.sig)
+        elif isinstance(action, Reap):
+            for name in action.names:
+                rec.state = machine.reaped(rec.state, name, self._reap(rec.procs[name]), now=now_str())
+        elif isinstance(action, Push):
+            status = machine.status_to_write(st, action, now=now_str())
+            ok = status is None or self.node.patch_status(st.pod, status)
+            rec.state = machine.pushed(st, action, status, ok=ok)
+        elif isinstance(action, WriteStatus):
+            self.node.patch_status(st.pod, action.status)
+        elif isinstance(action, Finalize):
+            self.node.finalize(st.pod)
+        return ()
+
+    def pod_dir(self, pod: dict) -> Path:
+        m = pod["metadata"]
+        return self.state_dir / "pods" / f"{m['namespace']}_{m['name']}_{m['uid'][:8]}"
+
+    def _materialize(self, pod: dict) -> PodPlan:
+        """Plan the pod's processes with fresh credentials and write its files (volumes, token, kubeconfig)."""
+        kubeconfig, sa_files = self.node.credentials(pod, seconds=TOKEN_SECONDS)
+        plan = plan_pod(pod, pod_dir=self.pod_dir(pod), node_name=self.node_name, python_bin=self.python_bin,
+                        secrets=self.node.secret, configmaps=self.node.configmap, kubeconfig=kubeconfig,
+                        sa_files=sa_files, extra_env=self.pod_env,
+                        token_for=lambda aud, secs: self.node.token(pod, aud, secs))
+        write_files(plan.files, plan.dirs)
+        return plan
+
+    def _start(self, rec: PodRecord, name: str) -> None:
+        try:
+            rec.procs[name] = ContainerProcess.start(rec.plans[name])
+        except OSError as exc:
+            log.info("pod %s: container %s failed to start: %s", rec.state.ref, name, exc)
+            rec.state = machine.start_failed(rec.state, name, str(exc), mono=time.monotonic(), now=now_str())
+            return
+        rec.state = machine.started(rec.state, name, now=now_str())
+        log.info("pod %s: container %s started (pgid %d)", rec.state.ref, name, rec.procs[name].pgid)
+
+    @staticmethod
+    def _reap(proc: ContainerProcess) -> Exit:
+        """Wait (at most 5 s) for a killed container's process; its exit as the runtime reports it."""
+        try:
+            rc = proc.popen.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            rc = -9
+        ex = Exit(exit_code_of(rc), proc.termination_file_text(), proc.log_tail())
+        proc.signal(signal.SIGKILL)
+        return ex
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> None:
@@ -467,9 +225,11 @@ class Agent:
         swept = sweep_orphans(self.node_name, self.state_dir)
         if swept:
             log.warning("killed %d process(es) left behind by a previous agent of %s", swept, self.node_name)
-        self.register()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-        threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
+        self.node.register(labels=self.labels, taints=self.taints, capacity=self.capacity)
+        threading.Thread(target=self.node.heartbeat_loop, args=(self.stop,), name="heartbeat", daemon=True,
+                         kwargs={"every": self.heartbeat_seconds, "capacity": self.capacity}).start()
+        threading.Thread(target=self.node.watch_loop, args=(self.stop, self.events.put), name="watch",
+                         daemon=True).start()
         log.info("agent for node %s running (state in %s)", self.node_name, self.state_dir)
         try:
             while not self.stop.is_set():
@@ -489,32 +249,20 @@ class Agent:
     def shutdown(self) -> None:
         """Graceful node shutdown: SIGTERM, grace, SIGKILL, pods Failed with DisruptionTarget; no orphans."""
         self.stop.set()
-        live = [r for r in self.records.values() if r.plans and not r.done]
+        live = [r for r in self.records.values() if r.state.live]
         for rec in live:
-            for p in rec.procs.values():
-                p.signal(signal.SIGTERM)
+            self._run(rec, machine.shutdown_begin(rec.state))
         deadline = time.monotonic() + self.shutdown_grace
         while time.monotonic() < deadline and any(p.popen.poll() is None for r in live for p in r.procs.values()):
             time.sleep(0.1)
         for rec in live:
-            alive = [p for n, p in rec.procs.items() if rec.states[n].state == "running"]
-            for p in alive:
-                p.signal(signal.SIGKILL)
-            self._reap(rec, alive)
-            now = now_str()
-            cond = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                    "message": SHUTDOWN_MESSAGE, "lastTransitionTime": now}
-            self.push(rec, terminal=True, reason="Terminated", message=SHUTDOWN_MESSAGE, extra_conditions=[cond])
+            self._run(rec, machine.shutdown_end(rec.state, now=now_str()))
         sweep_orphans(self.node_name, self.state_dir)
         left = wait_gone(self.node_name, 5.0)
         if left:
             log.error("processes still alive after shutdown: %s", left)
         if self.delete_node_on_exit:
-            try:
-                self.core.delete_node(self.node_name)
-                self.client.CoordinationV1Api(self.api).delete_namespaced_lease(self.node_name, "kube-node-lease")
-            except Exception as exc:  # noqa: BLE001
-                log.warning("deleting node %s: %s", self.node_name, exc)
+            self.node.delete_node()
         log.info("agent for node %s stopped", self.node_name)
 
 

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agent_pod import AGENT_MARKER_ENV, ContainerPlan, Materialized, exit_code_of
+from .agent_pod import AGENT_MARKER_ENV, ContainerPlan, Materialized
+from .agent_status import exit_code_of
 
 LOG_TAIL_BYTES = 2048
 

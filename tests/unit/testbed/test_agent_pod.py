@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_testbed.agent_pod import (CState, ContainerConfigError, exit_code_of, expand, phase_of,
-                                         resolve_env, rewrite_path, termination_message)
+from kubetrain_testbed.agent_pod import ContainerConfigError, expand, resolve_env, rewrite_path
+from kubetrain_testbed.agent_status import CState, exit_code_of, phase_of, termination_message
 
 POD = {"metadata": {"name": "job-a1-n0", "namespace": "ml", "uid": "u1", "labels": {"rank": "0"}},
        "spec": {"nodeName": "agent-0", "serviceAccountName": "trainer"}}
