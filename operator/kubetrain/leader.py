@@ -36,6 +36,8 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kubetrain.values import format_time
+
 log = logging.getLogger("kubetrain.leader")
 
 
@@ -58,10 +60,6 @@ class LeaseTiming:
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
             raise ValueError("lease timings need 0 < retry_period < renew_deadline < lease_duration, "
                              f"got {self.retry_period}, {self.renew_deadline}, {self.lease_duration}")
-
-
-def _micro_time(now: dt.datetime) -> str:
-    return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:
@@ -116,7 +114,7 @@ class LeaderElector:
         """One round: True when this identity holds the Lease afterwards."""
         now = dt.datetime.now(dt.timezone.utc)
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.lease_duration)),
-                "acquireTime": _micro_time(now), "renewTime": _micro_time(now), "leaseTransitions": 0}
+                "acquireTime": format_time(now, micro=True), "renewTime": format_time(now, micro=True), "leaseTransitions": 0}
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
         except ApiException as exc:
@@ -139,7 +137,7 @@ class LeaderElector:
             return False
         transitions = int(current.lease_transitions or 0)
         if mine:  # keep when it was acquired
-            spec["acquireTime"] = _micro_time(current.acquire_time) if current.acquire_time else spec["acquireTime"]
+            spec["acquireTime"] = format_time(current.acquire_time, micro=True) if current.acquire_time else spec["acquireTime"]
             spec["leaseTransitions"] = transitions
         else:
             spec["leaseTransitions"] = transitions + 1
@@ -244,7 +242,7 @@ class LeaderElector:
             lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
             if lease.spec.holder_identity != self.identity:
                 return
-            now = _micro_time(dt.datetime.now(dt.timezone.utc))
+            now = format_time(dt.datetime.now(dt.timezone.utc), micro=True)
             self.api.replace_namespaced_lease(self.name, self.namespace, self._body(
                 {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
                  "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version),

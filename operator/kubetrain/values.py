@@ -1,8 +1,8 @@
 """Plain values of a TrainingJob's status that pods and the API server hand over: times, numbers
 and `status.progress`.
 
-Kept below `api.py` (which re-exports the time helpers) so that the progress record has a
-module of its own and `api.py` stays about the spec and the status. Every parser here is
+Kept below `status.py` so that the progress record has a module of its own and `status.py`
+stays about the status itself. Every parser here is
 tolerant in the same way: a value the status schema would refuse becomes None, never an error.
 """
 
@@ -33,11 +33,12 @@ def parse_time_or_none(value: Any) -> dt.datetime | None:
         return None
 
 
-def format_time(value: dt.datetime | None) -> str | None:
-    """Aware datetime to the RFC3339 form Kubernetes stores (second precision, Z)."""
+def format_time(value: dt.datetime | None, *, micro: bool = False) -> str | None:
+    """Aware datetime to the RFC3339 form Kubernetes stores: Time (second precision, Z), or with
+    ``micro`` MicroTime (microseconds, Z: a Lease's times). The operator's only time formatter."""
     if value is None:
         return None
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
 
 
 def whole_number(value: Any) -> int | None:

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Mapping
 
 from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
-from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, _numeric_only, utc_now_rfc3339
+from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, _numeric_only, rfc3339
 from kubetrain_trainer.readiness import is_marker_name
 
 
@@ -107,7 +107,7 @@ def build_manifest(
         strategy=strategy,
         files=files if files is not None else scan_folder(folder),
         metrics=metrics,
-        created=created or utc_now_rfc3339(),
+        created=created or rfc3339(),
         best=best,
     )
 

@@ -27,8 +27,15 @@ class ManifestError(ValueError):
     """A manifest (or part manifest) is malformed: the checkpoint is incomplete."""
 
 
+def rfc3339(epoch_s: float | None = None) -> str:
+    """A record's time (``epoch_s``, or now): RFC 3339 in UTC to the second. The trainer's only time formatter."""
+    when = datetime.now(timezone.utc) if epoch_s is None else datetime.fromtimestamp(epoch_s, timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def utc_now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Now, as `rfc3339` writes it."""
+    return rfc3339()
 
 
 @dataclass(frozen=True)
@@ -320,5 +327,6 @@ __all__ = [
     "ManifestError",
     "NodePart",
     "is_safe_relpath",
+    "rfc3339",
     "utc_now_rfc3339",
 ]

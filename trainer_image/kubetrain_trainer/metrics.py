@@ -35,7 +35,6 @@ import socketserver
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,6 +44,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .grace import GraceSplit, split_grace
+from .manifest import rfc3339
 from .progress import Histogram, WorkerProgress, finite_or_none
 
 DEFAULT_PORT = 9410
@@ -76,10 +76,6 @@ class ProgressFile:
             except (OSError, ValueError) as e:
                 log.debug("progress file %s unreadable (%s); serving the last good report", self.path, e)
             return self._report
-
-
-def rfc3339(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def progress_document(*, worker: WorkerProgress | None, attempt: int, incarnation: int, started_at: float,
