@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kubetrain.api import Status
+from kubetrain.status import Status
 
 
 @dataclass(frozen=True)

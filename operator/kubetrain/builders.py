@@ -12,9 +12,10 @@ import json
 from typing import Any, Literal
 
 from kubetrain.api import (
-    API_VERSION, CONTAINER_NAME, DEFAULT_METRICS_PORT, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK,
-    MANAGED_BY, METRICS_PORT_NAME, Job, Spec, pod_name,
+    API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY,
+    METRICS_PORT_NAME, Job, pod_name,
 )
+from kubetrain.spec import DEFAULT_METRICS_PORT, Spec
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
 
 DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"

@@ -13,7 +13,10 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from kubetrain.actions import Action, DeleteJob, DeletePod, Event, PatchStatus, Plan
-from kubetrain.api import Job, Status, format_time, parse_time, redact
+from kubetrain.api import Job
+from kubetrain.redact import redact
+from kubetrain.status import Status
+from kubetrain.values import format_time, parse_time
 from kubetrain.observe import Observed, PodView
 
 STUCK_DELETION_SLACK_SECONDS = 30

@@ -20,7 +20,8 @@ from typing import Any
 import kopf
 
 from kubetrain import k8s, metrics, poller
-from kubetrain.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION, parse_time
+from kubetrain.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from kubetrain.values import parse_time
 from kubetrain.config import Settings
 from kubetrain.informer import PodInformer
 from kubetrain.observe import NodeView

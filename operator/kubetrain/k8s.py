@@ -35,7 +35,8 @@ from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
     classify, classify_forbidden,
 )
-from kubetrain.api import GROUP, PLURAL, VERSION, Job, format_time
+from kubetrain.api import GROUP, PLURAL, VERSION, Job
+from kubetrain.values import format_time
 from kubetrain.actions import (
     CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus, Plan,
 )

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kubetrain.api import Status
+from kubetrain.status import Status
 from kubetrain.actions import Plan
 
 log = logging.getLogger("kubetrain.metrics")

@@ -13,8 +13,10 @@ from typing import Any, Mapping
 
 from kubetrain.api import (
     ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK,
-    METRICS_PORT_NAME, LastCheckpoint, parse_time_or_none,
+    METRICS_PORT_NAME,
 )
+from kubetrain.status import LastCheckpoint
+from kubetrain.values import parse_time_or_none
 from kubetrain.progress import ProgressObservation
 from kubetrain.records import TrainerFailure, parse_checkpoint_record, parse_failure_record
 

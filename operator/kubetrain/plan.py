@@ -21,7 +21,9 @@ from __future__ import annotations
 import datetime as dt
 
 from kubetrain.actions import CreatePod, CreateService, EnsureDeepSpeedConfigMap, Plan
-from kubetrain.api import STARTED_PHASES, Job, LastCheckpoint, format_time, parse_time, pod_name
+from kubetrain.api import Job, pod_name
+from kubetrain.status import STARTED_PHASES, LastCheckpoint
+from kubetrain.values import format_time, parse_time
 from kubetrain.draft import MESSAGE_LIMIT, Draft, delete_pods, excerpt, fail, ttl
 from kubetrain.identity import describe
 from kubetrain.observe import Observed

@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from kubetrain.api import (
-    LastCheckpoint, Progress, format_time, parse_time_or_none, real_number, redact, whole_number,
-)
+from kubetrain.redact import redact
+from kubetrain.status import LastCheckpoint
+from kubetrain.values import Progress, format_time, parse_time_or_none, real_number, whole_number
 
 PROGRESS_KIND = "kubetrain.io/progress"
 CHECKPOINT_KIND = "kubetrain.io/last-checkpoint"

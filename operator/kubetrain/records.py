@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kubetrain.api import (
-    FAILURE_CODE, FAILURE_REASONS, FAILURE_RECORD_KIND, MAX_URI_LENGTH, LastCheckpoint, redact,
-)
+from kubetrain.api import FAILURE_CODE, FAILURE_REASONS, FAILURE_RECORD_KIND
+from kubetrain.redact import redact
+from kubetrain.status import MAX_URI_LENGTH, LastCheckpoint
 
 CHECKPOINT_RECORD_KIND = "kubetrain.io/last-checkpoint"
 """The `kind` of the trainer's last-checkpoint record (docs/contract.md); anything else in a

@@ -20,7 +20,8 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, format_time, parse_time, pod_name
+from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, pod_name
+from kubetrain.values import format_time, parse_time
 from kubetrain.draft import Draft, delete_pods, excerpt, fail, ttl
 from kubetrain.observe import Observed, PodView
 from kubetrain.progress import lagging_message

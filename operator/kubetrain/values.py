@@ -1,8 +1,8 @@
 """Plain values of a TrainingJob's status that pods and the API server hand over: times, numbers
 and `status.progress`.
 
-Kept below `api.py` (which re-exports the time helpers) so that the progress record has a
-module of its own and `api.py` stays about the spec and the status. Every parser here is
+Kept below `status.py` so that the progress record has a module of its own and `status.py`
+stays about the status itself. Every parser here is
 tolerant in the same way: a value the status schema would refuse becomes None, never an error.
 """
 

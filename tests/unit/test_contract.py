@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain import api, builders
+from kubetrain import api, builders, values
 from kubetrain.observe import Observed, PodView
 from kubetrain.plan import plan
 from kubetrain.records import parse_checkpoint_record
@@ -165,7 +165,7 @@ def _reading(code: int, *, disruption: bool = False) -> str:
     })
     other = _pod(0 if code == 0 else None, rank=1)
     status = plan(job, Observed(pods=(_pod(code, rank=0, disruption=disruption), other), nodes={}),
-                  api.parse_time(CREATED)).status
+                  values.parse_time(CREATED)).status
     assert status is not None, f"exit {code}: the operator wrote no status"
     if status.phase in ("Succeeded", "Failed"):
         return status.phase.lower()
@@ -237,7 +237,7 @@ def test_the_failure_record_reads_on_the_operator_side_as_the_trainer_means_it()
                 "terminated": {"exitCode": contract.EXIT_INVALID_CONFIG, "message": text + "\n"}}}]}})
         running = api.Job(**{**job.__dict__, "status": api.Status.from_storage(
             {"phase": "Running", "attempt": 1, "nodesTotal": 2, "startTime": CREATED})})
-        status = plan(running, Observed(pods=(rank0, _pod(None, rank=1))), api.parse_time(CREATED)).status
+        status = plan(running, Observed(pods=(rank0, _pod(None, rank=1))), values.parse_time(CREATED)).status
         assert status is not None and status.phase == "Failed"
         failed = status.condition("Failed")
         assert failed is not None and failed.reason == reason

@@ -1,4 +1,4 @@
-"""The operator's second look at a spec (kubetrain.api.Spec.from_storage): a TrainingJob
+"""The operator's second look at a spec (kubetrain.spec.Spec.from_storage): a TrainingJob
 stored before the CRD refused something the pod API refuses fails as InvalidSpec naming
 the field, instead of as pod creates that are refused on every attempt. The CRD is the
 first line (tests/integration/api/test_trainingjob_validation.py); these rules mirror
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from kubetrain.api import CREDENTIAL_ENV_NAMES, RESERVED_MOUNT_PATHS, RESERVED_MOUNT_TREES, Spec, SpecError
+from kubetrain.spec import CREDENTIAL_ENV_NAMES, RESERVED_MOUNT_PATHS, RESERVED_MOUNT_TREES, Spec, SpecError
 
 BASE = {"image": "i", "trainer": {"builtin": {"task": "regression"}}}
 VOLUME = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]}

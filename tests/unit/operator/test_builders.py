@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kubetrain import builders
-from kubetrain.api import Job, SpecError, Spec
+from kubetrain.api import Job
+from kubetrain.spec import Spec, SpecError
 from kubetrain.config import ConfigError, Settings
 from kubetrain.observe import PodView
 

@@ -11,7 +11,8 @@ import copy
 import pytest
 
 from kubetrain import builders
-from kubetrain.api import Job, Spec, SpecError
+from kubetrain.api import Job
+from kubetrain.spec import Spec, SpecError
 from kubetrain.identity import TOKEN_DIR, TOKEN_FILE, TOKEN_VOLUME, describe
 from kubetrain.observe import Observed
 from kubetrain.plan import plan
@@ -130,7 +131,7 @@ def test_secret_pod_keeps_its_keys_by_reference_and_no_token():
 
 
 def test_token_mount_is_where_no_user_mount_may_go():
-    from kubetrain.api import RESERVED_MOUNT_TREES
+    from kubetrain.spec import RESERVED_MOUNT_TREES
 
     assert any(TOKEN_DIR.startswith(tree + "/") for tree in RESERVED_MOUNT_TREES)
     assert TOKEN_VOLUME.startswith("kubetrain-")  # the CRD reserves the prefix for kubetrain's volumes

@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
-from kubetrain.api import Job, LastCheckpoint, Progress, SpecError, Spec
+from kubetrain.api import Job
+from kubetrain.spec import Spec, SpecError
+from kubetrain.status import LastCheckpoint
+from kubetrain.values import Progress
 from kubetrain.observe import Observed
 from kubetrain.plan import plan
 from kubetrain.progress import ProgressObservation, RecordError, next_progress, parse_progress_record

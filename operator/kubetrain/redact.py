@@ -1,0 +1,37 @@
+"""Secret-shaped text out of everything the operator publishes: `redact`.
+
+Pods and the API server say things (termination messages, kubelet and admission
+messages) that the operator copies into status and events; this is applied to
+all of it first.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SECRET_SHAPED = re.compile(
+    r"(?P<akid>\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b)"
+    r"|(?P<kv>(?i:[\w.-]*(?:secret|password|passwd|token|credential|api[_-]?key|access[_-]?key|session)[\w.-]*)"
+    r"\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
+    r"|(?P<bearer>(?i:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"
+    r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"
+    r"|(?P<pem>-----BEGIN [A-Z ]*PRIVATE KEY-----)[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)"
+)
+
+
+def redact(text: str) -> str:
+    """`text` with anything secret-shaped replaced by `***`: AWS access key ids, values of
+    key=value / key: value pairs whose key names a secret, token or password, bearer/basic
+    credentials, user:password@ in URLs and private keys. Applied to everything that pods or
+    the API server say before it is copied into status or events."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group("akid"):
+            return "***"
+        if m.group("kv") is not None:
+            return f"{m.group('kv')}***"
+        if m.group("bearer"):
+            return f"{m.group('bearer')}***"
+        if m.group("userinfo"):
+            return f"{m.group('userinfo')}***@"
+        return "-----PRIVATE KEY REDACTED-----"
+    return _SECRET_SHAPED.sub(sub, text)

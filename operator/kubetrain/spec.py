@@ -1,0 +1,368 @@
+"""The typed spec of a TrainingJob, with its defaults, parsed strictly from the stored dict.
+
+The CRD (crds/trainingjob.yaml) is the source of truth for field names and
+validation; the API server applies its defaults and CEL rules before the
+operator ever sees an object. `Spec.from_storage` turns `.spec` into frozen
+dataclasses so the planner and the builders never touch raw dicts, and applies
+the same defaults and rules again (objects stored before a default or a rule
+existed, unit tests). A spec the API server let through but the operator cannot
+use raises `SpecError`, a permanent error that names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Literal, Mapping
+
+from kubetrain.identity import IdentityError, StorageIdentity, WebIdentity, parse_identity
+
+StrategyType = Literal["ddp", "fsdp", "zero3"]
+BACKOFF_CAP_SECONDS = 300
+DEFAULT_MAX_PREEMPTIONS = 30
+"""runPolicy.maxPreemptions when unset: a bound on restarts the job did not cause."""
+DEFAULT_STARTUP_GRACE_SECONDS = 300
+"""runPolicy.startupGraceSeconds when unset: the window for a transient pod start error."""
+DEFAULT_TERMINATION_GRACE_SECONDS = 120
+"""runPolicy.terminationGracePeriodSeconds when unset: the launcher gives the workers what their
+emergency save needs (at most two thirds) and the upload the rest (at least a third, so 40 s or
+more here); the pod API's own default of 30 s left about 8 s for the upload
+(docs/contract.md, "The grace period after SIGTERM")."""
+MIN_TERMINATION_GRACE_SECONDS = 15
+"""Below this no emergency checkpoint can be taken (a step, a save and an upload), so the job
+would lose everything since its last periodic checkpoint on every preemption."""
+DEFAULT_METRICS_PORT = 9410
+"""The launcher's metrics and progress endpoint (KUBETRAIN_METRICS_PORT, containerPort `metrics`)."""
+
+
+class SpecError(ValueError):
+    """A permanent problem with the spec: retrying cannot help. Names the field."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"spec.{field_path}: {message}")
+        self.field_path = field_path
+
+
+# --------------------------------------------------------------------- spec
+
+@dataclass(frozen=True)
+class Trainer:
+    """What the training container runs: the built-in trainer or a command."""
+
+    builtin_task: str | None = None
+    """`causal-lm` or `regression` for the built-in trainer; None with a command."""
+    builtin_args: Mapping[str, Any] = field(default_factory=dict)
+    """Arguments of the built-in trainer, passed as KUBETRAIN_TRAINER_ARGS JSON."""
+    command: tuple[str, ...] = ()
+    """An arbitrary command run by the launcher after `--`."""
+    working_dir: str | None = None
+    """The container's working directory, when set."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The distributed strategy and its options."""
+
+    type: StrategyType = "ddp"
+    fsdp: Mapping[str, Any] | None = None
+    """FSDP options, passed as KUBETRAIN_FSDP_CONFIG JSON (fsdp only)."""
+    deepspeed_config: Mapping[str, Any] | None = None
+    """Inline DeepSpeed config: the operator writes it into ConfigMap `<job>-deepspeed`."""
+    deepspeed_configmap: str | None = None
+    """Name of a user ConfigMap that holds the DeepSpeed JSON."""
+    deepspeed_configmap_key: str = "ds_config.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Remote checkpoint storage and the identity the pods use for it (kubetrain.identity):
+    keys only ever from a Secret, or temporary credentials (web identity, ambient)."""
+
+    uri: str
+    identity: StorageIdentity
+    endpoint: str | None = None
+    region: str = "us-east-1"
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    """How failures, preemptions, deadlines and suspension are handled."""
+
+    backoff_limit: int = 3
+    """Application failures allowed before the job is Failed."""
+    backoff_seconds: int = 10
+    """Base of the exponential backoff between failed attempts."""
+    max_preemptions: int | None = DEFAULT_MAX_PREEMPTIONS
+    """Preemptions allowed before the job is Failed; unlimited when None (only a stored
+    object written before the CRD had a default lacks it)."""
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+    suspend: bool = False
+    node_lost_grace_seconds: int = 60
+    """How long a node may be NotReady (or a pod Unknown) before it counts as lost."""
+    startup_grace_seconds: int = DEFAULT_STARTUP_GRACE_SECONDS
+    """How long a pod may fail to start for a possibly transient reason before the job fails."""
+    termination_grace_period_seconds: int = DEFAULT_TERMINATION_GRACE_SECONDS
+    """The pods' terminationGracePeriodSeconds (KUBETRAIN_TERMINATION_GRACE_SECONDS): the time
+    from SIGTERM to SIGKILL in which the trainer stops and uploads its emergency checkpoint."""
+
+    def backoff_delay(self, failures: int) -> float:
+        """Seconds to wait before the attempt that follows the `failures`-th failure."""
+        if failures <= 0:
+            return 0.0
+        return float(min(BACKOFF_CAP_SECONDS, self.backoff_seconds * 2 ** (failures - 1)))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A TrainingJob's spec, with defaults applied."""
+
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    nodes: int = 1
+    procs_per_node: int = 1
+    master_port: int = 29500
+    shm_size: str = "1Gi"
+    """sizeLimit of the memory-backed /dev/shm volume."""
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    trainer: Trainer = field(default_factory=Trainer)
+    env: tuple[Mapping[str, Any], ...] = ()
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    strategy: Strategy = field(default_factory=Strategy)
+    checkpoint: Checkpoint | None = None
+    run_policy: RunPolicy = field(default_factory=RunPolicy)
+    pod_template: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides merged into every pod (labels, nodeSelector, volumes, ...)."""
+
+    @classmethod
+    def from_storage(cls, spec: Mapping[str, Any] | None, *, default_image: str | None = None) -> "Spec":
+        """Parse `.spec` of a stored TrainingJob; raises SpecError naming the field."""
+        spec = dict(spec or {})
+        image = spec.get("image") or default_image
+        if not image:
+            raise SpecError("image", "is required (and no KUBETRAIN_DEFAULT_IMAGE is set)")
+        if spec.get("masterPort") == DEFAULT_METRICS_PORT:
+            raise SpecError("masterPort", f"must not be {DEFAULT_METRICS_PORT}: the launcher serves /metrics and "
+                                          "/progress there (KUBETRAIN_METRICS_PORT)")
+        return cls(
+            image=str(image),
+            image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
+            nodes=_int(spec, "nodes", 1, minimum=1),
+            procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
+            master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
+            shm_size=str(spec.get("shmSize") or "1Gi"),
+            resources=_resources(spec.get("resources")),
+            trainer=_trainer(spec.get("trainer")),
+            env=_env(spec.get("env")),
+            env_from=tuple(spec.get("envFrom") or ()),
+            strategy=_strategy(spec.get("strategy")),
+            checkpoint=_checkpoint(spec.get("checkpoint"), spec.get("podTemplate")),
+            run_policy=_run_policy(spec.get("runPolicy")),
+            pod_template=_pod_template(spec.get("podTemplate")),
+        )
+
+
+def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "",
+         minimum: int | None = None, maximum: int | None = None) -> int | None:
+    value = obj.get(key)
+    name = f"{path}{key}"
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(name, f"must be <= {maximum}, got {value}")
+    return value
+
+
+def _trainer(raw: Any) -> Trainer:
+    raw = dict(raw or {})
+    builtin = raw.get("builtin")
+    command = raw.get("command")
+    if builtin and command:
+        raise SpecError("trainer", "set exactly one of builtin or command")
+    if command is not None:
+        if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+            raise SpecError("trainer.command", "must be a non-empty list of strings")
+        return Trainer(command=tuple(command), working_dir=raw.get("workingDir"))
+    builtin = dict(builtin or {})
+    args = builtin.get("args") or {}
+    if not isinstance(args, Mapping):
+        raise SpecError("trainer.builtin.args", "must be an object")
+    return Trainer(builtin_task=str(builtin.get("task") or "causal-lm"), builtin_args=dict(args),
+                   working_dir=raw.get("workingDir"))
+
+
+def _strategy(raw: Any) -> Strategy:
+    raw = dict(raw or {})
+    kind = raw.get("type") or "ddp"
+    if kind not in ("ddp", "fsdp", "zero3"):
+        raise SpecError("strategy.type", f"must be one of ddp, fsdp, zero3, got {kind!r}")
+    deepspeed = dict(raw.get("deepspeed") or {})
+    ref = dict(deepspeed.get("configMapRef") or {})
+    if kind == "zero3" and not deepspeed.get("config") and not ref.get("name"):
+        raise SpecError("strategy.deepspeed", "zero3 needs config or configMapRef")
+    return Strategy(
+        type=kind,
+        fsdp=dict(raw["fsdp"]) if kind == "fsdp" and raw.get("fsdp") is not None else ({} if kind == "fsdp" else None),
+        deepspeed_config=dict(deepspeed["config"]) if kind == "zero3" and deepspeed.get("config") else None,
+        deepspeed_configmap=ref.get("name") if kind == "zero3" else None,
+        deepspeed_configmap_key=ref.get("key") or "ds_config.json",
+    )
+
+
+def _checkpoint(raw: Any, pod_template: Any = None) -> Checkpoint | None:
+    if not raw:
+        return None
+    raw = dict(raw)
+    uri = raw.get("uri")
+    if not uri or not str(uri).startswith("s3://"):
+        raise SpecError("checkpoint.uri", f"must be an s3:// URI, got {uri!r}")
+    path = str(uri)[len("s3://"):]
+    if any(seg in ("", ".", "..") for seg in (path[:-1] if path.endswith("/") else path).split("/")):
+        raise SpecError("checkpoint.uri", f"must be s3://bucket[/prefix] whose prefix has no '.', '..' or "
+                                          f"empty ('//') segments, got {uri!r}")
+    try:
+        identity = parse_identity(raw)
+    except IdentityError as e:
+        raise SpecError(e.field_path, e.message) from None
+    account = dict(pod_template or {}).get("serviceAccountName")
+    if isinstance(identity, WebIdentity) and account and account != identity.service_account:
+        raise SpecError("podTemplate.serviceAccountName", f"must equal spec.checkpoint.webIdentity.serviceAccountName "
+                                                          f"({identity.service_account}) or be unset: the pods present "
+                                                          "that ServiceAccount's token")
+    return Checkpoint(uri=str(uri).rstrip("/"), identity=identity, endpoint=raw.get("endpoint") or None,
+                      region=raw.get("region") or "us-east-1")
+
+
+def _run_policy(raw: Any) -> RunPolicy:
+    raw = dict(raw or {})
+    p = "runPolicy."
+    return RunPolicy(
+        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0),
+        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0),
+        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0),
+        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1),
+        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0),
+        suspend=bool(raw.get("suspend") or False),
+        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
+        startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0),
+        termination_grace_period_seconds=_int(
+            raw, "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_SECONDS, path=p,
+            minimum=MIN_TERMINATION_GRACE_SECONDS, maximum=86400),
+    )
+
+
+# The CRD refuses all of the following at admission; the operator checks them again (cheaply)
+# so that a spec stored before a rule existed fails as InvalidSpec naming the field, instead of
+# as pods the API server refuses on every attempt.
+
+CREDENTIAL_ENV_NAMES: frozenset[str] = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+})
+"""Variables that carry (or select) AWS credentials: only ever from a Secret, never a literal
+value stored in the TrainingJob (crds/trainingjob.yaml, spec.env[].value)."""
+RESERVED_MOUNT_PATHS: frozenset[str] = frozenset({"/", "/dev", "/dev/termination-log", "/proc"})
+RESERVED_MOUNT_TREES: tuple[str, ...] = ("/proc", "/etc/kubetrain", "/tmp/kubetrain")
+"""Mount points kubetrain or the runtime owns: the paths themselves and everything below them."""
+
+_QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?$")
+_SUFFIX = {"": 1, "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": 10**3,
+           "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           **{s: 2 ** (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}
+
+
+def _quantity(value: Any, path: str) -> Fraction:
+    """A resource quantity (4, "500m", "16Gi", "1e3") as an exact number; negative is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = Fraction(value)
+    else:
+        m = _QUANTITY.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+        suffix = m.group(2) or ""
+        scale = Fraction(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
+        number = Fraction(m.group(1)) * scale
+    if number < 0:
+        raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+    return number
+
+
+def _is_extended(name: str) -> bool:
+    """A resource outside the kubernetes.io domain (e.g. nvidia.com/gpu): integer, never overcommitted."""
+    return "/" in name and "kubernetes.io/" not in name
+
+
+def _resources(raw: Any) -> dict[str, Any]:
+    raw = dict(raw or {})
+    parsed: dict[str, dict[str, Fraction]] = {}
+    for which in ("requests", "limits"):
+        parsed[which] = {}
+        for name, value in dict(raw.get(which) or {}).items():
+            path = f"resources.{which}.{name}"
+            if "/" in name:
+                if not _QUALIFIED_NAME.match(name) or name.startswith("requests."):
+                    raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                          "hugepages-<size> or an extended resource <domain>/<name>")
+            elif name not in ("cpu", "memory", "ephemeral-storage") and not name.startswith("hugepages-"):
+                raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                      "hugepages-<size> or an extended resource <domain>/<name>")
+            number = parsed[which][name] = _quantity(value, path)
+            if _is_extended(name) and number.denominator != 1:
+                raise SpecError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
+    requests, limits = parsed["requests"], parsed["limits"]
+    for name, number in requests.items():
+        if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:
+            raise SpecError(f"resources.requests.{name}", "must be set in limits too, and equal to the limit "
+                                                         "(extended resources and hugepages cannot be overcommitted)")
+        if name in limits and number > limits[name]:
+            raise SpecError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
+    return raw
+
+
+def _env(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    env = tuple(raw or ())
+    for i, var in enumerate(env):
+        name = var.get("name") if isinstance(var, Mapping) else None
+        if name in CREDENTIAL_ENV_NAMES and var.get("value"):
+            raise SpecError(f"env[{i}].value", f"{name} is a credential and must not be written into the "
+                                               "TrainingJob; take it from a Secret with valueFrom.secretKeyRef")
+    return env
+
+
+def _pod_template(raw: Any) -> dict[str, Any]:
+    tpl = dict(raw or {})
+    p = "podTemplate."
+    for key in ("labels", "nodeSelector", "annotations"):
+        for name in dict(tpl.get(key) or {}):
+            if not _QUALIFIED_NAME.match(name.lower() if key == "annotations" else name):
+                raise SpecError(f"{p}{key}", f"{name!r} is not a valid key: an optional DNS subdomain prefix "
+                                             "and '/', then at most 63 letters, digits, '-', '_' or '.'")
+    for i, mount in enumerate(tpl.get("volumeMounts") or ()):
+        where = f"{p}volumeMounts[{i}]"
+        path, sub = str(mount.get("mountPath") or ""), mount.get("subPath")
+        segments = path.split("/")[1:]
+        if not path.startswith("/") or any(seg in ("", ".", "..") for seg in segments):
+            raise SpecError(f"{where}.mountPath", f"{path!r} must be a clean absolute path: no '.', '..' or "
+                                                  "empty segments and no trailing /")
+        if path in RESERVED_MOUNT_PATHS or any(path == t or path.startswith(t + "/") for t in RESERVED_MOUNT_TREES):
+            raise SpecError(f"{where}.mountPath", f"{path} is reserved: /, /dev, /dev/termination-log, /proc, "
+                                                  "/etc/kubetrain and /tmp/kubetrain (and below them)")
+        if sub and (str(sub).startswith("/") or any(seg in (".", "..") for seg in str(sub).split("/"))):
+            raise SpecError(f"{where}.subPath", f"{sub!r} must be a relative path inside the volume, "
+                                                "without '.' or '..' segments")
+    for i, tol in enumerate(tpl.get("tolerations") or ()):
+        where = f"{p}tolerations[{i}]"
+        if not tol.get("key") and tol.get("operator") != "Exists":
+            raise SpecError(f"{where}.operator", "must be Exists when key is empty (a toleration of every taint)")
+        if tol.get("tolerationSeconds") is not None and tol.get("effect") != "NoExecute":
+            raise SpecError(f"{where}.effect", "must be NoExecute when tolerationSeconds is set")
+        if tol.get("operator") == "Exists" and tol.get("value"):
+            raise SpecError(f"{where}.value", "must be empty when operator is Exists")
+    return tpl
