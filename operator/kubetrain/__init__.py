@@ -1,1 +1,1 @@
-"""kubetrain: the TrainingJob operator (kopf). Layers: api -> plan -> k8s -> handlers."""
+"""kubetrain: the TrainingJob operator (kopf). Layers: api -> plan -> k8s -> reconciler -> handlers (pyproject.toml)."""

@@ -1,4 +1,4 @@
-"""The layer rules (operator: api -> plan -> k8s -> handlers; the training loop never talks to S3; the
+"""The layer rules (operator: api -> plan -> k8s -> reconciler -> handlers; the training loop never talks to S3; the
 two packages share no imports), enforced by import-linter: the contracts are in pyproject.toml."""
 
 import subprocess
