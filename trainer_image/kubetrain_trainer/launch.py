@@ -3,18 +3,15 @@
 It is the trainer side of docs/contract.md, and PID 1 of the pod:
 
 1. read and validate the environment once (`launch_config.py`; a bad value exits 82 naming it);
-2. restore the newest COMPLETE checkpoint from S3 into the local folder (every
-   node restores, every file checked against its sha256);
+2. with checkpoint storage, open the pod's checkpoint session (`session.py`): restore the
+   newest complete checkpoint, then upload every new `checkpoint-<step>` in the background;
 3. start NPROC_PER_NODE workers (plain subprocesses: the launcher owns their
    signals) with RANK/LOCAL_RANK/WORLD_SIZE/... set; the default worker is the
    built-in trainer, `-- cmd...` runs the user's command;
-4. watch the local folder and upload every new `checkpoint-<step>` in the
-   background (`sync.py`), so S3 never sits in the workers' way;
-5. forward SIGTERM to the workers, give them what the emergency checkpoint
+4. forward SIGTERM to the workers, give them what the emergency checkpoint
    needs of the grace period (`grace.py`), then spend the rest uploading it;
-6. exit with the contract's code: 0 success, 83 preempted, 82 invalid
-   configuration, 84 checkpoint storage unusable, else the worker's code; on node
-   rank 0 report the last committed checkpoint in the termination message (`podreport.py`).
+5. exit with the contract's code: 0 success, 83 preempted, 82 invalid
+   configuration, 84 checkpoint storage unusable, else the worker's code.
 Throughout, it serves /metrics and /progress on KUBETRAIN_METRICS_PORT (`metrics.py`).
 """
 
@@ -29,16 +26,19 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
 from kubetrain_trainer.metrics import Telemetry
-from kubetrain_trainer.podreport import report_storage_refused, write_termination_message
+from kubetrain_trainer.podreport import report_storage_refused
 from kubetrain_trainer.progress import PROGRESS_FILE_ENV
+from kubetrain_trainer.restore import RestoreAgreementError
+from kubetrain_trainer.session import CheckpointSession, SessionConfig
+from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+from kubetrain_trainer.storage_errors import StorageAccessError, StorageError, StoragePermanentError
 
 from kubetrain_trainer.contract import (
     EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, FAILURE_STORAGE_ACCESS_DENIED,
@@ -214,35 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.metrics_port:
         telemetry.serve(cfg.metrics_port)  # a taken port costs a warning, never the job
 
-    uploader = watch = None
+    session: CheckpointSession | None = None
     resume_from: Path | None = None
     if cfg.checkpoint_uri:
-        from kubetrain_trainer.storage_errors import StorageAccessError, StorageError, StoragePermanentError
-
         try:
-            uploader, watch, resume_from = _start_sync(cfg, stop, telemetry)
-        except RestoreAgreementError as e:
-            if stop.is_set():
-                return EXIT_PREEMPTED
-            log.error("restore: %s; this pod fails so that the gang restarts and decides again", e)
-            return EXIT_STORAGE
-        except StorageError as e:
-            if stop.is_set():
-                log.warning("SIGTERM while restoring (%s)", e)
-                return EXIT_PREEMPTED
-            if isinstance(e, StorageAccessError):
-                log.error("invalid configuration: checkpoint storage %s refused access (or has no such bucket) "
-                          "for %.0fs (KUBETRAIN_S3_AUTH_RETRY_SECONDS): %s", cfg.checkpoint_uri, cfg.access_retry_s, e)
-                report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_ACCESS_DENIED,
-                                       where=cfg.checkpoint_uri)
-                return EXIT_INVALID_CONFIG
-            if isinstance(e, StoragePermanentError):
-                log.error("invalid configuration: checkpoint storage %s: %s", cfg.checkpoint_uri, e)
-                report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_REQUEST_INVALID,
-                                       where=cfg.checkpoint_uri)
-                return EXIT_INVALID_CONFIG
-            log.error("checkpoint storage %s unreachable: %s", cfg.checkpoint_uri, e)
-            return EXIT_STORAGE
+            session = CheckpointSession(CheckpointStore(StorageConfig.from_env(os.environ)), session_config(cfg),
+                                        telemetry=telemetry, stop=stop)
+            restored = session.restore()
+            session.start(restored)
+            resume_from = restored.path
+        except (RestoreAgreementError, StorageError) as e:
+            return _restore_failed(cfg, stop, e)
     if stop.is_set():
         log.warning("SIGTERM before training started")
         return EXIT_PREEMPTED
@@ -255,218 +237,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)
     log.info("workers finished after %.1fs; outcome exit code %d", time.monotonic() - started, code)
 
-    if uploader is not None and watch is not None:
+    if session is not None:
         # Workers that stopped on their own terms wrote their last folder completely; dead ones may not have.
-        watch.writers_exited(clean=workers.exited_cleanly)
-        watch.stop()  # one last scan: the emergency checkpoint
+        session.finish_watching(writers_clean=workers.exited_cleanly, keep_only_newest=signalled_at is not None)
         if signalled_at is not None:
-            uploader.keep_only_newest()
             budget = max(1.0, signalled_at + cfg.grace_s - split_grace(cfg.grace_s).margin_s - time.monotonic())
         elif code == EXIT_OK:
             budget = cfg.upload_wait_s
         else:
             # The run failed anyway: save what we can, but do not hold up the retry for long.
             budget = min(cfg.upload_wait_s, 120.0)
-        synced = uploader.close(budget)
-        log.info("%s", uploader.status_line())
-        if code == EXIT_OK and cfg.node_rank == 0 and not uploader.fenced:
-            synced = _upload_final(cfg, uploader) and synced
-        if cfg.node_rank == 0 and uploader.last_committed is not None:
-            write_termination_message(cfg.termination_log, uploader.last_committed.to_json())
+        synced = session.close(budget)
+        if code == EXIT_OK and cfg.node_rank == 0 and not session.fenced:
+            synced = session.upload_final(wait_s=cfg.upload_wait_s) and synced
         if not synced and code == EXIT_OK:
             log.error("training finished but its last checkpoints are not in storage")
             code = EXIT_STORAGE
     return code
 
 
-@dataclass(frozen=True)
-class Restored:
-    path: Path | None
-    """The restored local folder (None: no complete checkpoint, start from scratch)."""
-    committed: Any
-    """`sync.CommittedCheckpoint` of the restored one, or None."""
-    history: frozenset[tuple[int, int, int]]
-    """(step, incarnation, attempt) of every manifest in storage at start, for write fencing."""
-    claims: frozenset[tuple[int, int]] = frozenset()
-    """(incarnation, attempt) of every attempt claim in storage at start: only newer claims that
-    appear later fence this writer (one already there is history, e.g. a clock that ran ahead)."""
-
-
-RESTORE_WAIT_FACTOR = 4
-"""Ranks other than 0 wait for node rank 0's restore decision up to this many restore timeouts
-while its claim shows it is restoring (its own download of a big checkpoint)."""
-
-
-class RestoreAgreementError(Exception):
-    """This rank cannot restore the step node rank 0 decided for the attempt (or no decision came):
-    the ranks never resume from different steps, so this pod fails and the gang restarts."""
-
-
-def restore_agreed(store, dest: Path, *, node_rank: int, incarnation: int, attempt: int, deadline: float,
-                   stop: threading.Event | None = None, access_deadline: float | None = None,
-                   poll_s: float = 1.0) -> Restored:
-    """Restore what every rank of this attempt restores, decided once by node rank 0.
-
-    Node rank 0 first claims the attempt (`AttemptClaim`, undecided): from then on every older
-    writer (a zombie of an earlier attempt, or of a deleted job of the same name) is fenced and
-    deletes nothing, so the checkpoint about to be restored cannot vanish by retention. It then
-    restores the newest complete checkpoint (falling back past corrupt ones) and records the step
-    in the claim. The other ranks wait for that decision and restore exactly that step; if it is
-    no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
-    from kubetrain_trainer.manifest import AttemptClaim
-    from kubetrain_trainer.retry import retrying
-
-    cancelled = stop.is_set if stop is not None else (lambda: False)
-    sleep = stop.wait if stop is not None else time.sleep
-    if incarnation == 0:
-        # Not started by the operator (no KUBETRAIN_JOB_INCARNATION): claim names would repeat from
-        # run to run, so each rank restores the newest complete checkpoint on its own, as before.
-        return restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
-    claims = frozenset(retrying(store.list_claims, deadline=deadline, access_deadline=access_deadline,
-                                cancelled=cancelled, sleep=sleep, what="listing attempt claims"))
-    budget = max(1.0, deadline - time.monotonic())
-    if node_rank == 0:
-        claim = AttemptClaim(incarnation=incarnation, attempt=attempt)
-        retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
-                 cancelled=cancelled, sleep=sleep, what="claiming the attempt")
-        restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
-        step = restored.committed.step if restored.committed is not None else None
-        decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
-        retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
-                 access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
-                 what="recording the restore decision")
-        return replace(restored, claims=claims)
-    # Node rank 0 downloads before it decides: while its claim says it is at work, wait longer than
-    # the restore timeout (a big checkpoint), up to WAIT_FACTOR times it; without any claim, the timeout.
-    hard = time.monotonic() + RESTORE_WAIT_FACTOR * budget
-    while True:
-        claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=time.monotonic() + budget,
-                         access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore decision")
-        if claim is not None and claim.decided:
-            break
-        if cancelled():
-            raise RestoreAgreementError("stopped while waiting for node rank 0's restore decision")
-        now = time.monotonic()
-        if (claim is None and now > deadline) or now > hard:
-            raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt in time "
-                                        "(KUBETRAIN_RESTORE_TIMEOUT_SECONDS)")
-        sleep(poll_s)
-    restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
-                              access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
-    return replace(restored, claims=claims)
-
-
-def restore_newest(store, dest: Path, *, deadline: float, stop: threading.Event | None = None,
-                   access_deadline: float | None = None, only_step: int | None = None,
-                   agreed: bool = False) -> Restored:
-    """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
-
-    Temporary storage errors are retried until `deadline`, refused access or a
-    missing bucket until `access_deadline` (None: not retried); a checksum
-    mismatch marks that checkpoint bad and falls back to the next older one.
-    """
-    from kubetrain_trainer.decisions import newest_complete
-    from kubetrain_trainer.retry import retrying
-    from kubetrain_trainer.storage_errors import ChecksumError
-    from kubetrain_trainer.commit import CommittedCheckpoint
-
-    cancelled = stop.is_set if stop is not None else (lambda: False)
-    sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
-    remote = retrying(store.list_checkpoints, deadline=deadline, access_deadline=access_deadline,
-                      cancelled=cancelled, sleep=sleep, what="listing checkpoints")
-    history = frozenset((c.step, *c.manifest.writer) for c in remote if c.manifest is not None)
-    bad: set[int] = set()
-    if agreed:
-        # Exactly the step node rank 0 decided (None: from scratch), never a fallback of our own.
-        if only_step is None:
-            log.info("node rank 0 decided to start from scratch")
-            return Restored(path=None, committed=None, history=history)
-        remote = [c for c in remote if c.step == only_step]
-        if newest_complete(remote) is None:
-            raise RestoreAgreementError(f"checkpoint-{only_step}, which node rank 0 restored for this attempt, "
-                                        "is no longer complete in storage")
-    while (chosen := newest_complete(remote, exclude=bad)) is not None:
-        if stop is not None and stop.is_set():
-            break
-        manifest = chosen.manifest
-        assert manifest is not None
-        try:
-            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline,
-                            access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
-        except ChecksumError as e:
-            if agreed:
-                raise RestoreAgreementError(f"checkpoint-{chosen.step}, which node rank 0 restored for this "
-                                            f"attempt, failed verification here: {e}") from None
-            log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
-            bad.add(chosen.step)
-            continue
-        log.info("restored checkpoint-%d (attempt %d) into %s", chosen.step, manifest.attempt, path)
-        committed = CommittedCheckpoint(step=chosen.step, uri=store.checkpoint_uri(chosen.step), time=manifest.created)
-        return Restored(path=path, committed=committed, history=history)
-    log.info("no complete checkpoint in %s: starting from scratch", store.location.uri)
-    return Restored(path=None, committed=None, history=history)
-
-
-def _upload_final(cfg: LaunchConfig, uploader) -> bool:
-    """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored."""
-    from kubetrain_trainer.storage_errors import StorageError
-    from kubetrain_trainer.final_model import upload_final_model
-
-    step = uploader.last_committed.step if uploader.last_committed else 0
-    try:
-        upload_final_model(uploader.store, cfg.local_dir, uploader.settings, step=step,
-                           deadline=time.monotonic() + cfg.upload_wait_s)
-        return True
-    except StorageError as e:
-        log.error("final model not uploaded: %s", e)
-        return False
-
-
-def _start_sync(cfg: LaunchConfig, stop: threading.Event, telemetry: Telemetry):
-    """Restore, then start the uploader and the folder watcher. Returns (uploader, watch, resume_from)."""
-    from kubetrain_trainer.retry import Backoff
-    from kubetrain_trainer.storage import CheckpointStore, StorageConfig
-    from kubetrain_trainer.commit import CommittedCheckpoint, SyncSettings
-    from kubetrain_trainer.sync import CheckpointUploader
-    from kubetrain_trainer.watcher import FolderWatcher, WatchLoop
-
-    store = CheckpointStore(StorageConfig.from_env(os.environ))
-    started = time.monotonic()
-    restored = restore_agreed(store, cfg.local_dir, node_rank=cfg.node_rank, incarnation=cfg.incarnation,
-                              attempt=cfg.attempt, deadline=started + cfg.restore_timeout_s, stop=stop,
-                              access_deadline=started + cfg.access_retry_s)
-    telemetry.restored(time.monotonic() - started, restored.committed)
-    resume_from, initial, history = restored.path, restored.committed, restored.history
-    claims_at_start = restored.claims
-
-    def on_commit(record: CommittedCheckpoint) -> None:
-        if cfg.node_rank != 0:
-            return
-        write_termination_message(cfg.termination_log, record.to_json())
-
-    settings = SyncSettings(
-        attempt=cfg.attempt,
-        incarnation=cfg.incarnation,
-        world_size=cfg.world_size,
-        strategy=cfg.strategy,
-        node_rank=cfg.node_rank,
-        nnodes=cfg.nnodes,
-        retention=cfg.retention(),
-        backoff=Backoff(initial_s=1.0, maximum_s=30.0),
-        history=history,
-        claims_at_start=claims_at_start,
+def session_config(cfg: LaunchConfig) -> SessionConfig:
+    """What the checkpoint session (`session.py`) needs of the launcher's configuration."""
+    return SessionConfig(
+        local_dir=cfg.local_dir, node_rank=cfg.node_rank, nnodes=cfg.nnodes, world_size=cfg.world_size,
+        attempt=cfg.attempt, incarnation=cfg.incarnation, strategy=cfg.strategy, retention=cfg.retention(),
+        restore_timeout_s=cfg.restore_timeout_s, access_retry_s=cfg.access_retry_s, settle_s=cfg.settle_s,
+        commit_mode=cfg.commit_mode, termination_log=cfg.termination_log,
     )
-    staging = cfg.local_dir.parent / f".{cfg.local_dir.name}.upload-staging"
-    uploader = CheckpointUploader(
-        store, settings, staging_dir=staging, on_commit=on_commit, initial=initial,
-        on_upload=telemetry.uploaded, save_seconds=telemetry.save_seconds,
-    ).start()
-    telemetry.attach(uploader)
-    watcher = FolderWatcher(cfg.local_dir, settle_s=cfg.settle_s, node_rank=cfg.node_rank, mode=cfg.commit_mode)
-    stale = watcher.prime()
-    if stale:
-        log.warning("ignoring local checkpoints left from before this launch: %s", stale)
-    return uploader, WatchLoop(watcher, uploader).start(), resume_from
+
+
+def _restore_failed(cfg: LaunchConfig, stop: threading.Event, e: RestoreAgreementError | StorageError) -> int:
+    """The exit code when the checkpoint session could not start: preempted when SIGTERM came first,
+    82 when storage refused this pod (with the failure record), else 84."""
+    if stop.is_set():  # the failure is the SIGTERM's consequence
+        if isinstance(e, StorageError):
+            log.warning("SIGTERM while restoring (%s)", e)
+        return EXIT_PREEMPTED
+    if isinstance(e, RestoreAgreementError):
+        log.error("restore: %s; this pod fails so that the gang restarts and decides again", e)
+        return EXIT_STORAGE
+    if isinstance(e, StorageAccessError):
+        log.error("invalid configuration: checkpoint storage %s refused access (or has no such bucket) "
+                  "for %.0fs (KUBETRAIN_S3_AUTH_RETRY_SECONDS): %s", cfg.checkpoint_uri, cfg.access_retry_s, e)
+        report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_ACCESS_DENIED, where=cfg.checkpoint_uri)
+        return EXIT_INVALID_CONFIG
+    if isinstance(e, StoragePermanentError):
+        log.error("invalid configuration: checkpoint storage %s: %s", cfg.checkpoint_uri, e)
+        report_storage_refused(cfg.termination_log, e, reason=FAILURE_STORAGE_REQUEST_INVALID, where=cfg.checkpoint_uri)
+        return EXIT_INVALID_CONFIG
+    log.error("checkpoint storage %s unreachable: %s", cfg.checkpoint_uri, e)
+    return EXIT_STORAGE
 
 
 def _signal(p: subprocess.Popen, sig: int, *, group: bool) -> None:

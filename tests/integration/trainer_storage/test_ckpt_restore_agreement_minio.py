@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer.launch import RestoreAgreementError, restore_agreed
 from kubetrain_trainer.decisions import RetentionPolicy
+from kubetrain_trainer.restore import RestoreAgreementError, restore_agreed
 
 from test_ckpt_storage_minio import _checkpoint, _same_tree, _store, _uploader
 

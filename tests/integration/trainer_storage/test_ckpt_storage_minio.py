@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kubetrain_testbed import free_port
-from kubetrain_trainer.launch import restore_newest
 from kubetrain_trainer.decisions import RetentionPolicy, newest_complete
 from kubetrain_trainer.retry import Backoff
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
 from kubetrain_trainer.storage_errors import StoragePermanentError, StorageTemporaryError
+from kubetrain_trainer.restore import restore_newest
 from kubetrain_trainer.commit import SyncSettings
 from kubetrain_trainer.sync import CheckpointUploader
 

@@ -1,0 +1,141 @@
+"""Restore at start: every rank of an attempt downloads the same newest complete checkpoint.
+
+Node rank 0 decides which step the attempt resumes from and records it in the attempt's claim
+(`manifest.AttemptClaim`); the other ranks restore exactly that step or fail, so the ranks
+never resume from different steps (docs/contract.md, "Writers, fencing and restore agreement").
+Every file is checked against its sha256; a corrupt checkpoint falls back to an older one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kubetrain_trainer.commit import CommittedCheckpoint
+from kubetrain_trainer.decisions import newest_complete
+from kubetrain_trainer.manifest import AttemptClaim
+from kubetrain_trainer.retry import retrying
+from kubetrain_trainer.storage import CheckpointStore
+from kubetrain_trainer.storage_errors import ChecksumError
+
+log = logging.getLogger("kubetrain_trainer.restore")
+
+RESTORE_WAIT_FACTOR = 4
+"""Ranks other than 0 wait for node rank 0's restore decision up to this many restore timeouts
+while its claim shows it is restoring (its own download of a big checkpoint)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: Path | None
+    """The restored local folder (None: no complete checkpoint, start from scratch)."""
+    committed: CommittedCheckpoint | None
+    """The last-checkpoint record of the restored one, or None."""
+    history: frozenset[tuple[int, int, int]]
+    """(step, incarnation, attempt) of every manifest in storage at start, for write fencing."""
+    claims: frozenset[tuple[int, int]] = frozenset()
+    """(incarnation, attempt) of every attempt claim in storage at start: only newer claims that
+    appear later fence this writer (one already there is history, e.g. a clock that ran ahead)."""
+
+
+class RestoreAgreementError(Exception):
+    """This rank cannot restore the step node rank 0 decided for the attempt (or no decision came):
+    the ranks never resume from different steps, so this pod fails and the gang restarts."""
+def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarnation: int, attempt: int,
+                   deadline: float, stop: threading.Event | None = None, access_deadline: float | None = None,
+                   poll_s: float = 1.0) -> Restored:
+    """Restore what every rank of this attempt restores, decided once by node rank 0.
+
+    Node rank 0 first claims the attempt (`AttemptClaim`, undecided): from then on every older
+    writer (a zombie of an earlier attempt, or of a deleted job of the same name) is fenced and
+    deletes nothing, so the checkpoint about to be restored cannot vanish by retention. It then
+    restores the newest complete checkpoint (falling back past corrupt ones) and records the step
+    in the claim. The other ranks wait for that decision and restore exactly that step; if it is
+    no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
+    cancelled = stop.is_set if stop is not None else (lambda: False)
+    sleep = stop.wait if stop is not None else time.sleep
+    if incarnation == 0:
+        # Not started by the operator (no KUBETRAIN_JOB_INCARNATION): claim names would repeat from
+        # run to run, so each rank restores the newest complete checkpoint on its own, as before.
+        return restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
+    claims = frozenset(retrying(store.list_claims, deadline=deadline, access_deadline=access_deadline,
+                                cancelled=cancelled, sleep=sleep, what="listing attempt claims"))
+    budget = max(1.0, deadline - time.monotonic())
+    if node_rank == 0:
+        claim = AttemptClaim(incarnation=incarnation, attempt=attempt)
+        retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
+                 cancelled=cancelled, sleep=sleep, what="claiming the attempt")
+        restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
+        step = restored.committed.step if restored.committed is not None else None
+        decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
+        retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
+                 access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
+                 what="recording the restore decision")
+        return replace(restored, claims=claims)
+    # Node rank 0 downloads before it decides: while its claim says it is at work, wait longer than
+    # the restore timeout (a big checkpoint), up to WAIT_FACTOR times it; without any claim, the timeout.
+    hard = time.monotonic() + RESTORE_WAIT_FACTOR * budget
+    while True:
+        claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=time.monotonic() + budget,
+                         access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore decision")
+        if claim is not None and claim.decided:
+            break
+        if cancelled():
+            raise RestoreAgreementError("stopped while waiting for node rank 0's restore decision")
+        now = time.monotonic()
+        if (claim is None and now > deadline) or now > hard:
+            raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt in time "
+                                        "(KUBETRAIN_RESTORE_TIMEOUT_SECONDS)")
+        sleep(poll_s)
+    restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
+                              access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
+    return replace(restored, claims=claims)
+
+
+def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop: threading.Event | None = None,
+                   access_deadline: float | None = None, only_step: int | None = None,
+                   agreed: bool = False) -> Restored:
+    """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
+
+    Temporary storage errors are retried until `deadline`, refused access or a
+    missing bucket until `access_deadline` (None: not retried); a checksum
+    mismatch marks that checkpoint bad and falls back to the next older one.
+    """
+    cancelled = stop.is_set if stop is not None else (lambda: False)
+    sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
+    remote = retrying(store.list_checkpoints, deadline=deadline, access_deadline=access_deadline,
+                      cancelled=cancelled, sleep=sleep, what="listing checkpoints")
+    history = frozenset((c.step, *c.manifest.writer) for c in remote if c.manifest is not None)
+    bad: set[int] = set()
+    if agreed:
+        # Exactly the step node rank 0 decided (None: from scratch), never a fallback of our own.
+        if only_step is None:
+            log.info("node rank 0 decided to start from scratch")
+            return Restored(path=None, committed=None, history=history)
+        remote = [c for c in remote if c.step == only_step]
+        if newest_complete(remote) is None:
+            raise RestoreAgreementError(f"checkpoint-{only_step}, which node rank 0 restored for this attempt, "
+                                        "is no longer complete in storage")
+    while (chosen := newest_complete(remote, exclude=bad)) is not None:
+        if stop is not None and stop.is_set():
+            break
+        manifest = chosen.manifest
+        assert manifest is not None
+        try:
+            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline,
+                            access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
+        except ChecksumError as e:
+            if agreed:
+                raise RestoreAgreementError(f"checkpoint-{chosen.step}, which node rank 0 restored for this "
+                                            f"attempt, failed verification here: {e}") from None
+            log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
+            bad.add(chosen.step)
+            continue
+        log.info("restored checkpoint-%d (attempt %d) into %s", chosen.step, manifest.attempt, path)
+        committed = CommittedCheckpoint(step=chosen.step, uri=store.checkpoint_uri(chosen.step), time=manifest.created)
+        return Restored(path=path, committed=committed, history=history)
+    log.info("no complete checkpoint in %s: starting from scratch", store.location.uri)
+    return Restored(path=None, committed=None, history=history)
