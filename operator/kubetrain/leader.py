@@ -36,6 +36,7 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kubetrain.errors import ConflictError, NotFoundError, classify
 from kubetrain.values import format_time
 
 log = logging.getLogger("kubetrain.leader")
@@ -110,22 +111,25 @@ class LeaderElector:
     def _timeout(self) -> float:
         return self.timing.request_timeout
 
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One Lease call with the request timeout; a client error comes as a type of `errors.py`."""
+        try:
+            return fn(*args, _request_timeout=self._timeout)
+        except ApiException as exc:
+            raise classify(exc, getattr(fn, "__name__", "lease call")) from None
+
     def try_acquire_or_renew(self) -> bool:
         """One round: True when this identity holds the Lease afterwards."""
         now = dt.datetime.now(dt.timezone.utc)
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.lease_duration)),
                 "acquireTime": format_time(now, micro=True), "renewTime": format_time(now, micro=True), "leaseTransitions": 0}
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+            lease = self._call(self.api.read_namespaced_lease, self.name, self.namespace)
+        except NotFoundError:
             try:
-                self.api.create_namespaced_lease(self.namespace, self._body(spec), _request_timeout=self._timeout)
-            except ApiException as exc2:
-                if exc2.status == 409:   # another candidate created it first
-                    return False
-                raise
+                self._call(self.api.create_namespaced_lease, self.namespace, self._body(spec))
+            except ConflictError:   # another candidate created it first
+                return False
             self.holder = self.identity
             self._observed = None
             return True
@@ -144,13 +148,10 @@ class LeaderElector:
         if self._lost:  # declared lost meanwhile (this round's read may have hung): write nothing
             return False
         try:
-            self.api.replace_namespaced_lease(self.name, self.namespace,
-                                              self._body(spec, lease.metadata.resource_version),
-                                              _request_timeout=self._timeout)
-        except ApiException as exc:
-            if exc.status == 409:   # someone wrote it since we read it
-                return False
-            raise
+            self._call(self.api.replace_namespaced_lease, self.name, self.namespace,
+                       self._body(spec, lease.metadata.resource_version))
+        except ConflictError:   # someone wrote it since we read it
+            return False
         if not mine:
             log.info("took %s over from %s", self.lease_ref, current.holder_identity or "nobody")
         self.holder = self.identity
@@ -239,14 +240,13 @@ class LeaderElector:
             return
         self._leading.clear()
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
+            lease = self._call(self.api.read_namespaced_lease, self.name, self.namespace)
             if lease.spec.holder_identity != self.identity:
                 return
             now = format_time(dt.datetime.now(dt.timezone.utc), micro=True)
-            self.api.replace_namespaced_lease(self.name, self.namespace, self._body(
+            self._call(self.api.replace_namespaced_lease, self.name, self.namespace, self._body(
                 {"holderIdentity": None, "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
-                 "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version),
-                _request_timeout=self._timeout)
+                 "leaseTransitions": int(lease.spec.lease_transitions or 0)}, lease.metadata.resource_version))
             log.info("released %s", self.lease_ref)
         except Exception as exc:  # noqa: BLE001  (the Lease then expires on its own)
             log.warning("could not release %s (it expires by itself): %s", self.lease_ref, exc)
