@@ -5,6 +5,11 @@
 #
 #   testbed/build.sh            build what is missing, print the bin folder
 #   testbed/build.sh --print    print the bin folder only (nothing is built)
+#   testbed/build.sh --real-node [--print]   the real node's binaries (own cache folder)
+#   testbed/build.sh --kueue [--print]       Kueue and its CRDs (own cache folder)
+#
+# A plain run (no TESTBED_COMPONENTS) also warms Kueue's folder afterwards, unless
+# TESTBED_WARM_KUEUE=0 (what `up` passes: a testbed without Kueue never compiles it).
 #
 # Each component gets its own tiny wrapper Go module under <cache>/src/<name>,
 # because their dependency graphs disagree (etcd server vs. k8s' etcd client,
@@ -24,6 +29,12 @@ if [[ "${1:-}" == "--real-node" ]]; then
   real_node=1
   key="realnode-k8s-${K8S_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}_registry-${REGISTRY_VERSION}"
   default_components="kubelet containerd coredns registry"
+elif [[ "${1:-}" == "--kueue" ]]; then
+  # Kueue (an optional component: `up --kueue`) and the CRDs of the same module, in a
+  # folder keyed by its version alone (it builds against its own Kubernetes libraries).
+  shift
+  key="kueue-${KUEUE_VERSION}"
+  default_components="kueue"
 fi
 cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
 bin="$cache/bin"
@@ -156,10 +167,29 @@ for c in $want; do
       done ;;
     coredns)
       build coredns github.com/coredns/coredns "$(wrapper coredns x)" "github.com/coredns/coredns@$COREDNS_VERSION" ;;
+    kueue)
+      build kueue sigs.k8s.io/kueue/cmd/kueue "$(wrapper kueue x)" "sigs.k8s.io/kueue@$KUEUE_VERSION" \
+        "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+      # The module's own CRDs (v1beta1 served, v1beta2 stored) and its manager's ClusterRole and
+      # secrets Role, copied beside bin/ as <cache>/crds/*.yaml and <cache>/rbac/*.yaml.
+      if [[ ! -f "$cache/crds/kueue.x-k8s.io_workloads.yaml" || ! -f "$cache/rbac/manager_secrets_role.yaml" ]]; then
+        src=$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+        rm -rf "$cache/crds.tmp" "$cache/rbac.tmp" && mkdir -p "$cache/crds.tmp" "$cache/rbac.tmp"
+        cp "$src"/config/components/crd/bases/*.yaml "$cache/crds.tmp/" && chmod 0644 "$cache/crds.tmp/"*.yaml
+        cp "$src"/config/components/rbac/{role,manager_secrets_role}.yaml "$cache/rbac.tmp/" &&
+          chmod 0644 "$cache/rbac.tmp/"*.yaml
+        rm -rf "$cache/crds" "$cache/rbac" && mv "$cache/crds.tmp" "$cache/crds" && mv "$cache/rbac.tmp" "$cache/rbac"
+        log "copied Kueue's CRDs to $cache/crds and its manager's roles to $cache/rbac"
+      fi ;;
     registry)
       build registry github.com/distribution/distribution/v3/cmd/registry "$(wrapper registry x)" \
         "github.com/distribution/distribution/v3@$REGISTRY_VERSION" ;;
     *) log "unknown component $c"; exit 2 ;;
   esac
 done
+if [[ $key == k8s-* && -z "${TESTBED_COMPONENTS:-}" && "${TESTBED_WARM_KUEUE:-1}" != 0 ]]; then
+  # Kueue's folder is separate (its key never touches the control plane's); fd 9 (this
+  # folder's lock) is not passed on.
+  "$here/build.sh" --kueue >/dev/null 9>&-
+fi
 echo "$bin"

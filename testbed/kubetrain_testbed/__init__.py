@@ -6,8 +6,10 @@ testbed/build.sh. `python -m kubetrain_testbed up|down|status|env` drives it;
 the pytest fixtures in tests/conftest.py use the same functions.
 """
 
-from .cluster import ComponentStatus, TestbedEnv, down, free_port, is_healthy, kubectl, load_env, status, up
-from .config import NodePool, TestbedConfig
+from .cluster import (
+    ComponentStatus, TestbedEnv, down, ensure_kueue, free_port, is_healthy, kubectl, load_env, remove_kueue, status, up,
+)
+from .config import KueueSettings, NodePool, TestbedConfig
 from .nodes import fake_node
 from .procs import ComponentFailed, TestbedError
 from .waiting import WaitTimeout, wait_until
@@ -27,17 +29,20 @@ __all__ = [
     "NODE_LOST_ANNOTATION",
     "ComponentFailed",
     "ComponentStatus",
+    "KueueSettings",
     "NodePool",
     "TestbedConfig",
     "TestbedEnv",
     "TestbedError",
     "WaitTimeout",
     "down",
+    "ensure_kueue",
     "fake_node",
     "free_port",
     "is_healthy",
     "kubectl",
     "load_env",
+    "remove_kueue",
     "status",
     "up",
     "wait_until",

@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     up_p = sub.add_parser("up", help="build what is missing, start (or reuse) the testbed, write .testbed/env")
     up_p.add_argument("--nodes", choices=("kwok", "real"), default=None,
                       help="real: also run a kubelet + containerd node whose pods are containers")
+    up_p.add_argument("--kueue", action="store_true",
+                      help="also run Kueue (built on first use; testbed/README.md), or add it to the running testbed")
+    up_p.add_argument("--kueue-pods-ready-timeout", metavar="DURATION", default=None,
+                      help="Kueue's waitForPodsReady timeout (Go duration; default 30s, or "
+                           "KUBETRAIN_TESTBED_KUEUE_PODS_READY_TIMEOUT)")
     img_p = sub.add_parser("images", help="build the operator and trainer images from their Dockerfiles and push "
                                            "them to the real node's registry (needs `up --nodes real`)")
     img_p.add_argument("names", nargs="*", metavar="operator|trainer", help="default: both")
@@ -35,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TestbedConfig.from_environ()
     if getattr(args, "nodes", None) == "real":
         cfg = dataclasses.replace(cfg, real_node=True)
+    if getattr(args, "kueue", False) or getattr(args, "kueue_pods_ready_timeout", None):
+        settings = cfg.kueue_settings
+        if args.kueue_pods_ready_timeout:
+            settings = dataclasses.replace(settings, pods_ready_timeout=args.kueue_pods_ready_timeout)
+        cfg = dataclasses.replace(cfg, kueue=True, kueue_settings=settings)
     try:
         if args.command == "up":
             t0 = time.monotonic()

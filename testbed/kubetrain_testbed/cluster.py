@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import procs, realnode, sts
+from . import kueue, procs, realnode, sts
 from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
-from .config import TestbedConfig
+from .config import KueueSettings, TestbedConfig
 from .nodes import pool_nodes
 from .pki import Pki, ensure_pki
 from .procs import Running, TestbedError
@@ -265,8 +265,12 @@ def remove_real_node(cfg: TestbedConfig) -> RealNodeLayout | None:
 
 
 def ensure_binaries(cfg: TestbedConfig) -> Path:
-    """Run build.sh (builds only what is missing; its progress goes to stderr)."""
-    proc = subprocess.run(["bash", str(cfg.build_script)], stdout=subprocess.PIPE, text=True)
+    """Run build.sh (builds only what is missing; its progress goes to stderr).
+
+    Kueue is built only when this testbed runs it (`up --kueue`): a plain `up` never compiles it.
+    """
+    env = {**os.environ, "TESTBED_WARM_KUEUE": "0"}
+    proc = subprocess.run(["bash", str(cfg.build_script)], stdout=subprocess.PIPE, text=True, env=env)
     if proc.returncode != 0:
         raise TestbedError(f"{cfg.build_script} failed (exit {proc.returncode}); its output is above")
     return Path(proc.stdout.strip().splitlines()[-1])
@@ -279,9 +283,11 @@ def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
         if is_healthy(cfg):
             if not cfg.real_node or ((_read_state(cfg) or {}).get("real_node") or {}).get("complete"):
                 say("reusing the running testbed")
-                return load_env(cfg)
-            # Add the real node to the running control plane (a failure undoes the node alone).
-            _start_real_node(cfg, load_env(cfg), say)
+            else:
+                # Add the real node to the running control plane (a failure undoes the node alone).
+                _start_real_node(cfg, load_env(cfg), say)
+            if cfg.kueue:
+                _ensure_kueue(cfg, load_env(cfg), cfg.kueue_settings, say)
             return load_env(cfg)
         if _read_state(cfg):
             say("a previous testbed is not healthy; stopping it")
@@ -293,6 +299,8 @@ def up(cfg: TestbedConfig, *, log=None) -> TestbedEnv:
             if cfg.real_node:
                 _start_real_node(cfg, env, say)
                 env = load_env(cfg)
+            if cfg.kueue:
+                _ensure_kueue(cfg, env, cfg.kueue_settings, say)
         except BaseException:
             _down_unlocked(cfg)
             raise
@@ -357,6 +365,84 @@ def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
     state["complete"] = True
     _write_state(cfg, state)
     return env
+
+
+def ensure_kueue(cfg: TestbedConfig, settings: KueueSettings | None = None, *, log=None) -> bool:
+    """Run Kueue on the running testbed with these settings (kept when it already does, restarted with
+    other settings); builds it first if needed (`build.sh --kueue`). True when this call (re)started it."""
+    say = log or (lambda msg: print(f"[testbed] {msg}", file=sys.stderr))
+    with _locked(cfg):
+        if not is_healthy(cfg):
+            raise TestbedError("no healthy testbed is running: start it first (`scripts/testbed.sh up`)")
+        return _ensure_kueue(cfg, load_env(cfg), settings or cfg.kueue_settings, say)
+
+
+def remove_kueue(cfg: TestbedConfig) -> bool:
+    """Stop Kueue on the running testbed (its CRDs and objects stay in the API server); False if none ran."""
+    with _locked(cfg):
+        state = _read_state(cfg) or {}
+        ours = [r for r in _running(state) if r.name == kueue.NAME]
+        if not ours and not state.get("kueue"):
+            return False
+        procs.stop([r.pid for r in ours if r.is_alive()])
+        state["processes"] = [r.for_storage() for r in _running(state) if r.name != kueue.NAME]
+        state.pop("kueue", None)
+        _write_state(cfg, state)
+        return True
+
+
+def _ensure_kueue(cfg: TestbedConfig, env: TestbedEnv, settings: KueueSettings, say) -> bool:
+    state = _read_state(cfg) or {}
+    wanted = asdict(settings)
+    running = [r for r in _running(state) if r.name == kueue.NAME]
+    recorded = state.get("kueue") or {}
+    if running and recorded.get("complete") and recorded.get("settings") == wanted and all(
+            procs.probe(r.health, None)[0] for r in running):
+        return False
+    bin_dir = kueue.ensure_binaries(cfg.build_script)
+    procs.stop([r.pid for r in running if r.is_alive()])
+    base = [r for r in _running(state) if r.name != kueue.NAME]
+    t0 = time.monotonic()
+    pki = Pki(cfg.pki_dir)
+    health_port, webhook_port = _free_ports(2)
+    kubeconfig, config_file = kueue.prepare_files(pki=pki, run_dir=cfg.run_dir, api_server=env.api_server,
+                                                  settings=settings, health_port=health_port,
+                                                  webhook_port=webhook_port)
+    _install_kueue_api(env, bin_dir)
+    started = procs.start(kueue.component(bin_dir=bin_dir, kubeconfig=kubeconfig, config_file=config_file,
+                                          health_port=health_port), cfg.log_file(kueue.NAME))
+    state["processes"] = [r.for_storage() for r in [*base, started]]
+    state["kueue"] = {"bin_dir": str(bin_dir), "settings": wanted, "complete": False}
+    _write_state(cfg, state)
+    try:
+        procs.wait_healthy([started], pki=pki, timeout=cfg.timeouts.kueue, log_dir=cfg.run_dir)
+    except BaseException:
+        procs.stop([started.pid])
+        state["processes"] = [r.for_storage() for r in base]
+        state.pop("kueue", None)
+        _write_state(cfg, state)
+        raise
+    state["kueue"]["complete"] = True
+    _write_state(cfg, state)
+    say(f"kueue ready after {time.monotonic() - t0:.1f} s (pods-ready timeout {settings.pods_ready_timeout})")
+    return True
+
+
+def _install_kueue_api(env: TestbedEnv, bin_dir: Path) -> None:
+    """Kueue's CRDs (server-side: the Workload CRD is too large for a client-side apply's annotation),
+    its namespace, and its RBAC."""
+    crds = kueue.crd_dir(bin_dir)
+    if not crds.is_dir():
+        raise TestbedError(f"{crds} is missing: run `testbed/build.sh --kueue`")
+    kubectl(env, "apply", "--server-side", "--force-conflicts", "--field-manager=kubetrain-testbed", "-f", str(crds),
+            timeout=180)
+    kubectl(env, "wait", "--for=condition=Established", "--timeout=120s", "-f", str(crds), timeout=180)
+    code, body = _api(env, "POST", "/api/v1/namespaces", {"metadata": {"name": kueue.NAMESPACE}})
+    if code not in (201, 409):
+        raise TestbedError(f"creating namespace {kueue.NAMESPACE} failed: HTTP {code} {body.get('message')}")
+    objects = {"apiVersion": "v1", "kind": "List", "items": kueue.rbac_objects(*kueue.manager_roles(bin_dir))}
+    kubectl(env, "apply", "--server-side", "--force-conflicts", "--field-manager=kubetrain-testbed", "-f", "-",
+            input=json.dumps(objects))
 
 
 def _create_bucket(env: TestbedEnv) -> None:

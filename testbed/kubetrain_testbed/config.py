@@ -52,6 +52,30 @@ class Timeouts:
     """kube-controller-manager, kube-scheduler and kwok."""
     minio: float = 60.0
     nodes_ready: float = 60.0
+    kueue: float = 90.0
+    """Kueue (optional: `up --kueue`), from its start to ready."""
+
+
+@dataclass(frozen=True)
+class KueueSettings:
+    """Kueue's waitForPodsReady settings, what a test may want shorter or longer (kueue.config_document)."""
+
+    pods_ready_timeout: str = "30s"
+    """An admitted Workload whose PodsReady stays False this long is evicted (PodsReadyTimeout) and requeued."""
+    recovery_timeout: str | None = None
+    """The same after PodsReady was True once (WaitForRecovery); Kueue's default is pods_ready_timeout."""
+    backoff_base_seconds: int = 5
+    """Requeuing backoff after a PodsReadyTimeout eviction: base * 2^(n-1) seconds (Kueue's default: 60)."""
+    backoff_max_seconds: int = 60
+    backoff_limit_count: int | None = None
+    """Requeues before Kueue deactivates the Workload; None: unlimited."""
+
+    @classmethod
+    def from_environ(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> "KueueSettings":
+        """Defaults, overridden by KUBETRAIN_TESTBED_KUEUE_PODS_READY_TIMEOUT (a Go duration, e.g. "45s")."""
+        env = os.environ if environ is None else environ
+        timeout = env.get("KUBETRAIN_TESTBED_KUEUE_PODS_READY_TIMEOUT", "").strip()
+        return cls(pods_ready_timeout=timeout) if timeout else cls()
 
 
 @dataclass(frozen=True)
@@ -72,10 +96,14 @@ class TestbedConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     real_node: bool = False
     """Also run the real node (kubelet + containerd + CoreDNS + registry): `up --nodes real`."""
+    kueue: bool = False
+    """Also run Kueue (kubetrain_testbed.kueue): `up --kueue`."""
+    kueue_settings: KueueSettings = field(default_factory=KueueSettings)
 
     @classmethod
     def from_environ(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> "TestbedConfig":
-        """Defaults, overridden by KUBETRAIN_TESTBED_DIR, KUBETRAIN_TESTBED_NODES and KUBETRAIN_TESTBED_REAL_NODE=1."""
+        """Defaults, overridden by KUBETRAIN_TESTBED_DIR, KUBETRAIN_TESTBED_NODES, KUBETRAIN_TESTBED_REAL_NODE=1,
+        KUBETRAIN_TESTBED_KUEUE=1 and KUBETRAIN_TESTBED_KUEUE_PODS_READY_TIMEOUT."""
         env = os.environ if environ is None else environ
         state_dir = Path(env.get("KUBETRAIN_TESTBED_DIR", str(REPO_ROOT / ".testbed"))).resolve()
         nodes_raw = env.get("KUBETRAIN_TESTBED_NODES", "4")
@@ -88,7 +116,11 @@ class TestbedConfig:
         real = env.get("KUBETRAIN_TESTBED_REAL_NODE", "0")
         if real not in ("0", "1"):
             raise ValueError(f"KUBETRAIN_TESTBED_REAL_NODE must be 0 or 1, got {real!r}")
-        return cls(state_dir=state_dir, node_pools=(NodePool(name="kwok-node", count=count),), real_node=real == "1")
+        kueue = env.get("KUBETRAIN_TESTBED_KUEUE", "0")
+        if kueue not in ("0", "1"):
+            raise ValueError(f"KUBETRAIN_TESTBED_KUEUE must be 0 or 1, got {kueue!r}")
+        return cls(state_dir=state_dir, node_pools=(NodePool(name="kwok-node", count=count),), real_node=real == "1",
+                   kueue=kueue == "1", kueue_settings=KueueSettings.from_environ(env))
 
     # -- derived paths --------------------------------------------------------
     @property

@@ -106,6 +106,38 @@ def _sign(pki: Pki, name: str, subject: str, extensions: str) -> None:
         )  # fmt: skip
 
 
+def ensure_client(pki: Pki, ident: ClientIdentity) -> None:
+    """A client certificate signed by the existing CA, made once (an optional component's identity:
+    adding one never re-creates the CA that a running testbed trusts)."""
+    if _issued_by_current_ca(pki, ident.name):
+        return
+    subject = (f"/O={ident.group}" if ident.group else "") + f"/CN={ident.user}"
+    _sign(pki, ident.name, subject, _CLIENT_EXT)
+
+
+def ensure_serving(pki: Pki, name: str, sans: tuple[str, ...] = ("IP:127.0.0.1", "DNS:localhost")) -> None:
+    """A serving certificate for `sans` signed by the testbed CA (a component's webhook server), made once."""
+    if _issued_by_current_ca(pki, name):
+        return
+    _sign(pki, name, f"/CN={name}", _server_ext(sans))
+
+
+def _issued_by_current_ca(pki: Pki, name: str) -> bool:
+    """Made after the CA (ensure_pki re-creates the CA and its own files, not these)."""
+    crt, key = pki.crt(name), pki.key(name)
+    return crt.is_file() and key.is_file() and crt.stat().st_mtime >= pki.ca_crt.stat().st_mtime
+
+
+_CLIENT_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
+
+
+def _server_ext(sans: tuple[str, ...]) -> str:
+    return ("basicConstraints=CA:FALSE\n"
+            "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            "extendedKeyUsage=serverAuth\n"
+            f"subjectAltName={','.join(sans)}\n")
+
+
 def ensure_pki(root: Path) -> Pki:
     """Create the CA, serving, client and ServiceAccount keys unless all exist."""
     pki = Pki(root)
@@ -120,17 +152,10 @@ def ensure_pki(root: Path) -> Pki:
         "-addext", "basicConstraints=critical,CA:TRUE",
         "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
     )  # fmt: skip
-    server_ext = (
-        "basicConstraints=CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth\n"
-        f"subjectAltName={','.join(_API_SANS)}\n"
-    )
-    _sign(pki, "apiserver", "/CN=kube-apiserver", server_ext)
-    client_ext = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
+    _sign(pki, "apiserver", "/CN=kube-apiserver", _server_ext(_API_SANS))
     for ident in IDENTITIES:
         subject = (f"/O={ident.group}" if ident.group else "") + f"/CN={ident.user}"
-        _sign(pki, ident.name, subject, client_ext)
+        _sign(pki, ident.name, subject, _CLIENT_EXT)
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(pki.sa_key))
     pki.sa_key.chmod(0o600)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
