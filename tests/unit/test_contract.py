@@ -242,3 +242,40 @@ def test_the_failure_record_reads_on_the_operator_side_as_the_trainer_means_it()
         failed = status.condition("Failed")
         assert failed is not None and failed.reason == reason
         assert "code AccessDenied" in failed.message and f"at {where}" in failed.message
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_reference_in_an_example_command_is_filled_by_the_pod_or_the_launcher(path: Path) -> None:
+    """A `$(NAME)` in an example's command must be expanded by Kubernetes (the pod's env lists NAME)
+    or by the launcher (command.LAUNCHER_SET); any other one would reach the program as written,
+    e.g. accelerate launch given the literal text `$(NODE_RANK)` as its machine rank."""
+    from kubetrain_trainer.command import LAUNCHER_SET
+
+    job = _example(path)
+    pod = builders.get_pod(job=job, attempt=1, rank=0)
+    container = pod["spec"]["containers"][0]
+    listed = {e["name"] for e in container["env"]}
+    user_command = container["command"][len(builders.LAUNCHER):]
+    refs = {m for arg in user_command for m in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg)}
+    assert refs <= listed | LAUNCHER_SET, f"{path.name}: unfilled {sorted(refs - listed - LAUNCHER_SET)}"
+
+
+def test_the_accelerate_example_joins_one_rendezvous_across_its_nodes() -> None:
+    """Without the machine flags every pod of examples/trainingjob-command.yaml would start its own
+    single-machine run: each pod must pass its own rank and node 0's address."""
+    job = _example(ROOT / "examples" / "trainingjob-command.yaml")
+    assert job.spec is not None and job.spec.nodes > 1
+    for rank in range(job.spec.nodes):
+        pod = builders.get_pod(job=job, attempt=1, rank=rank)
+        container = pod["spec"]["containers"][0]
+        env = _pod_env(container["env"], pod["metadata"]["name"])
+        command = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a)
+                   for a in container["command"][len(builders.LAUNCHER):]]
+        assert command[0] == "--"
+        command = command[1:]
+        flags = dict(zip(command[2::2], command[3::2]))
+        assert command[:2] == ["accelerate", "launch"]
+        assert flags["--num_machines"] == str(job.spec.nodes)
+        assert flags["--machine_rank"] == str(rank)
+        assert flags["--main_process_ip"] == builders.get_master_addr(job)
+        assert flags["--main_process_port"] == str(job.spec.master_port)
