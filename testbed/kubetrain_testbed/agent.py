@@ -44,6 +44,18 @@ from .agent_pod import ContainerConfigError, ContainerPlan, PodPlan, plan_pod
 from .agent_runtime import ContainerProcess, sweep_orphans, wait_gone, write_files
 from .agent_status import exit_code_of
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The checkout this agent runs from (the parent of testbed/)."""
+
+
+def checkout_python_path() -> str:
+    """The pods' PYTHONPATH: the operator and trainer packages of this agent's own checkout, as an image
+    built from it would hold them. Without it the pods run whatever the shared virtual environment's
+    editable install points at, which is the last checkout that ran scripts/setup.sh (a fresh clone of a
+    CI run, since deleted) rather than this one."""
+    return f"{CHECKOUT / 'operator'}:{CHECKOUT / 'trainer_image'}"
+
+
 log = logging.getLogger("kubetrain.agent")
 
 
@@ -79,7 +91,7 @@ class Agent:
         self.stop = threading.Event()
         self.python_bin = Path(sys.executable).parent
         self.synced_once = False
-        self.pod_env = self.node.pod_env()
+        self.pod_env = {**self.node.pod_env(), "PYTHONPATH": checkout_python_path()}
 
     # ------------------------------------------------------------------ events
     def handle(self, kind: str, obj) -> None:
