@@ -43,6 +43,9 @@ CRD = ROOT / "crds" / "trainingjob.yaml"
 WATCHED, OWN, CLUSTER = "managed namespaces", "operator namespace", "cluster"
 OWN_NAMESPACE_MODULES = frozenset({"leader"})
 """Modules whose namespaced calls go to the operator's own namespace, not to the managed ones."""
+OTHER_SCOPES = {("kueue.x-k8s.io", "workloads"): True, ("kueue.x-k8s.io", "resourceflavors"): False,
+                ("kueue.x-k8s.io", "workloadpriorityclasses"): False, ("scheduling.k8s.io", "priorityclasses"): False}
+"""Whether the resources of other APIs the operator uses (Kueue's, issue 14) are namespaced."""
 NO_API_DECORATORS = frozenset({"startup", "cleanup", "probe", "login"})
 WATCHING_DECORATORS = frozenset({"event", "index"})
 
@@ -153,6 +156,8 @@ def _is_namespaced(group: str, resource: str) -> bool:
 
     if group == "":
         return hasattr(client.CoreV1Api, f"list_namespaced_{_singular_core(resource)}")
+    if (group, resource) in OTHER_SCOPES:
+        return OTHER_SCOPES[(group, resource)]
     crd = yaml.safe_load(CRD.read_text())
     if (group, resource) == (crd["spec"]["group"], crd["spec"]["names"]["plural"]):
         return crd["spec"]["scope"] == "Namespaced"

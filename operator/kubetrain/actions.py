@@ -7,7 +7,7 @@ the status write, deletions, then the events).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 from kubetrain.status import Status
 
@@ -26,6 +26,8 @@ class EnsureDeepSpeedConfigMap:
 class CreatePod:
     attempt: int
     rank: int
+    admission: Any = None
+    """Kueue's admission merged into the pod (a `kueue.PodSetInfo`), for a job queued by Kueue."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,29 @@ class DeleteJob:
     """ttlSecondsAfterFinished has passed."""
 
 
-Action = CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob
+@dataclass(frozen=True)
+class CreateWorkload:
+    """Create the job's Kueue Workload (`kueue.build_workload`; AlreadyExists is success)."""
+
+    priority: int | None = None
+    """The value of the PriorityClass or WorkloadPriorityClass the job names, if any."""
 
 
-Action = CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob
+@dataclass(frozen=True)
+class PatchWorkload:
+    """A merge patch of the Workload guarded by its resourceVersion (a conflict: plan again)."""
+
+    name: str
+    resource_version: str
+    spec: Mapping[str, Any] | None = None
+    """e.g. {"active": False} while the job is suspended."""
+    status: Mapping[str, Any] | None = None
+    """The whole conditions list (Kueue's own kept) and, after an eviction, `admission: None`."""
+    remove_finalizer: bool = False
+
+
+Action = (CreateService | EnsureDeepSpeedConfigMap | CreatePod | DeletePod | PatchStatus | DeleteJob | CreateWorkload
+          | PatchWorkload)
 
 
 @dataclass(frozen=True)

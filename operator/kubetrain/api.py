@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kubetrain.spec import Spec, SpecError
@@ -70,6 +70,8 @@ class Job:
     created: dt.datetime | None = None
     """metadata.creationTimestamp: orders incarnations of a name (a name is unique at any moment,
     so a job re-created under it is always created later than the one it replaces)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """metadata.labels (the Kueue queue and priority labels, `kueue.py`)."""
 
     @property
     def incarnation(self) -> int:
@@ -95,4 +97,5 @@ class Job:
             generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),
             deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
             created=parse_time_or_none(meta.get("creationTimestamp")),
+            labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
         )

@@ -23,7 +23,7 @@ from kubetrain import k8s, metrics, poller
 from kubetrain.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 from kubetrain.values import parse_time
 from kubetrain.config import Settings
-from kubetrain.informer import PodInformer
+from kubetrain.informer import PodInformer, WorkloadInformer
 from kubetrain.observe import NodeView
 from kubetrain.reconciler import Reconciler
 
@@ -74,6 +74,14 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
                                 on_event=rec.pod_event)
     rec.pods_synced = memo.informer.synced
     memo.informer.start()
+    memo.workload_informer = None
+
+    def watch_workloads() -> None:  # Kueue's Workloads, watched once a job asks for Kueue (issue 14)
+        memo.workload_informer = WorkloadInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+                                                  namespaces=config.namespaces, on_event=rec.workload_event)
+        memo.workload_informer.start()
+
+    rec.start_workload_watch = watch_workloads
     memo.resync_task = asyncio.get_running_loop().create_task(rec.resync())
     metrics.watch(jobs=lambda: list(rec.jobs.values()), queue_depth=lambda: rec.queue_depth,
                   writes=lambda: dict(api.writes))
@@ -86,6 +94,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
     memo.informer.stop()
+    if memo.workload_informer is not None:
+        memo.workload_informer.stop()
     memo.resync_task.cancel()
     if memo.poller_task is not None:
         memo.poller_task.cancel()

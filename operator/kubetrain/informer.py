@@ -190,3 +190,23 @@ class PodInformer:
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     meta = obj.get("metadata") or {}
     return meta.get("namespace") or "", meta.get("name") or ""
+
+
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
+
+
+class WorkloadInformer(PodInformer):
+    """Kueue's Workloads of queued jobs (issue 14), with the same list+watch semantics. The operator
+    starts it when it first meets a job labelled for Kueue (a cluster without Kueue never watches a
+    missing resource); its events only wake the owning job up, the reconcile reads the Workload."""
+
+    def __init__(self, api_client: client.ApiClient, *, namespaces: tuple[str, ...], on_event: OnEvent) -> None:
+        super().__init__(api_client, namespaces=namespaces, label_selector="kueue.x-k8s.io/job-uid",
+                         on_event=on_event)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def _call(self, scope: str | None, **kwargs: Any) -> Any:
+        kwargs.update(label_selector=self.label_selector, _preload_content=False)
+        if scope is None:
+            return self.custom.list_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, **kwargs)
+        return self.custom.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, scope, WORKLOADS, **kwargs)

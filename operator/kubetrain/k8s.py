@@ -30,7 +30,7 @@ import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from kubetrain import builders
+from kubetrain import builders, kueue
 from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
     classify, classify_forbidden,
@@ -38,7 +38,8 @@ from kubetrain.errors import (
 from kubetrain.api import GROUP, PLURAL, VERSION, Job
 from kubetrain.values import format_time
 from kubetrain.actions import (
-    CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus, Plan,
+    CreatePod, CreateService, CreateWorkload, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus,
+    PatchWorkload, Plan,
 )
 
 log = logging.getLogger("kubetrain.k8s")
@@ -68,6 +69,7 @@ class Api:
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+        self.scheduling = client.SchedulingV1Api(self.api_client)
         self.pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kubetrain-api")
         self._background: set[asyncio.Task[None]] = set()
         self._low = asyncio.Semaphore(max(2, self.threads // 4))
@@ -141,6 +143,51 @@ class Api:
         except RefusedError as exc:
             raise TemporaryError(f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
 
+    # ------------------------------------------------------------- Kueue (issue 14)
+
+    async def get_workload(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
+        """(Kueue's Workload API is served, the Workload or None)."""
+        try:
+            return True, await self.call("get workload", self.custom.get_namespaced_custom_object, KUEUE_GROUP,
+                                         KUEUE_VERSION, namespace, WORKLOADS, name, write=False)
+        except NotFoundError as exc:
+            # A missing object names itself; a missing resource type ("the server could not find the
+            # requested resource") means Kueue's CRDs are not installed.
+            return "could not find the requested resource" not in exc.api_message, None
+        except RefusedError as exc:
+            raise TemporaryError(f"get workload {namespace}/{name}: HTTP {exc.status}") from None
+
+    async def priority_value(self, ref: kueue.PriorityRef) -> tuple[int | None, str]:
+        """(The value of a PriorityClass or WorkloadPriorityClass, why it could not be read)."""
+        try:
+            if ref.kind == kueue.WORKLOAD_PRIORITY_KIND:
+                body = await self.call("get workloadpriorityclass", self.custom.get_cluster_custom_object,
+                                       KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PRIORITY_CLASSES, ref.name, write=False)
+            else:
+                body = await self.call("get priorityclass", self.scheduling.read_priority_class, ref.name,
+                                       write=False)
+        except NotFoundError:
+            return None, f"{ref.kind} {ref.name!r} does not exist"
+        except RefusedError as exc:
+            raise TemporaryError(f"get {ref.kind} {ref.name}: HTTP {exc.status}") from None
+        value = (body or {}).get("value")
+        return (value, "") if isinstance(value, int) else (None, f"{ref.kind} {ref.name!r} has no value")
+
+    async def flavor_spec(self, name: str) -> dict[str, Any] | None:
+        """A ResourceFlavor's spec (nodeLabels, tolerations); None when it does not exist."""
+        try:
+            body = await self.call("get resourceflavor", self.custom.get_cluster_custom_object, KUEUE_GROUP,
+                                   KUEUE_VERSION, RESOURCE_FLAVORS, name, write=False)
+        except NotFoundError:
+            return None
+        except RefusedError as exc:
+            raise TemporaryError(f"get resourceflavor {name}: HTTP {exc.status}") from None
+        return dict((body or {}).get("spec") or {})
+
+
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = kueue.GROUP, kueue.VERSION, kueue.PLURAL
+RESOURCE_FLAVORS, WORKLOAD_PRIORITY_CLASSES = "resourceflavors", "workloadpriorityclasses"
+
 
 async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[str, Any] | None:
     """Carry out a plan; returns the job body after the status write (None if none).
@@ -171,6 +218,10 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
                 return None  # the job is gone
         elif isinstance(action, DeleteJob):
             await _delete_job(api, job)
+        elif isinstance(action, CreateWorkload):
+            await _create_workload(api, job, action)
+        elif isinstance(action, PatchWorkload):
+            await patch_workload(api, job.namespace, action)
         i += 1
     if plan.events:
         api.spawn(_post_events(api, job, plan.events))
@@ -232,7 +283,57 @@ async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, b
 
 async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
     pod = builders.get_pod(job=job, attempt=action.attempt, rank=action.rank)
+    if action.admission is not None:  # Kueue's admission (flavors' node labels and tolerations)
+        try:
+            pod = kueue.merge_into_pod(pod, action.admission)
+        except kueue.KueueError as exc:
+            raise PermanentError("KueueAdmissionConflict", str(exc)) from None
     await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod)
+
+
+async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
+    try:
+        body = kueue.build_workload(job, labels=job.labels, priority=action.priority)
+    except kueue.KueueError as exc:
+        raise PermanentError("InvalidQueueName", str(exc)) from None
+    try:
+        await api.call("create workload", api.custom.create_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                       job.namespace, WORKLOADS, body)
+    except ConflictError:
+        return  # AlreadyExists: one Workload per job, by name
+    except InvalidError as exc:
+        raise PermanentError("InvalidWorkload", f"create workload {body['metadata']['name']}: {exc.api_message}") \
+            from None
+    except RefusedError as exc:
+        raise TemporaryError(f"create workload: HTTP {exc.status} {exc.api_message}") from None
+
+
+async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> None:
+    """One merge patch of a Workload, guarded by its resourceVersion: a ConflictError (Kueue wrote
+    meanwhile) makes the caller plan again from a fresh read; NotFound is nothing left to do."""
+    meta: dict[str, Any] = {"resourceVersion": action.resource_version}
+    try:
+        if action.status is not None:
+            await api.call("patch workload/status", api.custom.patch_namespaced_custom_object_status, KUEUE_GROUP,
+                           KUEUE_VERSION, namespace, WORKLOADS, action.name,
+                           {"metadata": meta, "status": dict(action.status)}, _content_type=MERGE_PATCH)
+            return
+        body: dict[str, Any] = {"metadata": meta}
+        if action.spec is not None:
+            body["spec"] = dict(action.spec)
+        if action.remove_finalizer:
+            current = await api.call("get workload", api.custom.get_namespaced_custom_object, KUEUE_GROUP,
+                                     KUEUE_VERSION, namespace, WORKLOADS, action.name, write=False)
+            meta["resourceVersion"] = current["metadata"]["resourceVersion"]
+            meta["finalizers"] = [f for f in current["metadata"].get("finalizers") or () if f != kueue.FINALIZER]
+        await api.call("patch workload", api.custom.patch_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                       namespace, WORKLOADS, action.name, body, _content_type=MERGE_PATCH)
+    except NotFoundError:
+        return
+    except ConflictError:
+        raise
+    except RefusedError as exc:
+        raise TemporaryError(f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
 
 
 async def _ensure_configmap(api: Api, job: Job) -> None:

@@ -34,7 +34,7 @@ REGISTRY = CollectorRegistry()
 """The operator's own registry (no process/platform collectors of the default one: the chart's
 resource metrics come from the kubelet)."""
 
-PHASES = ("New", "Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PHASES = ("New", "Queued", "Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 """`New`: stored, no status written yet."""
 
 RECONCILE_SECONDS = Histogram(

@@ -22,15 +22,16 @@ import asyncio
 import datetime as dt
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
-from kubetrain import k8s, metrics
-from kubetrain.api import LABEL_JOB, Job, pod_name
+from kubetrain import k8s, kueue, metrics
+from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
-from kubetrain.actions import CreatePod, DeletePod, Plan
+from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import NodeView, Observed, PodView
 from kubetrain.plan import fail_plan, plan, rejected_plan
+from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
 from kubetrain.progress import ProgressObservation
 
 log = logging.getLogger("kubetrain.operator")
@@ -122,6 +123,10 @@ class Reconciler:
         self.progress: dict[tuple[str, str], ProgressObservation] = {}
         """The newest read of each job's rank 0 /progress (poller.py), an observation like the pods."""
         self.active = 0
+        self.start_workload_watch: Callable[[], None] | None = None
+        """Starts the Kueue Workload watch (handlers.py); called once, when a job first asks for Kueue."""
+        self._flavors: dict[str, tuple[dt.datetime, dict[str, Any]]] = {}
+        self._releasing: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------ queueing
 
@@ -217,6 +222,66 @@ class Reconciler:
         return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes, gone=dict(gone),
                         progress=self.progress.get((job.namespace, job.name)))
 
+    async def observe_kueue(self, job: Job, now: dt.datetime) -> KueueObserved:
+        """Kueue's side of a queued job: its Workload, the priority value it needs, the admitted flavors."""
+        if self.start_workload_watch is not None:
+            start, self.start_workload_watch = self.start_workload_watch, None
+            start()
+        installed, body = await self.api.get_workload(job.namespace, kueue.workload_name(job.name, job.uid))
+        if not installed:
+            return KueueObserved(installed=False)
+        priority, error = None, ""
+        if body is None and job.spec is not None:
+            ref = kueue.priority_ref(job, job.labels)
+            if ref is not None:
+                priority, error = await self.api.priority_value(ref)
+        flavors: dict[str, dict[str, Any]] = {}
+        view = kueue.WorkloadView.from_storage(body) if body is not None else None
+        if view is not None and view.admitted:
+            for name in {f for a in view.assignments for f in a.flavors.values()}:
+                cached = self._flavors.get(name)
+                if cached is None or now - cached[0] > EXPECTATION_TTL:
+                    spec = await self.api.flavor_spec(name)
+                    if spec is None:
+                        continue
+                    cached = self._flavors[name] = (now, spec)
+                flavors[name] = cached[1]
+        return KueueObserved(workload=body, priority=priority, priority_error=error, flavors=flavors)
+
+    def workload_event(self, kind: str, body: dict[str, Any]) -> None:
+        """One Workload event: wake its job up. A Workload whose job is gone (deleted with it, held by
+        its finalizer) is let go once the job's pods are gone."""
+        meta = body.get("metadata") or {}
+        owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller") and o.get("kind") == KIND),
+                     None)
+        if owner is None:
+            return
+        key = (meta.get("namespace") or "", str(owner.get("name") or ""))
+        known = self.jobs.get(key)
+        if known is not None and (known.get("metadata") or {}).get("uid") == owner.get("uid"):
+            self.enqueue(key)
+        elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
+            name = str(meta.get("name") or "")
+            if (key[0], name) not in self._releasing:
+                self._releasing.add((key[0], name))
+                task = asyncio.get_running_loop().create_task(self._release(key, str(owner.get("uid") or ""), name))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, key: tuple[str, str], uid: str, name: str) -> None:
+        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min)."""
+        try:
+            for _ in range(300):
+                if not any(owner == uid for owner, _ in self.pods_index[key]):
+                    break
+                await asyncio.sleep(1.0)
+            await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
+                                                                     remove_finalizer=True))
+        except ApiError as exc:
+            log.warning("could not release Workload %s/%s: %s", key[0], name, exc)
+        finally:
+            self._releasing.discard((key[0], name))
+
     def node_view(self, name: str, now: dt.datetime) -> NodeView:
         if self.nodes_index is not None and name in self.nodes_index:
             for view in self.nodes_index[name]:
@@ -278,7 +343,17 @@ class Reconciler:
             now = utcnow()
             job = Job.from_storage(body, default_image=self.settings.default_image)
             observed = self.observe(job, now)
-            result = plan(job, observed, now)
+            if is_queued(job):
+                try:
+                    kq = await self.observe_kueue(job, now)
+                except ApiError as exc:
+                    metrics.ERRORS.labels("temporary").inc()
+                    log.warning("reconcile of %s/%s: reading Kueue: %s; retrying", job.namespace, job.name, exc)
+                    self.enqueue(key, 5.0)
+                    return
+                result = plan_queued(job, observed, kq, now)
+            else:
+                result = plan(job, observed, now)
             if not result.actions and not result.events:
                 if result.requeue_after is not None:
                     self.enqueue(key, result.requeue_after + 0.05)

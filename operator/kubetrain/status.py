@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 
 from kubetrain.values import Progress, format_time, parse_time, real_number, whole_number
 
-Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Queued", "Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 STARTED_PHASES: frozenset[str] = frozenset({"Pending", "Running"})
 MAX_URI_LENGTH = 2048
@@ -179,6 +179,6 @@ class Status:
 
 
 _CONDITION_ORDER = {t: i for i, t in enumerate(
-    ("Created", "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
+    ("Queued", "Created", "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
      "StartupDelayed"))}
 

@@ -71,6 +71,7 @@ def test_printer_columns(version):
         "Preemptions": ".status.preemptions",
         "Step": ".status.progress.steps",
         "Checkpoint": ".status.lastCheckpoint.step",
+        "Kueue": '.status.conditions[?(@.type=="Queued")].reason',
         "Age": ".metadata.creationTimestamp",
         "Loss": ".status.progress.loss",
         "Samples/s": ".status.progress.samplesPerSecond",

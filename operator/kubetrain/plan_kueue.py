@@ -1,0 +1,269 @@
+"""The reconcile logic of a job queued by Kueue (issue 14), pure: (job, observed, Kueue, now) -> Plan.
+
+A TrainingJob labelled `kueue.x-k8s.io/queue-name` is planned here instead of
+by `plan.plan` alone. Kueue decides *whether* the gang may exist; `plan.plan`
+still decides everything about a gang that may (start, supervise, restart,
+finish), and this module wraps it:
+
+- no Workload yet: create it (`CreateWorkload`), the job waits in phase
+  `Queued` with condition `Queued=True` and Kueue's reason and message;
+- Admitted: `plan.plan` starts or supervises the gang, its pods get the
+  admission merged in (`CreatePod.admission`), and the operator writes the
+  Workload's `PodsReady` condition (Kueue's waitForPodsReady evicts a gang that
+  never becomes ready: the partial-gang protection);
+- evicted (preempted, pods-ready timeout, deactivated) or no longer admitted:
+  the pods are deleted gracefully (their grace is the emergency checkpoint's
+  window), the attempt counts as a preemption (never a failure), and once no
+  pod is left the admission is cleared as Kueue's own integrations do; the
+  next admission starts a new attempt that resumes from the newest checkpoint;
+- `spec.runPolicy.suspend` is the Workload's `spec.active`; a deactivation by
+  Kueue itself fails the job with Kueue's message;
+- a finished job marks its Workload `Finished=True` (the quota is released)
+  and lets go of the Workload's finalizer once no pod is left.
+
+The Workload is written with merge patches guarded by its resourceVersion
+that carry its whole conditions list, so Kueue's own conditions are kept.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from kubetrain import kueue
+from kubetrain.actions import CreatePod, CreateWorkload, PatchStatus, PatchWorkload, Plan
+from kubetrain.api import Job
+from kubetrain.draft import Draft, delete_pods, excerpt, fail
+from kubetrain.observe import Observed
+from kubetrain.plan import plan
+from kubetrain.status import STARTED_PHASES, Status
+from kubetrain.values import format_time
+
+QUEUED = "Queued"
+"""The phase and the condition of a job that waits for Kueue."""
+WAIT_POLL_SECONDS = 30.0
+"""How often a waiting job looks again even without a Workload event (the watch is the fast path)."""
+
+
+@dataclass(frozen=True)
+class KueueObserved:
+    """What the reconciler read from Kueue's API for one job."""
+
+    installed: bool = True
+    """Kueue's Workload API is served."""
+    workload: Mapping[str, Any] | None = None
+    """The job's Workload as stored, None when it does not exist."""
+    priority: int | None = None
+    """The value of the PriorityClass or WorkloadPriorityClass the job names (read when one is needed)."""
+    priority_error: str = ""
+    """Why that value could not be read (the class does not exist)."""
+    flavors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The admitted ResourceFlavors' specs, by name."""
+
+
+def is_queued(job: Job) -> bool:
+    """The job asks for Kueue (its queue label is set, valid or not)."""
+    return kueue.LABEL_QUEUE_NAME in job.labels
+
+
+def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetime) -> Plan:
+    """Decide what to do about one TrainingJob queued by Kueue. Pure and deterministic."""
+    if job.deleting:
+        return Plan()
+    body = kq.workload
+    view = kueue.WorkloadView.from_storage(body) if body is not None else None
+    if job.status.terminal or job.spec is None:
+        return _finish(plan(job, observed, now), job, observed, body, view, now)
+    d = Draft(job, now)
+    try:
+        queue = kueue.queue_name(job.labels)
+    except kueue.KueueError as exc:
+        d.event("Warning", "InvalidQueueName", str(exc))
+        fail(d, observed, reason="InvalidQueueName", message=str(exc))
+        return d.build()
+    suspended = job.spec.run_policy.suspend
+    if not kq.installed:
+        _wait(d, observed, "KueueNotInstalled",
+              f"the job is labelled {kueue.LABEL_QUEUE_NAME}={queue}, but Kueue's Workload API "
+              f"({kueue.API_VERSION}) is not served: no pod starts until Kueue is installed")
+        d.requeue = WAIT_POLL_SECONDS
+        return d.build()
+    if body is None or view is None:
+        if kq.priority_error:
+            _wait(d, observed, "PriorityClassNotFound", kq.priority_error)
+            d.requeue = WAIT_POLL_SECONDS
+            return d.build()
+        if suspended:
+            result = plan(job, observed, now)
+            return replace(result, actions=(CreateWorkload(kq.priority),) + result.actions)
+        _wait(d, observed, "WorkloadCreated", f"waiting for Kueue to admit the job in LocalQueue {queue}")
+        d.before.append(CreateWorkload(kq.priority))
+        return d.build()
+    if view.deleting:  # deleted by hand: stop the gang, let the Workload go, then a new one is created
+        _wait(d, observed, "WorkloadDeleted", f"Workload {view.name} was deleted: stopping the pods, "
+                                              "then queueing again")
+        if not observed.pods and kueue.FINALIZER in _finalizers(body):
+            d.after.append(_release(body))
+        return d.build()
+    # An inactive Workload of a job that is (or was just) suspended is the operator's own doing.
+    deactivated = view.deactivated_by_kueue(suspended=suspended or job.status.phase == "Suspended")
+    if deactivated is not None:
+        message = f"Kueue deactivated Workload {view.name}: {deactivated.reason}: {deactivated.message}"
+        fail(d, observed, reason="DeactivatedByKueue", message=excerpt(message))
+        return d.build()
+    if suspended:
+        result = plan(job, observed, now)
+        patch = _spec_patch(body, active=False) if view.active else _evicted_patch(body, view, observed, now)
+        return _with(result, patch)
+    patch = _spec_patch(body, active=True) if not view.active else None
+    if view.evicted is not None or not view.admitted:
+        if view.evicted is not None and (view.quota_reserved or observed.pods or view.pending is None):
+            reason, message = view.evicted.reason or kueue.EVICTED, view.evicted.message
+        elif view.pending is not None:
+            reason, message = view.pending.reason or kueue.PENDING, view.pending.message
+        elif view.quota_reserved:
+            reason, message = kueue.QUOTA_RESERVED, "quota reserved, waiting for the admission checks"
+        else:
+            reason, message = kueue.PENDING, f"waiting for Kueue to admit the job in LocalQueue {queue}"
+        _wait(d, observed, reason, message)
+        return _with(d.build(), patch or _evicted_patch(body, view, observed, now))
+    if view.topology_assigned:
+        _wait(d, observed, "TopologyUnsupported", "Kueue assigned a topology (topology-aware scheduling), "
+                                                  "which kubetrain does not support: no pod starts")
+        return d.build()
+    try:
+        info = kueue.pod_set_info(view, kq.flavors)
+    except kueue.KueueError as exc:
+        _wait(d, observed, "AdmissionUnusable", str(exc))
+        d.requeue = WAIT_POLL_SECONDS
+        return d.build()
+    result = plan(job, observed, now)
+    status = result.status or job.status
+    cond = status.condition(QUEUED)
+    if cond is not None and cond.status == "True":
+        status = status.with_condition(QUEUED, "False", reason=kueue.ADMITTED,
+                                       message=f"admitted by ClusterQueue {view.cluster_queue}", now=now)
+    actions = tuple(replace(a, admission=info) if isinstance(a, CreatePod) else a for a in result.actions)
+    result = _set_status(replace(result, actions=actions), job, status)
+    all_ready = status.phase == "Running" and status.nodes_total > 0 and status.nodes_ready >= status.nodes_total
+    ready = kueue.pods_ready_condition(admitted=True, all_ready=all_ready, current=view.pods_ready)
+    if patch is None and not _same(view.pods_ready, ready):
+        patch = _status_patch(body, now, {kueue.PODS_READY: ready})
+    return _with(result, patch)
+
+
+# ------------------------------------------------------------------ the job's side
+
+def _wait(d: Draft, observed: Observed, reason: str, message: str) -> None:
+    """The job waits for Kueue: phase Queued with Kueue's reason and message; a gang that exists
+    (admission lost, evicted, Workload deleted) is stopped gracefully and counts as a preemption."""
+    text = excerpt(message)
+    if d.status.phase in STARTED_PHASES and d.status.attempt >= 1:
+        d.update(preemptions=d.status.preemptions + 1, nodes_ready=0)
+        d.event("Warning", "Preempted", f"attempt {d.status.attempt}: {reason}: {text}; its pods are deleted and "
+                                        "the job waits in its queue (no backoff spent)", cause=reason)
+        if d.status.condition("Running"):
+            d.cond("Running", "False", reason, text)
+    if d.status.phase == "Suspended":
+        d.cond("Suspended", "False", "Resumed", "the job was resumed")
+        d.event("Normal", "Resumed", "resumed: queued in Kueue")
+        d.update(start_time=None)
+    current = d.status.condition(QUEUED)
+    if current is None or current.status != "True" or current.reason != reason:
+        d.event("Normal", QUEUED, f"{reason}: {text}")
+    d.cond(QUEUED, "True", reason, text)
+    d.update(phase=QUEUED, message=f"queued: {reason}: {text}", nodes_ready=0, next_attempt_time=None)
+    delete_pods(d, observed, observed.pods)
+
+
+def _set_status(result: Plan, job: Job, status: Status) -> Plan:
+    if status == (result.status or job.status):
+        return result
+    patch = PatchStatus(status)
+    if result.status is not None:
+        return replace(result, actions=tuple(patch if isinstance(a, PatchStatus) else a for a in result.actions))
+    return replace(result, actions=(patch,) + result.actions)
+
+
+def _with(result: Plan, patch: PatchWorkload | None) -> Plan:
+    """Append a Workload write (after the job's status: the intent is recorded first)."""
+    return result if patch is None else replace(result, actions=result.actions + (patch,))
+
+
+def _finish(result: Plan, job: Job, observed: Observed, body: Mapping[str, Any] | None,
+            view: kueue.WorkloadView | None, now: dt.datetime) -> Plan:
+    """A finished job: Finished=True on the Workload (Kueue releases the quota), then, once no pod
+    is left, the finalizer goes (the Workload is deleted with the job)."""
+    if body is None or view is None:
+        return result
+    status = result.status or job.status
+    if view.finished is None:
+        succeeded = status.phase == "Succeeded"
+        cond = kueue.Condition("True", kueue.FINISHED_SUCCEEDED if succeeded else kueue.FINISHED_FAILED,
+                               excerpt(status.message) or f"the job {status.phase.lower()}")
+        return _with(result, _status_patch(body, now, {kueue.FINISHED: cond}))
+    if not any(p.active for p in observed.pods) and kueue.FINALIZER in _finalizers(body):
+        return _with(result, _release(body))
+    return result
+
+
+# ------------------------------------------------------------------ the Workload's side
+
+def _evicted_patch(body: Mapping[str, Any], view: kueue.WorkloadView, observed: Observed,
+                   now: dt.datetime) -> PatchWorkload | None:
+    """Once no pod of an evicted (or no longer admitted) job is left, clear its admission as Kueue's
+    integrations do: QuotaReserved=False/Pending, Admitted=False/NoReservation, Requeued; Kueue then
+    queues it again. Nothing while pods remain or nothing is reserved."""
+    if observed.pods or not (view.quota_reserved or view.admitted or view.assignments):
+        return None
+    evicted = view.evicted
+    message = evicted.message if evicted is not None else "The workload has no reservation"
+    conds = {kueue.QUOTA_RESERVED: kueue.Condition("False", kueue.PENDING, message),
+             kueue.ADMITTED: kueue.Condition("False", "NoReservation", "The workload has no reservation")}
+    if evicted is not None:
+        conds[kueue.REQUEUED] = kueue.Condition("True", evicted.reason or kueue.EVICTED, message)
+    return _status_patch(body, now, conds, clear_admission=True)
+
+
+def _status_patch(body: Mapping[str, Any], now: dt.datetime, conds: Mapping[str, kueue.Condition], *,
+                  clear_admission: bool = False) -> PatchWorkload:
+    """The whole conditions list with `conds` set (lastTransitionTime moves only with the status)."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    out: list[dict[str, Any]] = []
+    for raw in status.get("conditions") or ():
+        new = conds.get(str(raw.get("type")))
+        out.append(dict(raw) if new is None else _condition(raw.get("type"), new, raw, now))
+    have = {str(raw.get("type")) for raw in status.get("conditions") or ()}
+    out += [_condition(kind, cond, None, now) for kind, cond in conds.items() if kind not in have]
+    patch: dict[str, Any] = {"conditions": out}
+    if clear_admission:
+        patch["admission"] = None
+    return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
+                         status=patch)
+
+
+def _condition(kind: Any, cond: kueue.Condition, old: Mapping[str, Any] | None, now: dt.datetime) -> dict[str, Any]:
+    moved = old is None or old.get("status") != cond.status
+    return {"type": str(kind), "status": cond.status, "reason": cond.reason, "message": cond.message,
+            "lastTransitionTime": format_time(now) if moved else old.get("lastTransitionTime") or format_time(now)}
+
+
+def _spec_patch(body: Mapping[str, Any], *, active: bool) -> PatchWorkload:
+    meta = body.get("metadata") or {}
+    return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
+                         spec={"active": active})
+
+
+def _release(body: Mapping[str, Any]) -> PatchWorkload:
+    meta = body.get("metadata") or {}
+    return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
+                         remove_finalizer=True)
+
+
+def _finalizers(body: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple((body.get("metadata") or {}).get("finalizers") or ())
+
+
+def _same(current: kueue.Condition | None, new: kueue.Condition) -> bool:
+    return current is not None and current.status == new.status and current.reason == new.reason

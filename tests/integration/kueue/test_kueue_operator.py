@@ -1,0 +1,165 @@
+"""The operator queues TrainingJobs through Kueue (issue 14, acceptance): the real API server, scheduler,
+kwok nodes and Kueue v0.19.2, with the per-test ClusterQueue of conftest.py (cpu 3, pods 3, preemption
+within the queue: LowerPriority). The operator runs as in tests/integration/operator (a subprocess with
+the testbed's kubeconfig, watching only the test's namespace)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubetrain import kueue as kq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from kubetrain_optest import Jobs, spec
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.integration
+TIMEOUT = 120.0
+
+
+@pytest.fixture
+def operator(trainingjob_crd, kueue, testbed_env, namespace, tmp_path):
+    env = {**testbed_env, "KUBETRAIN_NAMESPACES": namespace, "KUBETRAIN_LOG_LEVEL": "INFO",
+           "PYTHONPATH": str(ROOT / "operator") + os.pathsep + testbed_env.get("PYTHONPATH", "")}
+    log_path = tmp_path / "operator.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kubetrain", "operator", "run"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+    # Shown by pytest only when the test fails.
+    print("\n--- operator log tail ---\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-80:]))
+
+
+@pytest.fixture
+def jobs(kube_api, namespace) -> Jobs:
+    return Jobs(kube_api, namespace)
+
+
+def create(jobs: Jobs, name: str, queue: str, nodes: int, **extra: Any) -> dict[str, Any]:
+    body = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": name, "namespace": jobs.namespace, "labels": {kq.LABEL_QUEUE_NAME: queue}},
+            "spec": spec(nodes=nodes, **extra)}
+    return jobs.custom.create_namespaced_custom_object("kubetrain.io", "v1alpha1", jobs.namespace, "trainingjobs",
+                                                       body)
+
+
+def queued_reason(status: dict[str, Any]) -> str | None:
+    cond = next((c for c in status.get("conditions") or () if c["type"] == "Queued"), None)
+    return cond["reason"] if cond and cond["status"] == "True" else None
+
+
+def wait_queued(jobs: Jobs, name: str, reason: str | None = None, timeout: float = TIMEOUT) -> dict[str, Any]:
+    return jobs.wait(name, lambda s: s.get("phase") == "Queued" and queued_reason(s) is not None
+                     and (reason is None or queued_reason(s) == reason), timeout=timeout,
+                     what=f"{name} Queued ({reason or 'any reason'})")
+
+
+def live_pods(jobs: Jobs, name: str) -> list[Any]:
+    return [p for p in jobs.pods(name) if p.metadata.deletion_timestamp is None]
+
+
+def finish(jobs: Jobs, name: str, attempt: int, nodes: int) -> None:
+    for rank in range(nodes):
+        jobs.finish_pod(f"{name}-a{attempt}-n{rank}", 0)
+
+
+def test_a_gang_over_the_quota_stays_queued_with_kueues_reason_and_no_pod(operator, jobs, kueue_queue, kubectl):
+    create(jobs, "big", kueue_queue.local_queue, nodes=4)
+    status = wait_queued(jobs, "big", "ExceedsMaxQuota")
+    assert "insufficient quota" in status["message"], status["message"]
+    assert status.get("attempt", 0) == 0
+    header, row = kubectl("get", "tj", "big", "-n", jobs.namespace).splitlines()[:2]
+    assert "KUEUE" in header.split() and "ExceedsMaxQuota" in row.split() and "Queued" in row.split()
+    time.sleep(5)  # and it stays so
+    assert jobs.status("big")["phase"] == "Queued" and jobs.pods("big") == []
+
+
+def test_a_second_gang_waits_with_no_pod_then_runs_when_the_first_finishes(operator, jobs, kueue_queue):
+    create(jobs, "first", kueue_queue.local_queue, nodes=2)
+    jobs.wait_phase("first", "Running", nodesReady=2)
+    create(jobs, "second", kueue_queue.local_queue, nodes=2)
+    status = wait_queued(jobs, "second")
+    assert queued_reason(status) in ("WaitingForQuota", "Pending", kq.PENDING), status
+    assert jobs.pods("second") == []
+    finish(jobs, "first", 1, 2)
+    jobs.wait_phase("first", "Succeeded")
+    jobs.wait_phase("second", "Running", nodesReady=2)
+    assert len(live_pods(jobs, "second")) == 2
+
+
+def test_a_missing_local_queue_keeps_the_job_queued_with_a_reason(operator, jobs, kueue_queue):
+    create(jobs, "lost", "no-such-queue", nodes=1)
+    status = wait_queued(jobs, "lost", timeout=60)
+    status = jobs.wait("lost", lambda s: "no-such-queue" in s.get("message", ""), timeout=60,
+                       what="the message names the missing LocalQueue")
+    assert jobs.pods("lost") == [] and status["phase"] == "Queued"
+
+
+def test_an_invalid_queue_label_is_refused_naming_the_label(operator, jobs, kueue_queue):
+    create(jobs, "bad", "Bad_Queue", nodes=1)
+    status = jobs.wait_phase("bad", "Failed")
+    assert kq.LABEL_QUEUE_NAME in status["message"], status["message"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidQueueName"
+    assert jobs.pods("bad") == []
+
+
+def test_suspend_frees_the_quota_and_resume_requeues_without_backoff(operator, jobs, kueue_queue):
+    create(jobs, "one", kueue_queue.local_queue, nodes=2)
+    jobs.wait_phase("one", "Running", nodesReady=2)
+    create(jobs, "two", kueue_queue.local_queue, nodes=2)
+    wait_queued(jobs, "two")
+    jobs.patch_spec("one", {"runPolicy": {"suspend": True}})
+    jobs.wait_phase("one", "Suspended")
+    jobs.wait_phase("two", "Running", nodesReady=2)
+    assert live_pods(jobs, "one") == []
+    jobs.patch_spec("one", {"runPolicy": {"suspend": False}})
+    status = wait_queued(jobs, "one")
+    assert status["failures"] == 0 and live_pods(jobs, "one") == []
+    finish(jobs, "two", 1, 2)
+    status = jobs.wait_phase("one", "Running", nodesReady=2, timeout=180)
+    assert status["attempt"] == 2 and status["failures"] == 0
+
+
+def test_a_low_priority_gang_is_preempted_counted_as_a_preemption_and_readmitted(operator, jobs, kueue_queue,
+                                                                                  priority_classes):
+    create(jobs, "low", kueue_queue.local_queue, nodes=3, runPolicy={"backoffLimit": 0},
+           podTemplate={"priorityClassName": "low"})
+    jobs.wait_phase("low", "Running", nodesReady=3)
+    create(jobs, "high", kueue_queue.local_queue, nodes=3, podTemplate={"priorityClassName": "high"})
+    status = wait_queued(jobs, "low", "Preempted")
+    assert status["preemptions"] == 1 and status["failures"] == 0
+    jobs.wait_phase("high", "Running", nodesReady=3, timeout=180)
+    assert live_pods(jobs, "low") == []
+    assert jobs.event_messages("low", "Preempted"), "a Preempted event on the low job"
+    finish(jobs, "high", 1, 3)
+    status = jobs.wait_phase("low", "Running", nodesReady=3, timeout=180)
+    assert status["attempt"] == 2 and status["preemptions"] == 1 and status["failures"] == 0
+
+
+def test_a_gang_that_never_gets_ready_is_evicted_by_the_pods_ready_timeout_and_requeued(operator, jobs, kueue_queue):
+    """waitForPodsReady (30 s on the testbed): the operator's PodsReady stays False/WaitForStart while a pod is
+    unschedulable, Kueue evicts the gang (PodsReadyTimeout), the operator deletes its pods, counts a preemption
+    (no failure) and the job holds no pod while it waits in its queue."""
+    create(jobs, "stuck", kueue_queue.local_queue, nodes=2,
+           podTemplate={"nodeSelector": {"kubetrain.io/no-such-node": "anywhere"}})
+    jobs.wait_phase("stuck", "Pending")
+    assert len(jobs.pods("stuck")) == 2
+    status = wait_queued(jobs, "stuck", "PodsReadyTimeout", timeout=150)
+    assert status["failures"] == 0 and status["preemptions"] == 1, status
+    jobs.wait(("stuck"), lambda s: not jobs.pods("stuck"), what="the evicted gang's pods are gone")
+    status = jobs.status("stuck")
+    assert status["phase"] == "Queued" and status["failures"] == 0

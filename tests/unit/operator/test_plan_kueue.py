@@ -1,0 +1,203 @@
+"""Table tests of the planner of a job queued by Kueue (plan_kueue.py, issue 14): no pod before Kueue admits
+the whole gang, Kueue's reason in status while the job waits, PodsReady as Kueue's own integrations write it,
+an eviction that stops the gang without spending backoffLimit, suspend <-> spec.active, Finished at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from kubetrain import kueue
+from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
+from kubetrain.api import Job
+from kubetrain.observe import Observed
+from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
+from kubetrain_factories import at, gang, iso, job, observed, started
+
+FLAVOR = "default-flavor"
+NAME = "trainingjob-tj-abcde"
+
+
+def queued(labels: dict[str, str] | None = None, **kw: Any) -> Job:
+    return replace(job(**kw), labels={kueue.LABEL_QUEUE_NAME: "lq"} if labels is None else labels)
+
+
+def cond(kind: str, status: str, reason: str, message: str = "") -> dict[str, Any]:
+    return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": iso(0)}
+
+
+def workload(*conds: dict[str, Any], active: bool = True, admitted: bool = False, deleting: bool = False,
+             topology: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": NAME, "namespace": "ns", "resourceVersion": "7", "finalizers": [kueue.FINALIZER]}
+    if deleting:
+        meta["deletionTimestamp"] = iso(0)
+    status: dict[str, Any] = {"conditions": list(conds)}
+    if admitted:
+        assignment: dict[str, Any] = {"name": "workers", "count": 2, "flavors": {"cpu": FLAVOR}}
+        if topology:
+            assignment["topologyAssignment"] = {"levels": ["rack"]}
+        status["admission"] = {"clusterQueue": "cq", "podSetAssignments": [assignment]}
+    return {"metadata": meta, "spec": {"active": active}, "status": status}
+
+
+ADMITTED = (cond("QuotaReserved", "True", "QuotaReserved"), cond("Admitted", "True", "Admitted"))
+FLAVORS = {FLAVOR: {"nodeLabels": {"pool": "a"}}}
+
+
+def admitted(*extra: dict[str, Any], **kw: Any) -> KueueObserved:
+    return KueueObserved(workload=workload(*ADMITTED, *extra, admitted=True, **kw), flavors=FLAVORS)
+
+
+def pending(reason: str = "ExceedsMaxQuota", message: str = "couldn't assign flavors to pod set workers: "
+            "insufficient quota for pods") -> KueueObserved:
+    return KueueObserved(workload=workload(cond("QuotaReserved", "False", reason, message)))
+
+
+PREEMPTED = cond("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: u2) due to prioritization")
+
+
+@dataclass
+class Case:
+    id: str
+    job: Job
+    kq: KueueObserved
+    obs: Observed = field(default_factory=observed)
+    phase: str | None = None
+    """Expected status.phase after the plan (None: no status write)."""
+    queued: str | None = None
+    """Expected reason of condition Queued=True."""
+    creates: int | None = None
+    deletes: int = 0
+    workload: bool = False
+    """A CreateWorkload is expected."""
+    patch: dict[str, Any] | None = None
+    """Expected Workload patch: its spec, the status conditions (type -> (status, reason)), or the finalizer."""
+    counters: dict[str, int] = field(default_factory=dict)
+    events: list[str] | None = None
+
+
+CASES = [
+    Case("no Workload yet: create it and wait, no pod", queued(), KueueObserved(), phase="Queued",
+         queued="WorkloadCreated", creates=0, workload=True, events=["Queued"]),
+    Case("Kueue's CRDs missing: a clear condition, never a start that bypasses the queue", queued(),
+         KueueObserved(installed=False), phase="Queued", queued="KueueNotInstalled", creates=0),
+    Case("a missing PriorityClass: Queued with a reason, no Workload", queued(),
+         KueueObserved(priority_error="PriorityClass 'gold' does not exist"), phase="Queued",
+         queued="PriorityClassNotFound", creates=0),
+    Case("an invalid queue label fails the job naming the label", queued({kueue.LABEL_QUEUE_NAME: "Bad_Queue"}),
+         KueueObserved(), phase="Failed", creates=0, events=["InvalidQueueName", "Failed"]),
+    Case("over the quota: Queued with Kueue's reason and message, no pod", queued(), pending(), phase="Queued",
+         queued="ExceedsMaxQuota", creates=0),
+    Case("waiting behind another job: Kueue's WaitingForQuota", queued(), pending("WaitingForQuota"),
+         phase="Queued", queued="WaitingForQuota", creates=0),
+    Case("admitted: the whole gang starts with the flavor's node labels, PodsReady=False/WaitForStart",
+         queued(status={"phase": "Queued", "conditions": [cond("Queued", "True", "WaitingForQuota")]}), admitted(),
+         phase="Pending", creates=2, patch={"PodsReady": ("False", "WaitForStart")}, events=["Created"]),
+    Case("all pods ready: PodsReady=True/Started", queued(status=started(phase="Running", nodesReady=2)), admitted(),
+         obs=observed(*gang(2, ready=True)), patch={"PodsReady": ("True", "Started")}),
+    Case("a gang being recreated after a crash: PodsReady=False/WaitForRecovery",
+         queued(status=started(phase="Restarting")), admitted(cond("PodsReady", "True", "Started")),
+         phase="Pending", patch={"PodsReady": ("False", "WaitForRecovery")}, creates=2),
+    Case("a topology assignment is unsupported: reported, no start", queued(),
+         KueueObserved(workload=workload(*ADMITTED, admitted=True, topology=True), flavors=FLAVORS),
+         phase="Queued", queued="TopologyUnsupported", creates=0),
+    Case("preempted while running: pods deleted, a preemption counted, no failure, Queued",
+         queued(status=started(phase="Running", nodesReady=2)), admitted(PREEMPTED),
+         obs=observed(*gang(2, ready=True)), phase="Queued", queued="Preempted", deletes=2,
+         counters={"preemptions": 1, "failures": 0}, events=["Preempted", "Queued"]),
+    Case("evicted and no pod left: the admission is cleared as Kueue's integrations do",
+         queued(status={**started(phase="Queued", preemptions=1), "conditions": [cond("Queued", "True", "Preempted")]}),
+         admitted(PREEMPTED), patch={"QuotaReserved": ("False", "Pending"), "Admitted": ("False", "NoReservation"),
+                                     "Requeued": ("True", "Preempted"), "admission": None},
+         counters={"preemptions": 1}),
+    Case("re-admitted after a preemption: a new attempt, the preemption not counted twice",
+         queued(status={**started(phase="Queued", preemptions=1), "conditions": [cond("Queued", "True", "Preempted")]}),
+         admitted(), phase="Pending", creates=2, counters={"attempt": 2, "preemptions": 1, "failures": 0},
+         patch={"PodsReady": ("False", "WaitForStart")}),
+    Case("suspended: pods go and the Workload becomes inactive", queued(run_policy={"suspend": True},
+         status=started(phase="Running")), admitted(), obs=observed(*gang(2)), phase="Suspended", deletes=2,
+         patch={"spec": {"active": False}}),
+    Case("resumed: the Workload is active again and the job waits in its queue",
+         queued(status=started(phase="Suspended")),
+         KueueObserved(workload=workload(cond("Evicted", "True", "Deactivated", "The workload is deactivated"),
+                                         active=False)),
+         phase="Queued", patch={"spec": {"active": True}}, creates=0),
+    Case("deactivated by Kueue itself: the job fails with Kueue's message", queued(status=started(phase="Running")),
+         admitted(cond("DeactivationTarget", "True", "RequeuingLimitExceeded", "exceeded the requeuing limit")),
+         obs=observed(*gang(2)), phase="Failed", deletes=2),
+    Case("finished: Finished=True on the Workload releases the quota",
+         queued(status=started(phase="Succeeded", completionTime=iso(1))), admitted(),
+         patch={"Finished": ("True", "Succeeded")}),
+    Case("finished and no pod left: the finalizer goes",
+         queued(status=started(phase="Succeeded", completionTime=iso(1))),
+         admitted(cond("Finished", "True", "Succeeded")), patch={"finalizer": True}),
+    Case("Workload deleted by hand: the gang stops; once no pod is left its finalizer goes",
+         queued(status=started(phase="Running")),
+         KueueObserved(workload=workload(*ADMITTED, admitted=True, deleting=True)), obs=observed(*gang(2)),
+         phase="Queued", queued="WorkloadDeleted", deletes=2, counters={"preemptions": 1}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_plan_queued(case: Case) -> None:
+    result = plan_queued(case.job, case.obs, case.kq, at(5))
+    status = result.status
+    if case.phase is None:
+        assert status is None or status.phase == case.job.status.phase, status
+    else:
+        assert status is not None and status.phase == case.phase, status
+    if case.queued is not None:
+        assert status is not None
+        queued_cond = status.condition("Queued")
+        assert queued_cond is not None and (queued_cond.status, queued_cond.reason) == ("True", case.queued)
+        assert status.message.startswith(f"queued: {case.queued}: ")
+    creates = [a for a in result.actions if isinstance(a, CreatePod)]
+    if case.creates is not None:
+        assert len(creates) == case.creates
+    assert all(a.admission == kueue.PodSetInfo(node_selector={"pool": "a"}) for a in creates)
+    assert len([a for a in result.actions if isinstance(a, DeletePod)]) == case.deletes
+    assert any(isinstance(a, CreateWorkload) for a in result.actions) == case.workload
+    patches = [a for a in result.actions if isinstance(a, PatchWorkload)]
+    if case.patch is None:
+        assert patches == []
+    else:
+        [patch] = patches
+        assert patch.name == NAME and patch.resource_version == "7"
+        assert _patch_summary(patch) == case.patch
+    for key, value in case.counters.items():
+        assert getattr(status or case.job.status, key) == value, key
+    if case.events is not None:
+        assert [e.reason for e in result.events] == case.events
+
+
+def _patch_summary(patch: PatchWorkload) -> dict[str, Any]:
+    if patch.remove_finalizer:
+        return {"finalizer": True}
+    if patch.spec is not None:
+        return {"spec": dict(patch.spec)}
+    assert patch.status is not None
+    out: dict[str, Any] = {c["type"]: (c["status"], c["reason"]) for c in patch.status["conditions"]
+                           if c["type"] not in ("QuotaReserved", "Admitted", "Evicted", "DeactivationTarget")
+                           or patch.status.get("admission", 1) is None}
+    out.pop("Evicted", None)
+    if "admission" in patch.status:
+        out["admission"] = patch.status["admission"]
+    return out
+
+
+def test_a_status_patch_keeps_kueues_own_conditions_and_their_times() -> None:
+    kq = admitted(cond("PodsReady", "False", "WaitForStart"))
+    result = plan_queued(queued(status=started(phase="Running", nodesReady=2)), observed(*gang(2, ready=True)), kq,
+                         at(5))
+    [patch] = [a for a in result.actions if isinstance(a, PatchWorkload)]
+    assert patch.status is not None
+    conds = {c["type"]: c for c in patch.status["conditions"]}
+    assert conds["QuotaReserved"] == ADMITTED[0] and conds["Admitted"] == ADMITTED[1]
+    assert conds["PodsReady"]["status"] == "True" and conds["PodsReady"]["lastTransitionTime"] == iso(5)
+
+
+def test_jobs_without_the_label_are_not_queued() -> None:
+    assert not is_queued(job()) and is_queued(queued())
+    assert plan_queued(queued(deleting=True), observed(), KueueObserved(), at(5)) == Plan()
