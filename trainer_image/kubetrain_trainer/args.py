@@ -72,8 +72,9 @@ class TrainingArguments(ProcessLogLevels):
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
     """AdamW epsilon."""
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = "adamw_torch"
-    """Optimizer implementation."""
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = "adamw_torch_fused"
+    """Optimizer implementation. The default is HF's for torch >= 2.8: the fused AdamW kernel (CPU and GPU);
+    `adamw_torch` is the multi-tensor one (same update, rounded differently)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
     num_train_epochs: float = 3.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,11 +63,21 @@ class TrainerCallback:
 _EVENTS = [name for name in vars(TrainerCallback) if name.startswith("on_")]
 
 
+def _empty_handlers(event: str) -> tuple:
+    """The do-nothing `event` methods of the callback base classes: kubetrain's, and HF's once it is imported."""
+    empty = [vars(TrainerCallback)[event]]
+    hf = sys.modules.get("transformers.trainer_callback")
+    if hf is not None and event in vars(hf.TrainerCallback):
+        empty.append(vars(hf.TrainerCallback)[event])
+    return tuple(empty)
+
+
 class CallbackHandler:
     """Dispatches each event to every callback in order; the control object is shared."""
 
     def __init__(self, callbacks: list[TrainerCallback], **objects: Any):
         self.callbacks: list[TrainerCallback] = []
+        self._dispatch: dict[str, tuple[tuple, list]] = {}
         for cb in callbacks:
             self.add_callback(cb)
         self.objects = objects  # model, optimizer, ... handed to callbacks as kwargs
@@ -89,11 +100,29 @@ class CallbackHandler:
 
     def call(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
              **kwargs: Any) -> TrainerControl:
-        for cb in self.callbacks:
-            result = getattr(cb, event)(args, state, control, **self.objects, **kwargs)
-            if result is not None:  # HF callbacks may return a control object
-                control = result
+        handlers = self._handlers(event)
+        if handlers:
+            kwargs = {**self.objects, **kwargs}
+            for handler in handlers:
+                result = handler(args, state, control, **kwargs)
+                if result is not None:  # HF callbacks may return a control object
+                    control = result
         return control
+
+    def _handlers(self, event: str) -> list:
+        """The callbacks' methods for `event`, leaving out the base classes' empty ones (they return None).
+
+        Rebuilt when the callback list changes (compared item by item: it may be edited in place), so a
+        step pays for the callbacks that handle its events, not for every callback times every event.
+        """
+        key = tuple(self.callbacks)
+        cached = self._dispatch.get(event)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        handlers = [method for cb in key
+                    if getattr(method := getattr(cb, event), "__func__", None) not in _empty_handlers(event)]
+        self._dispatch[event] = (key, handlers)
+        return handlers
 
     def save_states(self, state: TrainerState) -> None:
         state.stateful_callbacks = {type(cb).__name__: s for cb in self.callbacks if (s := cb.state()) is not None}

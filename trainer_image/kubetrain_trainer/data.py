@@ -115,7 +115,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return type(batch)({k: to_device(v, device) for k, v in batch.items()}) if type(batch) is dict \
             else {k: to_device(v, device) for k, v in batch.items()}

@@ -7,6 +7,7 @@ shrinking them towards zero only fights the normalisation.
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 
@@ -15,6 +16,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from .args import TrainingArguments
+
+logger = logging.getLogger("kubetrain_trainer")
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm, nn.LocalResponseNorm)
 
@@ -41,8 +44,47 @@ def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.O
     groups = [g for g in groups if g["params"]]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
+    fused = args.optim == "adamw_torch_fused"
+    if fused and args.strategy == "fsdp" and (args.fp16 or (args.fsdp_config or {}).get("mixed_precision") == "fp16"):
+        # FSDP's ShardedGradScaler hands the fused kernel a found_inf of shape [1], which torch 2.13's fused
+        # AdamW cannot subtract from its 0-dim step counts (it fails on the first step).
+        logger.warning("fp16 with strategy fsdp: using the multi-tensor AdamW (adamw_torch); the fused kernel "
+                       "does not work with FSDP's gradient scaler")
+        fused = False
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, fused=True if args.optim == "adamw_torch_fused" else None)
+                             eps=args.adam_epsilon, fused=True if fused else None)
+
+
+def step_groups_at_once(optimizer: torch.optim.Optimizer) -> list[dict] | None:
+    """The optimizer's groups as one group for `step`, where that changes no bit of the update; else None.
+
+    The decay and no-decay groups stay two groups (the optimizer state in checkpoints keeps its layout),
+    but with `weight_decay: 0` (the default) they differ in nothing else, and two groups cost two kernel
+    calls per step. Adam/AdamW update each parameter from its own state and its group's settings alone, so
+    one call over both groups gives the same result bit for bit. Only for the plain torch classes and
+    without step hooks, which could observe the merged group while the step runs.
+    """
+    groups = optimizer.param_groups
+    if len(groups) < 2 or type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return None
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_step_hooks():
+        return None
+    first = groups[0]
+    for group in groups[1:]:
+        if group.keys() != first.keys():
+            return None
+        for key, value in group.items():
+            # Plain numbers and flags only (a tensor learning rate compares as a tensor: not merged).
+            if key != "params" and (isinstance(value, torch.Tensor) or isinstance(first[key], torch.Tensor)
+                                    or value != first[key]):
+                return None
+    return [{**first, "params": [p for group in groups for p in group["params"]]}]
+
+
+def _global_step_hooks() -> bool:
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def _linear(step: int, *, warmup: int, total: int) -> float:

@@ -136,7 +136,8 @@ class OverridableMixin:
         inputs = self._prepare_inputs(inputs)
         with self._autocast():
             loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        loss = loss / self.current_gradient_accumulation_steps
+        if self.current_gradient_accumulation_steps != 1:  # x / 1 is x: no op to run (and none to backprop)
+            loss = loss / self.current_gradient_accumulation_steps
         self.strategy.backward(loss)
         return loss.detach()
 
@@ -147,9 +148,16 @@ class OverridableMixin:
 
     def _training_step(self, model: nn.Module, inputs: Any, count: bool) -> torch.Tensor:
         """`training_step` as the loop calls it, with `num_items_in_batch` where declared (and `count`)."""
-        if not accepts(self.training_step, "num_items_in_batch"):
-            return self.training_step(model, inputs)
-        return self.training_step(model, inputs, num_items_in_batch=count_items(inputs) if count else None)
+        return self._training_step_caller(count)(model, inputs)
+
+    def _training_step_caller(self, count: bool):
+        """`_training_step` as a function of (model, inputs), its signature checks done once (the loop's per-step call)."""
+        step = self.training_step
+        if not accepts(step, "num_items_in_batch"):
+            return step
+        if count:
+            return lambda model, inputs: step(model, inputs, num_items_in_batch=count_items(inputs))
+        return functools.partial(step, num_items_in_batch=None)
 
     # --------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

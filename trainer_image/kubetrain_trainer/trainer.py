@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import signal
 import threading
 import time
@@ -85,6 +86,7 @@ class Trainer(OverridableMixin, EvaluationMixin):
         self._pin_memory = args.dataloader_pin_memory and self.device.type == "cuda"
         self._autocast = autocast_factory(args, self.device)
         self._stop_requested = False
+        self._world = 1
         self._new_best = False
         self._loss_since_log = self._loss_total = torch.zeros(())
         main = dist_util.is_main_process()
@@ -143,14 +145,16 @@ class Trainer(OverridableMixin, EvaluationMixin):
     def _loop(self, dataloader: DataLoader, plan: StepPlan, registry: ckpt.ResumeRegistry) -> TrainOutput:
         args, state, strategy = self.args, self.state, self.strategy
         model = self.model_wrapped
-        world = dist_util.world_size()
+        world = self._world = dist_util.world_size()
         samples_per_batch = args.per_device_train_batch_size * world
         ga = args.gradient_accumulation_steps
         # Loss sums stay on the device between logs and saves: `.item()` would sync every step.
-        self._loss_since_log = torch.tensor(state.loss_since_log, dtype=torch.float32, device=self.device)
-        self._loss_total = torch.tensor(state.loss_total, dtype=torch.float32, device=self.device)
+        # Both in one tensor, so that a step adds its loss to them in one op; the two names are views of it.
+        self._loss_sums = torch.tensor([state.loss_since_log, state.loss_total], dtype=torch.float32,
+                                       device=self.device)
+        self._loss_since_log, self._loss_total = self._loss_sums[0], self._loss_sums[1]
         start_time, start_step = time.perf_counter(), state.global_step
-        count_items = self._wants_item_counts()  # num_items_in_batch only for an override that takes it
+        step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         preempted = False
@@ -169,13 +173,16 @@ class Trainer(OverridableMixin, EvaluationMixin):
                     epoch_done = True  # the iterator ran dry (iterable dataset, or a shorter custom loader)
                     break
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
-                step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
                 self.current_gradient_accumulation_steps = len(micro)
+                last = len(micro) - 1
+                step_loss = None
                 for i, batch in enumerate(micro):
                     # Gradients are synchronised on the last micro-batch only.
-                    with strategy.no_sync(i < len(micro) - 1):
-                        step_loss += self._training_step(model, batch, count_items)
-                    if i < len(micro) - 1:
+                    with strategy.no_sync(i < last):
+                        loss = step_fn(model, batch)
+                    # The step's float32 loss sum (the first term as is: 0 + x is x, and no tensor to allocate).
+                    step_loss = loss.float() if step_loss is None else step_loss + loss
+                    if i < last:
                         self.control = self.callback_handler.on_substep_end(args, state, self.control)
                 # One collective and host sync per step: the mean loss over ranks, whether it is finite
                 # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch).
@@ -184,8 +191,7 @@ class Trainer(OverridableMixin, EvaluationMixin):
                 if finite:
                     grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
                     strategy.optimizer_step()
-                    self._loss_since_log += step_loss
-                    self._loss_total += step_loss
+                    self._loss_sums += step_loss  # since the last log, and in total
                     state.steps_since_log += 1
                     state.loss_count += 1
                 else:
@@ -218,12 +224,12 @@ class Trainer(OverridableMixin, EvaluationMixin):
 
     # ---------------------------------------------------------------- helpers
     def _reduce_step(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        if self._world == 1:  # nothing to agree on: one read of the loss is the step's only host sync
+            return step_loss, math.isfinite(step_loss.item()), self._stop_requested
         packed = torch.stack([step_loss.float(), (~torch.isfinite(step_loss)).float(),
                               torch.tensor(float(self._stop_requested), device=self.device)])
-        world = dist_util.world_size()
-        if world > 1:
-            torch.distributed.all_reduce(packed)
-            packed[0] /= world
+        torch.distributed.all_reduce(packed)
+        packed[0] /= self._world
         non_finite, stop = packed[1:].tolist()
         return packed[0], not non_finite, bool(stop)
 

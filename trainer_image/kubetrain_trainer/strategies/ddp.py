@@ -18,12 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_util
+from ..optim import step_groups_at_once
 from .base import OptimizerFactory, Prepared, SchedulerFactory, Strategy
 
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 OPTIMIZER_NAME = "optimizer.pt"
 SCALER_NAME = "scaler.pt"
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def safetensors_ready(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -45,6 +47,7 @@ class DDPStrategy(Strategy):
 
     def __init__(self) -> None:
         self._module: nn.Module | None = None
+        self._params: list[nn.Parameter] = []
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scaler: torch.amp.GradScaler | None = None
@@ -56,6 +59,7 @@ class DDPStrategy(Strategy):
         self.device = dist_util.device_for(args.use_cpu)
         self._safetensors = args.save_safetensors
         self._module = model.to(self.device)
+        self._params = list(self._module.parameters())  # clipped each step: not re-walked every step
         if dist_util.world_size() > 1:
             self._model = DistributedDataParallel(
                 model,
@@ -76,20 +80,25 @@ class DDPStrategy(Strategy):
     def no_sync(self, enabled: bool):
         if enabled and isinstance(self._model, DistributedDataParallel):
             return self._model.no_sync()
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self._scaler:
             self._scaler.unscale_(self._optimizer)
-        params = [p for p in self._module.parameters() if p.grad is not None]
         # max_norm <= 0 means "do not clip": an infinite bound still yields the norm for logging.
         bound = max_norm if max_norm and max_norm > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, bound)
+        return torch.nn.utils.clip_grad_norm_(self._params, bound)  # it skips parameters without a gradient
 
     def optimizer_step(self) -> None:
         if self._scaler:
             self._scaler.step(self._optimizer)
             self._scaler.update()
+        elif (merged := step_groups_at_once(self._optimizer)) is not None:
+            groups, self._optimizer.param_groups = self._optimizer.param_groups, merged
+            try:
+                self._optimizer.step()
+            finally:
+                self._optimizer.param_groups = groups
         else:
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
