@@ -17,9 +17,10 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
 from kubetrain_trainer.hashing import sha256_file
@@ -74,6 +75,10 @@ class StorageConfig:
     multipart_threshold: int = 64 << 20
     multipart_chunksize: int = 64 << 20
     max_concurrency: int = 4
+    """Parts of one file in flight at once (multipart transfers)."""
+    file_concurrency: int = 8
+    """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`. Uploads go one
+    file at a time: the write fence bounds a zombie's writes by one file (commit.py)."""
     test_upload_bytes_per_second: int = 0
     """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
     test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
@@ -209,12 +214,20 @@ class CheckpointStore:
                     os.link(existing, target)
                 else:
                     _copy(existing, target)
-                continue
+        missing = [f for f in manifest.files if not (staging / f.path).exists()]
+
+        def fetch(f: FileEntry) -> None:  # each file verified on its own thread, while others download
+            target = staging / f.path
             key = self.location.key(checkpoint_dirname(manifest.step), f.path)
             self._call("download", key, lambda: self._download(key, target, manifest.step))
             if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
-                _rmtree(staging)
                 raise ChecksumError(f"checkpoint-{manifest.step}/{f.path}: downloaded bytes do not match the manifest")
+
+        try:
+            self._each(missing, fetch)
+        except ChecksumError:
+            _rmtree(staging)
+            raise
         (staging / MANIFEST_NAME).write_bytes(manifest.to_json())
         if final.exists():
             _rmtree(final)
@@ -328,6 +341,24 @@ class CheckpointStore:
         for f in files:
             self.upload_file(step, folder / f.path, f.path)
 
+    def _each(self, items: Iterable[T], fn: Callable[[T], object]) -> None:
+        """`fn(item)` for every item, up to `config.file_concurrency` at once. After a failure no new item
+        starts; once the running ones end, the failure of the earliest item (in `items` order) is raised."""
+        items = list(items)
+        width = max(1, min(self.config.file_concurrency, len(items)))
+        if width == 1:
+            for item in items:
+                fn(item)
+            return
+        with ThreadPoolExecutor(max_workers=width, thread_name_prefix="s3-files") as pool:
+            futures: list[Future[object]] = [pool.submit(fn, item) for item in items]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in futures:
+                fut.cancel()  # not yet started: never starts
+        for fut in futures:
+            if not fut.cancelled() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
     def check_access(self) -> None:
         """One cheap call that fails permanently on a missing bucket or bad credentials."""
         self._call("head_bucket", "", lambda: self._client.head_bucket(Bucket=self.location.bucket))
@@ -379,6 +410,8 @@ def _make_client(config: StorageConfig) -> Any:
         connect_timeout=config.connect_timeout_s,
         read_timeout=config.read_timeout_s,
         retries={"max_attempts": 3, "mode": "standard"},
+        # A restore has every file's parts in flight at once (`file_concurrency` x `max_concurrency`).
+        max_pool_connections=max(10, config.file_concurrency * config.max_concurrency),
         # S3-compatible servers (MinIO) address buckets by path, not by host.
         s3={"addressing_style": "path" if config.endpoint_url else "auto"},
     )
