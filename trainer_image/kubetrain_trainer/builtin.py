@@ -17,14 +17,17 @@ import dataclasses
 import difflib
 import json
 import logging
-import os
 import sys
 import typing
 from dataclasses import dataclass
 from typing import Sequence
 
 from .callbacks import TrainerCallback
-from .contract import EXIT_INVALID_CONFIG, EXIT_PREEMPTED
+from .contract import (
+    BUILTIN_TASK, DEEPSPEED_CONFIG, EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FSDP_CONFIG, LOCAL_CHECKPOINT_DIR, RESUME_FROM,
+    STRATEGY, TEST_HOLD_AT_STEP, TEST_HOLD_SECONDS, TRAINER_ARGS,
+)
+from .workerenv import WorkerEnv, WorkerEnvError
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -77,8 +80,8 @@ class RegressionTask:
 
 TASKS = {"causal-lm": CausalLMTask, "regression": RegressionTask}
 
-HOLD_AT_STEP_ENV = "KUBETRAIN_TEST_HOLD_AT_STEP"
-HOLD_SECONDS_ENV = "KUBETRAIN_TEST_HOLD_SECONDS"
+HOLD_AT_STEP_ENV = TEST_HOLD_AT_STEP
+HOLD_SECONDS_ENV = TEST_HOLD_SECONDS
 
 
 class HoldAtStep(TrainerCallback):
@@ -140,26 +143,26 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     """(task name, TrainingArguments, task) from the environment and flags; ConfigError when invalid."""
     from .args import ConfigError, TrainingArguments, _coerce, parse_cli
 
-    name = env.get("KUBETRAIN_BUILTIN_TASK", "causal-lm")
+    name = env.get(BUILTIN_TASK, "causal-lm")
     if name not in TASKS:
         near = difflib.get_close_matches(name, list(TASKS), n=1)
-        raise ConfigError(f"KUBETRAIN_BUILTIN_TASK: unknown task {name!r}"
+        raise ConfigError(f"{BUILTIN_TASK}: unknown task {name!r}"
                           + (f"; did you mean {near[0]!r}?" if near else f"; known: {', '.join(TASKS)}"))
     try:
-        raw = json.loads(env.get("KUBETRAIN_TRAINER_ARGS") or "{}")
+        raw = json.loads(env.get(TRAINER_ARGS) or "{}")
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"KUBETRAIN_TRAINER_ARGS is not valid JSON: {exc}") from exc
+        raise ConfigError(f"{TRAINER_ARGS} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ConfigError("KUBETRAIN_TRAINER_ARGS must be a JSON object of argument names to values")
+        raise ConfigError(f"{TRAINER_ARGS} must be a JSON object of argument names to values")
     raw = {**raw, **parse_cli(argv)}
-    if "output_dir" not in raw and env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR"):
-        raw["output_dir"] = env["KUBETRAIN_LOCAL_CHECKPOINT_DIR"]
+    if "output_dir" not in raw and env.get(LOCAL_CHECKPOINT_DIR):
+        raw["output_dir"] = env[LOCAL_CHECKPOINT_DIR]
     # The pod contract names the strategy and its config in their own variables (docs/contract.md).
-    strategy = raw.setdefault("strategy", env.get("KUBETRAIN_STRATEGY") or "ddp")
-    if strategy == "fsdp" and "fsdp_config" not in raw and env.get("KUBETRAIN_FSDP_CONFIG"):
-        raw["fsdp_config"] = env["KUBETRAIN_FSDP_CONFIG"]  # JSON text: coerced to a dict
-    if strategy == "zero3" and "deepspeed" not in raw and env.get("KUBETRAIN_DEEPSPEED_CONFIG"):
-        raw["deepspeed"] = env["KUBETRAIN_DEEPSPEED_CONFIG"]
+    strategy = raw.setdefault("strategy", env.get(STRATEGY) or "ddp")
+    if strategy == "fsdp" and "fsdp_config" not in raw and env.get(FSDP_CONFIG):
+        raw["fsdp_config"] = env[FSDP_CONFIG]  # JSON text: coerced to a dict
+    if strategy == "zero3" and "deepspeed" not in raw and env.get(DEEPSPEED_CONFIG):
+        raw["deepspeed"] = env[DEEPSPEED_CONFIG]
     task_cls = TASKS[name]
     task_fields = [f.name for f in dataclasses.fields(task_cls)]
     args, extra = TrainingArguments.split_dict(raw, extra_keys=task_fields)
@@ -189,7 +192,7 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         for hook in test_hooks(env, trainer):
             trainer.add_callback(hook)
         declare_tokens_per_sample(trainer.callback_handler.callbacks, getattr(task, "seq_len", None))
-        resume = env.get("KUBETRAIN_RESUME_FROM") or True
+        resume = env.get(RESUME_FROM) or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
     except ConfigError as exc:
@@ -209,7 +212,12 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(dict(os.environ), sys.argv[1:] if argv is None else argv)
+    try:
+        env = WorkerEnv.from_environ()
+    except WorkerEnvError as exc:
+        print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
+    return run(dict(env.environ), sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

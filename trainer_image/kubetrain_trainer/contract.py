@@ -83,3 +83,18 @@ RESUME_FROM = "KUBETRAIN_RESUME_FROM"
 """The restored checkpoint folder the workers resume from (unset when there is none)."""
 SYNC_BY_LAUNCHER = "KUBETRAIN_SYNC_BY_LAUNCHER"
 """`1`: the launcher uploads, so an in-process `CheckpointSyncCallback` stays idle."""
+PROGRESS_FILE = "KUBETRAIN_PROGRESS_FILE"
+"""Where a worker writes its progress report for the launcher's /metrics and /progress (progress.py)."""
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+"""torch.distributed's variables (the launcher, torchrun and accelerate set them)."""
+
+# --- read by the launcher only, never set by the operator ---------------------------------
+LOG_LEVEL = "KUBETRAIN_LOG_LEVEL"
+
+# --- test hooks (docs/contract.md, "Test hooks"): off unless set ---------------------------
+TEST_HOLD_AT_STEP = "KUBETRAIN_TEST_HOLD_AT_STEP"
+TEST_HF_HOLD = "KUBETRAIN_TEST_HF_HOLD"
+TEST_HOLD_SECONDS = "KUBETRAIN_TEST_HOLD_SECONDS"

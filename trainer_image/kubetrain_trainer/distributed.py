@@ -1,34 +1,36 @@
 """Process-group facts the loop needs: who am I, how many are we, which device.
 
 The launcher (or torchrun) starts one process per device and sets RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Everything else reads
-them through here so that a world size of one never touches torch.distributed.
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (read by `workerenv.py`).
+Everything else reads them through here so that a world size of one never
+touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from kubetrain_trainer.workerenv import WorkerEnv
+
 
 def world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return WorkerEnv.from_environ().world_size
 
 
 def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return WorkerEnv.from_environ().rank
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return WorkerEnv.from_environ().local_rank
 
 
 def is_main_process() -> bool:
@@ -48,7 +50,7 @@ def device_for(use_cpu: bool) -> torch.device:
 
 def init_process_group(*, use_cpu: bool, timeout_s: int) -> None:
     """Join the process group described by the environment (no-op for one process)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    if WorkerEnv.from_environ().world_size <= 1 or dist.is_initialized():
         return
     device = device_for(use_cpu)
     if device.type == "cuda":

@@ -33,7 +33,6 @@ test preempts an unmodified HF script at the point it chose.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,14 +40,16 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from kubetrain_trainer.contract import TEST_HF_HOLD, TEST_HOLD_SECONDS
 from kubetrain_trainer.progress import ProgressTracker
 from kubetrain_trainer.readiness import mark_ready
+from kubetrain_trainer.workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
 
 
-HF_HOLD_ENV = "KUBETRAIN_TEST_HF_HOLD"
-HOLD_SECONDS_ENV = "KUBETRAIN_TEST_HOLD_SECONDS"
+HF_HOLD_ENV = TEST_HF_HOLD
+HOLD_SECONDS_ENV = TEST_HOLD_SECONDS
 
 
 def parse_holds(raw: str, attempt: int) -> dict[str, int]:
@@ -64,7 +65,7 @@ def parse_holds(raw: str, attempt: int) -> dict[str, int]:
 
 
 def _hold(what: str) -> None:
-    seconds = float(os.environ.get(HOLD_SECONDS_ENV) or 600)
+    seconds = float(WorkerEnv.from_environ().test_hold_seconds or 600)
     print(f"kubetrain test hook: holding {what} until SIGTERM (at most {seconds:.0f} s)", file=sys.stderr, flush=True)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:  # SIGTERM's default action ends the process here
@@ -75,8 +76,8 @@ class KubetrainCheckpointCallback(TrainerCallback):
     """Marks each checkpoint folder the HF Trainer saved as complete for this process, and reports progress."""
 
     def __init__(self) -> None:
-        raw = os.environ.get(HF_HOLD_ENV, "")
-        self._holds = parse_holds(raw, int(os.environ.get("KUBETRAIN_ATTEMPT", "0") or 0)) if raw else {}
+        env = WorkerEnv.from_environ()
+        self._holds = parse_holds(env.test_hf_hold, env.attempt or 0) if env.test_hf_hold else {}
         self.progress = ProgressTracker.from_env()
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -129,8 +130,9 @@ class KubetrainCheckpointCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not folder.is_dir():  # rotated away already, or this process wrote nothing there
             return
-        local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_process_index", 0) or 0))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        env = WorkerEnv.from_environ()
+        local_rank = env.local_rank if env.local_rank_set else int(getattr(args, "local_process_index", 0) or 0)
+        local_world_size = env.local_world_size
         mark_ready(folder, local_rank=local_rank, local_world_size=local_world_size)
         log.debug("marked %s ready (local rank %d of %d)", folder, local_rank, local_world_size)
 

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 from kubetrain_trainer.command import expand_command
 from kubetrain_trainer.grace import GraceSplit, split_grace
-from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
+from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level, pod_environ
 from kubetrain_trainer.metrics import Telemetry
 from kubetrain_trainer.podreport import report_storage_refused
 from kubetrain_trainer.progress import PROGRESS_FILE_ENV
@@ -189,15 +189,16 @@ def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    environ = pod_environ()
     logging.basicConfig(
-        level=os.environ.get("KUBETRAIN_LOG_LEVEL", "INFO").upper(),
+        level=log_level(environ),
         format="%(asctime)s kubetrain-launch %(levelname)s %(message)s",
     )
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = LaunchConfig.from_env(os.environ, argv)
+        cfg = LaunchConfig.from_env(environ, argv)
     except ConfigError as e:
         log.error("invalid configuration: %s", e)
         return EXIT_INVALID_CONFIG
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resume_from: Path | None = None
     if cfg.checkpoint_uri:
         try:
-            session = CheckpointSession(CheckpointStore(StorageConfig.from_env(os.environ)), session_config(cfg),
+            session = CheckpointSession(CheckpointStore(StorageConfig.from_env(environ)), session_config(cfg),
                                         telemetry=telemetry, stop=stop)
             restored = session.restore()
             session.start(restored)
@@ -229,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("SIGTERM before training started")
         return EXIT_PREEMPTED
 
-    base = writable_extensions(os.environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
+    base = writable_extensions(environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
     base[PROGRESS_FILE_ENV] = str(telemetry.progress_file)  # the workers' progress report (progress.py)
     workers = Workers.spawn(cfg, base, resume_from)
     started = time.monotonic()

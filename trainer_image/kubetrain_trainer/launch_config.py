@@ -1,6 +1,7 @@
 """The pod contract's environment for the launcher, read and validated once (docs/contract.md).
 
-`LaunchConfig.from_env` is the only parser of the variables the operator sets on a training
+`pod_environ()` is the launcher's one read of its environment (the worker side's is
+`workerenv.py`); `LaunchConfig.from_env` is the only parser of the variables the operator sets on a training
 pod (`builders.get_env` on the operator side); a bad value raises `ConfigError` naming the
 variable, and the launcher exits 82 (invalid configuration) without starting anything.
 """
@@ -8,17 +9,30 @@ variable, and the launcher exits 82 (invalid configuration) without starting any
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from kubetrain_trainer.contract import LOG_LEVEL
 from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.metrics import DEFAULT_PORT
 from kubetrain_trainer.readiness import COMMIT_MODES, CommitMode
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
 BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")
+
+
+def pod_environ() -> dict[str, str]:
+    """A copy of this process's environment: what `LaunchConfig.from_env` parses, what the storage
+    configuration is read from and what the workers inherit."""
+    return dict(os.environ)
+
+
+def log_level(env: Mapping[str, str]) -> str:
+    """KUBETRAIN_LOG_LEVEL, upper-cased (INFO when unset)."""
+    return env.get(LOG_LEVEL, "INFO").upper()
 
 
 class ConfigError(ValueError):

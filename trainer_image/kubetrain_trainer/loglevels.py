@@ -12,15 +12,16 @@ HF Trainer's:
   default) decides, and the Trainer sets nothing.
 
 Ranks come from the environment (RANK, LOCAL_RANK: the launcher and torchrun
-set both), so the arguments answer before any process group exists and
+set both; read by `workerenv.py`), so the arguments answer before any process group exists and
 without importing torch.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Literal
+
+from kubetrain_trainer.workerenv import WorkerEnv
 
 LOGGER_NAME = "kubetrain_trainer"
 
@@ -41,12 +42,12 @@ class ProcessLogLevels:
     @property
     def process_index(self) -> int:
         """This process's global rank (0 without a distributed launcher)."""
-        return int(os.environ.get("RANK", "0"))
+        return WorkerEnv.from_environ().rank
 
     @property
     def local_process_index(self) -> int:
         """This process's rank on its node (0 without a distributed launcher)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return WorkerEnv.from_environ().local_rank
 
     @property
     def should_log(self) -> bool:

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .callbacks import TrainerCallback
+from .contract import PROGRESS_FILE
+from .workerenv import WorkerEnv
 
-PROGRESS_FILE_ENV = "KUBETRAIN_PROGRESS_FILE"
+PROGRESS_FILE_ENV = PROGRESS_FILE
 FORMAT = 1
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the step-time histogram; +Inf is implied."""
@@ -183,8 +185,8 @@ class ProgressTracker:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> "ProgressTracker | NullTracker":
-        path = (os.environ if env is None else env).get(PROGRESS_FILE_ENV)
-        return cls(Path(path), **kwargs) if path else NullTracker()
+        path = WorkerEnv.from_environ(env).progress_file
+        return cls(path, **kwargs) if path else NullTracker()
 
     # ------------------------------------------------------------ events
     def train_begin(self, *, step: int, max_steps: int | None, tokens_seen: int | None = None) -> None:

@@ -119,6 +119,12 @@ def error_code(exc: BaseException) -> str:
 
 
 def _redact(text: str) -> str:
+    """`text` with this process's AWS keys masked.
+
+    The one read of the environment outside workerenv.py and launch_config.py, on purpose: the keys
+    are read only to be removed, at the moment a message is built, in whichever process (launcher or
+    worker) built it; passing secrets around as values would spread exactly what this hides.
+    """
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"):
         value = os.environ.get(name)
         if value and len(value) >= 4:

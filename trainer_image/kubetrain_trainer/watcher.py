@@ -40,6 +40,7 @@ from kubetrain_trainer.readiness import (
 )
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
 from kubetrain_trainer.sync import CheckpointUploader
+from kubetrain_trainer.workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -199,19 +200,20 @@ class CheckpointSyncCallback(TrainerCallback):
     def __init__(self, uploader: CheckpointUploader | None = None, *, wait_s: float = 600.0) -> None:
         self._uploader = uploader
         self.wait_s = wait_s
-        self.enabled = os.environ.get("KUBETRAIN_SYNC_BY_LAUNCHER") != "1"
+        self.enabled = not WorkerEnv.from_environ().sync_by_launcher
 
     def _get(self) -> CheckpointUploader | None:
-        if self._uploader is None and self.enabled and os.environ.get("KUBETRAIN_CHECKPOINT_URI"):
-            env = os.environ
-            store = CheckpointStore(StorageConfig.from_env(env))
+        env = WorkerEnv.from_environ() if self._uploader is None and self.enabled else None
+        if env is not None and env.checkpoint_uri:
+            store = CheckpointStore(StorageConfig.from_env(env.environ))
             settings = SyncSettings(
-                attempt=int(env.get("KUBETRAIN_ATTEMPT", "1")),
-                incarnation=int(env.get("KUBETRAIN_JOB_INCARNATION", "0")),
-                world_size=int(env.get("WORLD_SIZE", "1")),
-                strategy=env.get("KUBETRAIN_STRATEGY", "ddp"),
+                attempt=1 if env.attempt is None else env.attempt,
+                incarnation=env.incarnation,
+                world_size=env.world_size,
+                strategy=env.strategy,
             )
-            staging = Path(env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR", "/tmp/kubetrain/checkpoints")).parent / "upload-staging"
+            local_dir = env.local_checkpoint_dir or Path("/tmp/kubetrain/checkpoints")
+            staging = local_dir.parent / "upload-staging"
             self._uploader = CheckpointUploader(store, settings, staging_dir=staging).start()
         return self._uploader
 
