@@ -1,12 +1,24 @@
-"""Step time of the kubetrain Trainer vs a raw PyTorch loop and the HF transformers Trainer.
+"""Step time of the kubetrain Trainer vs the HF transformers Trainer and a raw PyTorch loop.
 
-Same tiny GPT, same synthetic tokens, same batch, AdamW, linear schedule and
-gradient clipping in all three; each is measured in its own subprocess (so
-peak RSS is its own) and the median step time after a warm-up is compared.
-Goals (issue 4): kubetrain <= 1.03x the raw loop, faster than HF, peak RSS
-not above HF's. Prints ratios; not a test.
+Two regimes, two models, synthetic tokens, CPU:
 
-    python benchmarks/trainer_step.py [--steps 60] [--repeats 2] [--threads 1]
+- compute-bound: 4 layers, sequence 128 (the model's arithmetic dominates the step);
+- overhead-bound: 1 layer, sequence 16 (what each framework adds per step shows);
+- models: a transformers GPT-2 built from a `GPT2Config` (no download) and kubetrain's built-in TinyGPT.
+
+All three runners train the same model from the same seed on the same data,
+batch, learning rate, linear schedule and gradient clipping. The two trainers
+run with their default optimizer (both `adamw_torch_fused`); the raw loop uses
+`torch.optim.AdamW(fused=True)`. Each run is its own subprocess (so peak RSS is
+its own); runs alternate (kubetrain, HF, raw, kubetrain, ...), so a noisy
+neighbour hits every runner alike. A run's figure is its median step time after
+a warm-up; a ratio is taken within each round and reported as the median and
+range over rounds. Kubetrain's per-step framework overhead is its median step
+minus the raw loop's in the same round (overhead regime).
+Goals (issue 12): kubetrain / HF <= 1.00 in every cell; overhead <= 0.05 ms.
+Prints figures; not a test.
+
+    python benchmarks/trainer_step.py [--repeats 3] [--threads 2] [--only overhead/tinygpt,...]
 """
 
 from __future__ import annotations
@@ -21,32 +33,49 @@ import sys
 import tempfile
 import time
 
-MODEL = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
-BATCH, LR, WARMUP = 16, 1e-3, 5
+VOCAB, D_MODEL, HEADS, BATCH, LR, WARMUP = 256, 128, 4, 8, 1e-3, 10
+REGIMES = {  # name: (layers, seq_len, steps timed incl. warm-up)
+    "compute": (4, 128, 60),
+    "overhead": (1, 16, 300),
+}
+MODELS = ("gpt2", "tinygpt")
+MODES = ("kubetrain", "hf", "raw")
 
 
-def _setup(threads: int):
+def _setup(model_name: str, regime: str, threads: int):
     import torch
 
     torch.set_num_threads(threads)
     from kubetrain_trainer.models import SyntheticTokens, TinyGPT, TinyGPTConfig
 
+    layers, seq, _ = REGIMES[regime]
     torch.manual_seed(0)
-    model = TinyGPT(TinyGPTConfig(**MODEL))
-    data = SyntheticTokens(100_000, MODEL["seq_len"], MODEL["vocab_size"])
-    return model, data
+    if model_name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=VOCAB, n_positions=seq, n_embd=D_MODEL, n_layer=layers, n_head=HEADS,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+    else:
+        model = TinyGPT(TinyGPTConfig(vocab_size=VOCAB, seq_len=seq, d_model=D_MODEL, n_layers=layers,
+                                      n_heads=HEADS, dropout=0.0))
+    return model, SyntheticTokens(100_000, seq, VOCAB)
 
 
-def run_raw(steps: int, threads: int) -> list[tuple[float, float]]:
+def _mark(marks: list) -> None:
+    marks.append((time.perf_counter(), time.process_time()))
+
+
+def run_raw(model_name: str, regime: str, steps: int, threads: int) -> list:
     import torch
     from torch.utils.data import DataLoader
 
-    model, data = _setup(threads)
+    model, data = _setup(model_name, regime, threads)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
     model.train()
-    marks = []
+    marks: list = []
     for step, batch in enumerate(loader):
         if step == steps:
             break
@@ -56,94 +85,124 @@ def run_raw(steps: int, threads: int) -> list[tuple[float, float]]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        marks.append((time.perf_counter(), time.process_time()))
+        _mark(marks)
     return marks
 
 
-def run_kubetrain(steps: int, threads: int) -> list[tuple[float, float]]:
+def _common_args(out: str, steps: int) -> dict:
+    return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+                weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", save_strategy="no",
+                logging_steps=10_000, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=42)
+
+
+def run_kubetrain(model_name: str, regime: str, steps: int, threads: int) -> list:
     from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments
 
-    model, data = _setup(threads)
-    marks: list[tuple[float, float]] = []
+    model, data = _setup(model_name, regime, threads)
+    marks: list = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            marks.append((time.perf_counter(), time.process_time()))
+            _mark(marks)
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH,
-                                 learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, save_strategy="no",
-                                 logging_steps=10_000, report_to=["none"], disable_tqdm=True, use_cpu=True)
+        args = TrainingArguments(**_common_args(out, steps), report_to=["none"])
+        assert args.optim == "adamw_torch_fused", args.optim
         Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()]).train()
     return marks
 
 
-def run_hf(steps: int, threads: int) -> list[tuple[float, float]]:
+def run_hf(model_name: str, regime: str, steps: int, threads: int) -> list:
     import transformers
 
-    model, data = _setup(threads)
-    marks: list[tuple[float, float]] = []
+    model, data = _setup(model_name, regime, threads)
+    marks: list = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            marks.append((time.perf_counter(), time.process_time()))
+            _mark(marks)
 
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
-            weight_decay=0.0, max_grad_norm=1.0, save_strategy="no", logging_steps=10_000, report_to="none",
-            disable_tqdm=True, use_cpu=True, optim="adamw_torch", lr_scheduler_type="linear",
-            dataloader_num_workers=0, remove_unused_columns=False)
+        args = transformers.TrainingArguments(**_common_args(out, steps), report_to="none",
+                                              remove_unused_columns=False)
+        assert args.optim == "adamw_torch_fused", args.optim
         transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()]).train()
     return marks
 
 
-RUNNERS = {"raw": run_raw, "kubetrain": run_kubetrain, "hf": run_hf}
+RUNNERS = {"kubetrain": run_kubetrain, "hf": run_hf, "raw": run_raw}
 
 
-def child(mode: str, steps: int, threads: int) -> None:
-    marks = RUNNERS[mode](steps, threads)
+def child(mode: str, model_name: str, regime: str, threads: int) -> None:
+    steps = REGIMES[regime][2]
+    marks = RUNNERS[mode](model_name, regime, steps, threads)
     wall = [b[0] - a[0] for a, b in zip(marks[WARMUP:], marks[WARMUP + 1:])]
     # CPU time of the process per step: what the step costs, even when other processes steal the cores.
     cpu = [b[1] - a[1] for a, b in zip(marks[WARMUP:], marks[WARMUP + 1:])]
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
-    print(json.dumps({"mode": mode, "median_s": statistics.median(wall), "cpu_median_s": statistics.median(cpu),
+    print(json.dumps({"median_s": statistics.median(wall), "cpu_median_s": statistics.median(cpu),
                       "steps": len(marks), "peak_rss_mib": peak_kib / 1024}))
 
 
-def measure(mode: str, steps: int, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(steps), "--threads", str(threads)],
-                         env=env, capture_output=True, text=True, check=True)
+def measure(mode: str, model_name: str, regime: str, threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", model_name, "--regime", regime,
+                          "--threads", str(threads)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{mode} {model_name} {regime} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _spread(values: list[float], fmt: str = "%.3f") -> str:
+    return f"{fmt % statistics.median(values)} ({fmt % min(values)}-{fmt % max(values)})"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated regime/model cells, e.g. overhead/tinygpt")
     p.add_argument("--child")
+    p.add_argument("--model", default="tinygpt")
+    p.add_argument("--regime", default="overhead")
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.threads)
-    results: dict[str, list[dict]] = {m: [] for m in RUNNERS}
-    for _ in range(a.repeats):  # interleaved, so a noisy neighbour hits every mode alike
-        for mode in RUNNERS:
-            results[mode].append(measure(mode, a.steps, a.threads))
-    best = {m: min(r["median_s"] for r in rs) for m, rs in results.items()}
-    cpu = {m: min(r["cpu_median_s"] for r in rs) for m, rs in results.items()}
-    rss = {m: max(r["peak_rss_mib"] for r in rs) for m, rs in results.items()}
-    print(f"tiny GPT {MODEL}, batch {BATCH}, {a.steps} steps, {a.threads} thread(s), best of {a.repeats} runs, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    for m in RUNNERS:
-        medians = ", ".join("%.2f" % (r["median_s"] * 1000) for r in results[m])
-        print(f"  {m:10s} median step wall {best[m] * 1000:8.2f} ms  CPU {cpu[m] * 1000:8.2f} ms  "
-              f"peak RSS {rss[m]:8.1f} MiB   (wall medians: {medians})")
-    for label, t in (("wall", best), ("CPU time", cpu)):
-        print(f"{label:8s} kubetrain / raw loop : {t['kubetrain'] / t['raw']:.3f}x (goal <= 1.03)   "
-              f"kubetrain / HF : {t['kubetrain'] / t['hf']:.3f}x (goal < 1)")
-    print(f"peak RSS kubetrain / HF : {rss['kubetrain'] / rss['hf']:.3f}x   (goal <= 1)")
+        return child(a.child, a.model, a.regime, a.threads)
+    cells = [(r, m) for r in REGIMES for m in MODELS]
+    if a.only:
+        cells = [tuple(c.split("/")) for c in a.only.split(",")]
+    load = os.getloadavg()[0]
+    print(f"d_model {D_MODEL}, vocab {VOCAB}, batch {BATCH}, {a.threads} thread(s), {a.repeats} alternating rounds, "
+          f"load average {load:.1f} on {os.cpu_count()} CPUs", flush=True)
+    results = {cell: {m: [] for m in MODES} for cell in cells}
+    for round_ in range(a.repeats):
+        for cell in cells:  # kubetrain, HF, raw back to back: one round of one cell
+            for mode in MODES:
+                results[cell][mode].append(measure(mode, cell[1], cell[0], a.threads))
+            k, h, r = (results[cell][m][-1]["median_s"] * 1000 for m in MODES)
+            print(f"  round {round_ + 1} {cell[0]}/{cell[1]}: kubetrain {k:.3f} ms, HF {h:.3f} ms, raw {r:.3f} ms "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    for (regime, model), runs in results.items():
+        layers, seq, steps = REGIMES[regime]
+        print(f"\n{regime}-bound, {model}: {layers} layer(s), seq {seq}, {steps} steps ({WARMUP} warm-up)")
+        for mode in MODES:
+            ms = [r["median_s"] * 1000 for r in runs[mode]]
+            cpu = [r["cpu_median_s"] * 1000 for r in runs[mode]]
+            rss = max(r["peak_rss_mib"] for r in runs[mode])
+            print(f"  {mode:10s} step wall {_spread(ms, '%.3f')} ms   CPU {_spread(cpu, '%.3f')} ms   "
+                  f"peak RSS {rss:.0f} MiB")
+        for key, label in (("median_s", "wall"), ("cpu_median_s", "CPU ")):
+            k, h, r = ([x[key] for x in runs[m]] for m in MODES)
+            print(f"  {label} kubetrain / HF      : {_spread([x / y for x, y in zip(k, h)])}x   (goal <= 1.00)")
+            print(f"  {label} kubetrain / raw loop: {_spread([x / y for x, y in zip(k, r)])}x")
+            print(f"  {label} HF / raw loop       : {_spread([x / y for x, y in zip(h, r)])}x")
+            if regime == "overhead":
+                print(f"  {label} kubetrain overhead over the raw loop: "
+                      f"{_spread([(x - y) * 1000 for x, y in zip(k, r)], '%+.3f')} ms/step   (goal <= 0.05)")
+        rss = {m: max(x["peak_rss_mib"] for x in runs[m]) for m in MODES}
+        print(f"  peak RSS kubetrain / HF: {rss['kubetrain'] / rss['hf']:.3f}x")
+
 
 if __name__ == "__main__":
     main()
