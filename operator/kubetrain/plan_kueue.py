@@ -114,9 +114,8 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
         return d.build()
     if suspended:
         result = plan(job, observed, now)
-        patch = _spec_patch(body, active=False) if view.active else _evicted_patch(body, view, observed, now)
-        return _with(result, patch)
-    patch = _spec_patch(body, active=True) if not view.active else None
+        return _with(result, _spec_patch(job, body, view, active=False) or _evicted_patch(body, view, observed, now))
+    patch = _spec_patch(job, body, view, active=True)
     if view.evicted is not None or not view.admitted:
         if view.evicted is not None and (view.quota_reserved or observed.pods or view.pending is None):
             reason, message = view.evicted.reason or kueue.EVICTED, view.evicted.message
@@ -249,10 +248,34 @@ def _condition(kind: Any, cond: kueue.Condition, old: Mapping[str, Any] | None, 
             "lastTransitionTime": format_time(now) if moved else old.get("lastTransitionTime") or format_time(now)}
 
 
-def _spec_patch(body: Mapping[str, Any], *, active: bool) -> PatchWorkload:
+def _spec_patch(job: Job, body: Mapping[str, Any], view: kueue.WorkloadView, *, active: bool) -> PatchWorkload | None:
+    """spec.active as the job's suspend asks and, while nothing is reserved (suspended, queued), the podSets
+    when the gang changed meanwhile (its size or its pods' resources: what the quota counts); None when
+    the Workload agrees."""
+    changes: dict[str, Any] = {"active": active} if view.active != active else {}
+    if not view.quota_reserved and not view.admitted:
+        podsets = _podsets(job, body)
+        if podsets is not None:
+            changes["podSets"] = podsets
+    if not changes:
+        return None
     meta = body.get("metadata") or {}
     return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
-                         spec={"active": active})
+                         spec=changes)
+
+
+def _podsets(job: Job, body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The job's podSets when they differ from the Workload's in what Kueue counts, else None."""
+    assert job.spec is not None
+    wanted = [{"name": kueue.PODSET_NAME, "count": job.spec.nodes, "template": kueue.podset_template(job)}]
+    stored = (body.get("spec") or {}).get("podSets") or []
+    return None if _counted(stored) == _counted(wanted) else wanted
+
+
+def _counted(podsets: Any) -> list[tuple[Any, ...]]:
+    return [(ps.get("name"), ps.get("count"),
+             [c.get("resources") or {} for c in ((ps.get("template") or {}).get("spec") or {}).get("containers") or ()])
+            for ps in podsets]
 
 
 def _release(body: Mapping[str, Any]) -> PatchWorkload:

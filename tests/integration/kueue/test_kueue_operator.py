@@ -163,3 +163,55 @@ def test_a_gang_that_never_gets_ready_is_evicted_by_the_pods_ready_timeout_and_r
     jobs.wait(("stuck"), lambda s: not jobs.pods("stuck"), what="the evicted gang's pods are gone")
     status = jobs.status("stuck")
     assert status["phase"] == "Queued" and status["failures"] == 0
+
+
+@pytest.fixture
+def admission_policy(kubectl, namespace):
+    """The chart's ValidatingAdmissionPolicy for admitted jobs (charts/kubetrain/templates/kueue-policy.yaml),
+    rendered by helm and applied for this test only (it is cluster-scoped)."""
+    helm = Path(subprocess.run(["bash", str(ROOT / "testbed" / "build.sh"), "--print"], check=True,
+                               capture_output=True, text=True).stdout.strip()) / "helm"
+    rendered = subprocess.run([str(helm), "template", f"kq{namespace[-8:]}", str(ROOT / "charts" / "kubetrain"),
+                               "--show-only", "templates/kueue-policy.yaml"], check=True, capture_output=True,
+                              text=True).stdout
+    path = Path(f"/tmp/kueue-policy-{namespace}.yaml")
+    path.write_text(rendered)
+    kubectl("apply", "-f", str(path))
+    yield
+    kubectl("delete", "--ignore-not-found", "-f", str(path))
+    path.unlink()
+
+
+def test_an_admitted_gang_cannot_change_size_resources_or_queue(operator, jobs, kueue_queue, admission_policy):
+    from kubernetes import client
+    from kubetrain_testbed import wait_until
+
+    create(jobs, "fixed", kueue_queue.local_queue, nodes=2)
+    jobs.wait_phase("fixed", "Running", nodesReady=2)
+
+    def refused(body: dict[str, Any], dry_run: bool = True) -> str:
+        try:
+            jobs.custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", jobs.namespace, "trainingjobs",
+                                                       "fixed", body, dry_run="All" if dry_run else None)
+        except client.ApiException as exc:
+            return str(exc.body)
+        return ""
+
+    # The policy takes effect a moment after it is created: probe with dry runs only.
+    message = wait_until(lambda: refused({"spec": {"nodes": 3}}), bool, timeout=60, what="spec.nodes refused")
+    assert "spec.nodes" in message
+    assert "spec.resources" in refused({"spec": {"resources": {"requests": {"cpu": "200m", "memory": "64Mi"}}}})
+    assert kq.LABEL_QUEUE_NAME in refused({"metadata": {"labels": {kq.LABEL_QUEUE_NAME: "other"}}})
+    assert refused({"spec": {"runPolicy": {"backoffLimit": 5}}}) == "", "other fields stay editable"
+    # Suspended, the gang may change; resumed, Kueue admits the new size and the new gang starts.
+    jobs.patch_spec("fixed", {"runPolicy": {"suspend": True}})
+    jobs.wait_phase("fixed", "Suspended")
+    assert refused({"spec": {"nodes": 3}}, dry_run=False) == ""
+    jobs.patch_spec("fixed", {"runPolicy": {"suspend": False}})
+    status = jobs.wait_phase("fixed", "Running", nodesReady=3, timeout=180)
+    assert status["nodesTotal"] == 3 and status["failures"] == 0
+    uid = jobs.get("fixed")["metadata"]["uid"]
+    wl = jobs.custom.get_namespaced_custom_object(kq.GROUP, kq.VERSION, jobs.namespace, kq.PLURAL,
+                                                  kq.workload_name("fixed", uid))
+    assert wl["spec"]["podSets"][0]["count"] == 3, "Kueue counts the gang that runs"
+    assert wl["status"]["admission"]["podSetAssignments"][0]["count"] == 3

@@ -29,7 +29,7 @@ def cond(kind: str, status: str, reason: str, message: str = "") -> dict[str, An
 
 
 def workload(*conds: dict[str, Any], active: bool = True, admitted: bool = False, deleting: bool = False,
-             topology: bool = False) -> dict[str, Any]:
+             topology: bool = False, nodes: int = 2) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": NAME, "namespace": "ns", "resourceVersion": "7", "finalizers": [kueue.FINALIZER]}
     if deleting:
         meta["deletionTimestamp"] = iso(0)
@@ -39,7 +39,8 @@ def workload(*conds: dict[str, Any], active: bool = True, admitted: bool = False
         if topology:
             assignment["topologyAssignment"] = {"levels": ["rack"]}
         status["admission"] = {"clusterQueue": "cq", "podSetAssignments": [assignment]}
-    return {"metadata": meta, "spec": {"active": active}, "status": status}
+    podsets = [{"name": "workers", "count": nodes, "template": kueue.podset_template(job(nodes=nodes))}]
+    return {"metadata": meta, "spec": {"active": active, "podSets": podsets}, "status": status}
 
 
 ADMITTED = (cond("QuotaReserved", "True", "QuotaReserved"), cond("Admitted", "True", "Admitted"))
@@ -124,6 +125,16 @@ CASES = [
          KueueObserved(workload=workload(cond("Evicted", "True", "Deactivated", "The workload is deactivated"),
                                          active=False)),
          phase="Queued", patch={"spec": {"active": True}}, creates=0),
+    Case("the gang resized while suspended: the waiting Workload asks for the new size",
+         queued(nodes=3, status={**started(phase="Queued"), "conditions": [cond("Queued", "True", "Pending")]}),
+         pending("Pending", "waiting"), phase=None, patch={"spec": {"podSets": 3}}),
+    Case("resized while suspended, then resumed: one patch makes the Workload active with the new size",
+         queued(nodes=3, status=started(phase="Suspended")),
+         KueueObserved(workload=workload(cond("Evicted", "True", "Deactivated", "deactivated"), active=False)),
+         phase="Queued", patch={"spec": {"active": True, "podSets": 3}}),
+    Case("resized while suspended: the inactive Workload gets the new size", queued(
+         nodes=3, run_policy={"suspend": True}, status=started(phase="Suspended")),
+         KueueObserved(workload=workload(active=False)), patch={"spec": {"podSets": 3}}),
     Case("deactivated by Kueue itself: the job fails with Kueue's message", queued(status=started(phase="Running")),
          admitted(cond("DeactivationTarget", "True", "RequeuingLimitExceeded", "exceeded the requeuing limit")),
          obs=observed(*gang(2)), phase="Failed", deletes=2),
@@ -176,7 +187,7 @@ def _patch_summary(patch: PatchWorkload) -> dict[str, Any]:
     if patch.remove_finalizer:
         return {"finalizer": True}
     if patch.spec is not None:
-        return {"spec": dict(patch.spec)}
+        return {"spec": {k: v[0]["count"] if k == "podSets" else v for k, v in patch.spec.items()}}
     assert patch.status is not None
     out: dict[str, Any] = {c["type"]: (c["status"], c["reason"]) for c in patch.status["conditions"]
                            if c["type"] not in ("QuotaReserved", "Admitted", "Evicted", "DeactivationTarget")
