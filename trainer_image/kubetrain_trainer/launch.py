@@ -40,6 +40,7 @@ from kubetrain_trainer.session import CheckpointSession, SessionConfig
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
 from kubetrain_trainer.storage_errors import StorageAccessError, StorageError, StoragePermanentError
 
+from kubetrain_trainer import contract
 from kubetrain_trainer.contract import (
     EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, FAILURE_STORAGE_ACCESS_DENIED,
     FAILURE_STORAGE_REQUEST_INVALID,
@@ -68,26 +69,26 @@ def writable_extensions(base: Mapping[str, str], scratch: Path) -> dict[str, str
 def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resume_from: Path | None) -> dict[str, str]:
     """The environment of one worker: torch.distributed's variables plus ours."""
     env = dict(base)
-    env.update(
-        RANK=str(cfg.node_rank * cfg.nproc_per_node + local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(cfg.world_size),
-        LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
-        GROUP_RANK=str(cfg.node_rank),
-        ROLE_RANK=str(cfg.node_rank * cfg.nproc_per_node + local_rank),
-        ROLE_WORLD_SIZE=str(cfg.world_size),
-        MASTER_ADDR=cfg.master_addr,
-        MASTER_PORT=str(cfg.master_port),
-        KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(cfg.local_dir),
+    env.update({
+        contract.RANK: str(cfg.node_rank * cfg.nproc_per_node + local_rank),
+        contract.LOCAL_RANK: str(local_rank),
+        contract.WORLD_SIZE: str(cfg.world_size),
+        contract.LOCAL_WORLD_SIZE: str(cfg.nproc_per_node),
+        "GROUP_RANK": str(cfg.node_rank),
+        "ROLE_RANK": str(cfg.node_rank * cfg.nproc_per_node + local_rank),
+        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        contract.MASTER_ADDR: cfg.master_addr,
+        contract.MASTER_PORT: str(cfg.master_port),
+        contract.LOCAL_CHECKPOINT_DIR: str(cfg.local_dir),
         # The launcher uploads; an in-process CheckpointSyncCallback must not too.
-        KUBETRAIN_SYNC_BY_LAUNCHER="1",
-    )
+        contract.SYNC_BY_LAUNCHER: "1",
+    })
     # As torchrun does: N processes each spawning all-core thread pools thrash.
     if cfg.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("KUBETRAIN_RESUME_FROM", None)
+    env.pop(contract.RESUME_FROM, None)
     if resume_from is not None:
-        env["KUBETRAIN_RESUME_FROM"] = str(resume_from)
+        env[contract.RESUME_FROM] = str(resume_from)
     # The built-in trainer takes output_dir from KUBETRAIN_LOCAL_CHECKPOINT_DIR
     # unless its arguments name one (then local_dir is that one) and resumes
     # from KUBETRAIN_RESUME_FROM: its arguments are passed through untouched.

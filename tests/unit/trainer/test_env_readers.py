@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer import contract
+from kubetrain_trainer import contract, launch_config
+from kubetrain_trainer.launch import worker_env
+from kubetrain_trainer.launch_config import LaunchConfig
 from kubetrain_trainer.workerenv import WorkerEnv, WorkerEnvError
 
 PACKAGE = Path(__file__).resolve().parents[3] / "trainer_image" / "kubetrain_trainer"
@@ -104,3 +106,14 @@ def test_reads_this_process_environment_on_every_call(monkeypatch) -> None:
     snapshot = WorkerEnv.from_environ()
     monkeypatch.setenv(contract.RANK, "7")
     assert snapshot.environ[contract.RANK] == "6"  # a copy, not the live environment
+
+
+def test_a_worker_reads_what_the_launcher_wrote_for_it(tmp_path) -> None:
+    cfg = LaunchConfig.from_env({contract.NNODES: "2", contract.NODE_RANK: "1", contract.NPROC_PER_NODE: "2",
+                                 contract.MASTER_ADDR: "x", contract.MASTER_PORT: "29500", contract.ATTEMPT: "3",
+                                 contract.LOCAL_CHECKPOINT_DIR: str(tmp_path)}, [])
+    pod = launch_config.pod_environ()
+    got = WorkerEnv.from_environ(worker_env(cfg, 1, {**pod, contract.ATTEMPT: "3"}, tmp_path / "checkpoint-5"))
+    assert (got.rank, got.local_rank, got.local_rank_set, got.world_size, got.local_world_size) == (3, 1, True, 4, 2)
+    assert (got.attempt, got.sync_by_launcher) == (3, True)
+    assert (got.local_checkpoint_dir, got.resume_from) == (tmp_path, tmp_path / "checkpoint-5")
