@@ -215,3 +215,55 @@ def test_an_admitted_gang_cannot_change_size_resources_or_queue(operator, jobs, 
                                                   kq.workload_name("fixed", uid))
     assert wl["spec"]["podSets"][0]["count"] == 3, "Kueue counts the gang that runs"
     assert wl["status"]["admission"]["podSetAssignments"][0]["count"] == 3
+
+
+def test_a_missing_priority_class_keeps_the_job_queued_with_a_reason(operator, jobs, kueue_queue):
+    create(jobs, "nopri", kueue_queue.local_queue, nodes=1, podTemplate={"priorityClassName": "no-such-class"})
+    status = wait_queued(jobs, "nopri", "PriorityClassNotFound")
+    assert "no-such-class" in status["message"] and jobs.pods("nopri") == []
+
+
+def test_a_resource_the_cluster_queue_does_not_cover_keeps_the_job_queued_with_no_pod(operator, jobs, kueue_queue):
+    """Kueue v0.19.2 (granular pending reasons on) cannot write its answer for an uncovered resource: its
+    status update carries an empty condition reason, which the API server refuses ("Could not update Workload
+    status" in kueue.log). The job must still wait Queued and create no pod."""
+    create(jobs, "gpu", kueue_queue.local_queue, nodes=1,
+           resources={"requests": {"cpu": "100m", "memory": "64Mi", "example.com/gpu": "1"},
+                      "limits": {"example.com/gpu": "1"}})
+    status = wait_queued(jobs, "gpu")
+    time.sleep(5)
+    status = jobs.status("gpu")
+    assert status["phase"] == "Queued" and queued_reason(status) and jobs.pods("gpu") == []
+
+
+def workloads(jobs: Jobs) -> list[dict[str, Any]]:
+    return jobs.custom.list_namespaced_custom_object(kq.GROUP, kq.VERSION, jobs.namespace, kq.PLURAL)["items"]
+
+
+def test_a_workload_deleted_by_hand_stops_the_gang_and_is_recreated(operator, jobs, kueue_queue):
+    from kubetrain_testbed import wait_until
+
+    create(jobs, "again", kueue_queue.local_queue, nodes=2)
+    jobs.wait_phase("again", "Running", nodesReady=2)
+    [first] = workloads(jobs)
+    jobs.custom.delete_namespaced_custom_object(kq.GROUP, kq.VERSION, jobs.namespace, kq.PLURAL,
+                                                first["metadata"]["name"])
+    status = jobs.wait_phase("again", "Running", nodesReady=2, attempt=2, timeout=180)
+    assert status["failures"] == 0 and status["preemptions"] == 1
+    [second] = wait_until(lambda: workloads(jobs), lambda w: len(w) == 1 and w[0]["metadata"]["uid"]
+                          != first["metadata"]["uid"], timeout=60, what="a new Workload")
+    assert kq.WorkloadView.from_storage(second).admitted
+
+
+def test_deleting_a_job_lets_its_workload_go(operator, jobs, kueue_queue):
+    from kubetrain_testbed import wait_until
+
+    create(jobs, "bye", kueue_queue.local_queue, nodes=2)
+    jobs.wait_phase("bye", "Running", nodesReady=2)
+    assert len(workloads(jobs)) == 1
+    jobs.delete("bye")
+    wait_until(lambda: workloads(jobs), lambda w: w == [], timeout=120,
+               what="the Workload is deleted with its job (the operator removed its finalizer)")
+    # and its quota is free: a job of the full quota is admitted
+    create(jobs, "next", kueue_queue.local_queue, nodes=3)
+    jobs.wait_phase("next", "Running", nodesReady=3, timeout=180)
