@@ -261,22 +261,34 @@ class Reconciler:
         if known is not None and (known.get("metadata") or {}).get("uid") == owner.get("uid"):
             self.enqueue(key)
         elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
-            name = str(meta.get("name") or "")
-            if (key[0], name) not in self._releasing:
-                self._releasing.add((key[0], name))
-                task = asyncio.get_running_loop().create_task(self._release(key, str(owner.get("uid") or ""), name))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""))
+
+    def _release_later(self, key: tuple[str, str], uid: str, name: str) -> None:
+        if (key[0], name) in self._releasing:
+            return
+        self._releasing.add((key[0], name))
+        task = asyncio.get_running_loop().create_task(self._release(key, uid, name))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _release(self, key: tuple[str, str], uid: str, name: str) -> None:
-        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min)."""
+        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min);
+        a conflict (Kueue wrote meanwhile) is tried again."""
         try:
             for _ in range(300):
                 if not any(owner == uid for owner, _ in self.pods_index[key]):
                     break
                 await asyncio.sleep(1.0)
-            await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
-                                                                     remove_finalizer=True))
+            for delay in (0.5, 1.0, 2.0, 4.0, 8.0, 0.0):
+                try:
+                    await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
+                                                                             remove_finalizer=True))
+                    return
+                except (ConflictError, TemporaryError) as exc:
+                    if not delay:
+                        raise
+                    log.info("releasing Workload %s/%s: %s; trying again", key[0], name, exc)
+                    await asyncio.sleep(delay)
         except ApiError as exc:
             log.warning("could not release Workload %s/%s: %s", key[0], name, exc)
         finally:
@@ -294,6 +306,10 @@ class Reconciler:
         """One TrainingJob event: keep its newest body and wake it up; forget a deleted one."""
         if kind == "DELETED":
             self.forget(key)
+            meta = body.get("metadata") or {}
+            if kueue.LABEL_QUEUE_NAME in (meta.get("labels") or {}) and meta.get("uid"):
+                # Its Workload is deleted with it, held by the finalizer until the pods are gone.
+                self._release_later(key, str(meta["uid"]), kueue.workload_name(key[1], str(meta["uid"])))
             return
         self.store_job(key, body)
         self.enqueue(key)

@@ -159,10 +159,11 @@ def test_a_gang_that_never_gets_ready_is_evicted_by_the_pods_ready_timeout_and_r
     jobs.wait_phase("stuck", "Pending")
     assert len(jobs.pods("stuck")) == 2
     status = wait_queued(jobs, "stuck", "PodsReadyTimeout", timeout=150)
-    assert status["failures"] == 0 and status["preemptions"] == 1, status
-    jobs.wait(("stuck"), lambda s: not jobs.pods("stuck"), what="the evicted gang's pods are gone")
-    status = jobs.status("stuck")
-    assert status["phase"] == "Queued" and status["failures"] == 0
+    # Kueue requeues it (and, on a slow machine, may have admitted and evicted it again meanwhile).
+    assert status["failures"] == 0 and status["preemptions"] >= 1, status
+    status = jobs.wait("stuck", lambda s: s.get("phase") == "Queued" and not jobs.pods("stuck"),
+                       what="queued with no pod")
+    assert status["failures"] == 0
 
 
 @pytest.fixture
