@@ -27,7 +27,7 @@ class CreatePod:
     attempt: int
     rank: int
     admission: Any = None
-    """Kueue's admission merged into the pod (a `kueue.PodSetInfo`), for a job queued by Kueue."""
+    """Kueue's admission merged into the pod (a `kueue_admission.PodSetInfo`), for a job queued by Kueue."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from kubetrain import builders, kueue
+from kubetrain import builders, kueue, kueue_admission
 from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
     classify, classify_forbidden,
@@ -285,7 +285,7 @@ async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
     pod = builders.get_pod(job=job, attempt=action.attempt, rank=action.rank)
     if action.admission is not None:  # Kueue's admission (flavors' node labels and tolerations)
         try:
-            pod = kueue.merge_into_pod(pod, action.admission)
+            pod = kueue_admission.merge_into_pod(pod, action.admission)
         except kueue.KueueError as exc:
             raise PermanentError("KueueAdmissionConflict", str(exc)) from None
     await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod)

@@ -31,7 +31,7 @@ import datetime as dt
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from kubetrain import kueue
+from kubetrain import kueue, kueue_admission
 from kubetrain.actions import CreatePod, CreateWorkload, PatchStatus, PatchWorkload, Plan
 from kubetrain.api import Job
 from kubetrain.draft import Draft, delete_pods, excerpt, fail
@@ -132,7 +132,7 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
                                                   "which kubetrain does not support: no pod starts")
         return d.build()
     try:
-        info = kueue.pod_set_info(view, kq.flavors)
+        info = kueue_admission.pod_set_info(view, kq.flavors)
     except kueue.KueueError as exc:
         _wait(d, observed, "AdmissionUnusable", str(exc))
         d.requeue = WAIT_POLL_SECONDS

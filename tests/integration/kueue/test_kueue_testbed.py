@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from kubetrain import kueue
+from kubetrain import kueue, kueue_admission
 from kubetrain.api import Job
 from kubetrain_testbed import wait_until
 
@@ -61,7 +61,7 @@ def test_kueue_admits_a_workload_that_fits(custom, kueue_queue, trainingjob_crd,
     assert raw["status"]["admission"]["podSetAssignments"][0]["resourceUsage"]["cpu"] == "2"
     assert raw["metadata"]["finalizers"] == [kueue.FINALIZER]
     # Kueue's admission as the operator will merge it into the pods (this flavor adds nothing).
-    assert kueue.pod_set_info(view, {kueue_flavor: {}}) == kueue.PodSetInfo()
+    assert kueue_admission.pod_set_info(view, {kueue_flavor: {}}) == kueue_admission.PodSetInfo()
 
 
 def test_a_workload_over_the_quota_stays_pending_with_kueues_reason(custom, kueue_queue, trainingjob_crd):

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from kubetrain import builders, kueue
+from kubetrain import builders, kueue, kueue_admission
 from kubetrain.api import Job
-from kubetrain.kueue import Condition, KueueError, PodSetInfo, WorkloadView
+from kubetrain.kueue import Condition, KueueError, WorkloadView
+from kubetrain.kueue_admission import PodSetInfo
 
 BODY: dict[str, Any] = {
     "metadata": {"name": "gpt-small", "namespace": "ml", "uid": "0b1c2d3e-aaaa-bbbb-cccc-000000000001",
@@ -193,7 +194,7 @@ def test_topology_assignment_is_unsupported(extra: dict) -> None:
     v = view(cond("Admitted", "True", "Admitted"), admission=admission)
     assert v.topology_assigned
     with pytest.raises(KueueError, match="topology"):
-        kueue.pod_set_info(v, FLAVORS)
+        kueue_admission.pod_set_info(v, FLAVORS)
 
 
 @pytest.mark.parametrize("reason", ["Preempted", "PodsReadyTimeout", "Deactivated", "NodeFailures"])
@@ -239,7 +240,7 @@ def admitted_view(**status: Any) -> WorkloadView:
 
 
 def test_flavors_node_labels_and_tolerations() -> None:
-    info = kueue.pod_set_info(admitted_view(), FLAVORS)
+    info = kueue_admission.pod_set_info(admitted_view(), FLAVORS)
     assert info.node_selector == {"pool": "gpu", "gpu": "a100"}
     assert info.tolerations == ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
 
@@ -250,7 +251,7 @@ def test_admission_check_pod_set_updates_are_merged() -> None:
          "tolerations": [{"key": "spot", "operator": "Exists"},
                          {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         {"name": "other", "labels": {"ignored": "x"}}]}]
-    info = kueue.pod_set_info(admitted_view(admissionChecks=checks), FLAVORS)
+    info = kueue_admission.pod_set_info(admitted_view(admissionChecks=checks), FLAVORS)
     assert info.node_selector == {"pool": "gpu", "gpu": "a100", "zone": "z1"}
     assert info.labels == {"l": "1"} and info.annotations == {"a": "2"}
     assert [t["key"] for t in info.tolerations] == ["nvidia.com/gpu", "spot"]  # no duplicate
@@ -260,23 +261,23 @@ def test_admission_check_contradicting_a_flavor_is_an_error() -> None:
     checks = [{"name": "prov", "state": "Ready", "message": "",
                "podSetUpdates": [{"name": "workers", "nodeSelector": {"pool": "cpu"}}]}]
     with pytest.raises(KueueError, match=r"nodeSelector\[pool\]"):
-        kueue.pod_set_info(admitted_view(admissionChecks=checks), FLAVORS)
+        kueue_admission.pod_set_info(admitted_view(admissionChecks=checks), FLAVORS)
 
 
 def test_missing_flavor_or_podset_is_an_error() -> None:
     with pytest.raises(KueueError, match="gpu-a"):
-        kueue.pod_set_info(admitted_view(), {"default": {}})
+        kueue_admission.pod_set_info(admitted_view(), {"default": {}})
     other = view(cond("Admitted", "True", "Admitted"),
                  admission={"clusterQueue": "cq", "podSetAssignments": [{"name": "main", "flavors": {}}]})
     with pytest.raises(KueueError, match="workers"):
-        kueue.pod_set_info(other, FLAVORS)
+        kueue_admission.pod_set_info(other, FLAVORS)
 
 
 def test_merge_into_the_operators_pod() -> None:
     job, _ = make_job()
     pod = builders.get_pod(job=job, attempt=1, rank=2)
-    info = kueue.pod_set_info(admitted_view(), FLAVORS)
-    merged = kueue.merge_into_pod(pod, info)
+    info = kueue_admission.pod_set_info(admitted_view(), FLAVORS)
+    merged = kueue_admission.merge_into_pod(pod, info)
     assert merged["spec"]["nodeSelector"] == {"pool": "gpu", "gpu": "a100"}
     assert merged["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert merged["metadata"]["name"] == "gpt-small-a1-n2"
@@ -290,8 +291,8 @@ def test_merge_conflicting_with_the_pods_node_selector_is_an_error() -> None:
     job, _ = make_job()
     pod = builders.get_pod(job=job, attempt=1, rank=0)
     with pytest.raises(KueueError, match=r"pod.nodeSelector\[pool\]"):
-        kueue.merge_into_pod(pod, PodSetInfo(node_selector={"pool": "cpu"}))
-    unchanged = kueue.merge_into_pod(pod, PodSetInfo())
+        kueue_admission.merge_into_pod(pod, PodSetInfo(node_selector={"pool": "cpu"}))
+    unchanged = kueue_admission.merge_into_pod(pod, PodSetInfo())
     assert unchanged == pod
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kubetrain import kueue
+from kubetrain import kueue, kueue_admission
 from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
 from kubetrain.api import Job
 from kubetrain.observe import Observed
@@ -167,7 +167,7 @@ def test_plan_queued(case: Case) -> None:
     creates = [a for a in result.actions if isinstance(a, CreatePod)]
     if case.creates is not None:
         assert len(creates) == case.creates
-    assert all(a.admission == kueue.PodSetInfo(node_selector={"pool": "a"}) for a in creates)
+    assert all(a.admission == kueue_admission.PodSetInfo(node_selector={"pool": "a"}) for a in creates)
     assert len([a for a in result.actions if isinstance(a, DeletePod)]) == case.deletes
     assert any(isinstance(a, CreateWorkload) for a in result.actions) == case.workload
     patches = [a for a in result.actions if isinstance(a, PatchWorkload)]
