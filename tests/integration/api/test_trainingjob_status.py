@@ -48,11 +48,16 @@ def test_status_subresource_and_printer_columns(trainingjob_crd, namespace, subm
     assert stored["status"]["lastCheckpoint"]["step"] == 1200
 
     table = kubectl("get", "tj", "cols", "-n", namespace, "-o", "wide").splitlines()
-    header, row = table[0].split(), table[1].split()
-    assert header[:12] == ["NAME", "PHASE", "READY", "NODES", "ATTEMPT", "RESTARTS", "PREEMPTIONS",
-                           "STEP", "CHECKPOINT", "AGE", "LOSS", "SAMPLES/S"], header
-    assert row[:9] == ["cols", "Running", "3", "4", "3", "2", "1", "1234/4000", "1200"], row
-    assert row[10:12] == ["2.5", "96.5"], row  # -o wide: loss and throughput
+    header = table[0].split()
+    assert header[:13] == ["NAME", "PHASE", "READY", "NODES", "ATTEMPT", "RESTARTS", "PREEMPTIONS",
+                           "STEP", "CHECKPOINT", "KUEUE", "AGE", "LOSS", "SAMPLES/S"], header
+    # kubectl aligns the columns: read each cell under its header (an empty cell is "<none>" or blank).
+    starts = [table[0].index(name) for name in header]
+    cells = {name: table[1][start:end].strip() if end else table[1][start:].strip()
+             for name, start, end in zip(header, starts, starts[1:] + [None])}
+    assert [cells[c] for c in header[:9]] == ["cols", "Running", "3", "4", "3", "2", "1", "1234/4000", "1200"], cells
+    assert cells["KUEUE"] in ("", "<none>"), cells  # a job without a queue label has no Kueue reason
+    assert (cells["LOSS"], cells["SAMPLES/S"]) == ("2.5", "96.5"), cells  # -o wide: loss and throughput
     assert "all 4 nodes running" in table[1]
 
 
