@@ -507,7 +507,8 @@ def _log(core, ns: str, pod: str) -> str:
     from kubernetes import client
 
     try:
-        return core.read_namespaced_pod_log(pod, ns)
+        # The client returns None, not "", for a container that has written nothing yet.
+        return core.read_namespaced_pod_log(pod, ns) or ""
     except client.ApiException:
         return ""  # not created or not started yet
 
