@@ -135,6 +135,17 @@ def _kubetrain_steps(config: dict, batch: int, steps: int, out: str) -> list[tup
     return marks
 
 
+def _accelerate_step(acc, model, opt, sched, batch) -> None:
+    """One micro-batch through accelerate's own loop: accumulate, backward, clip on the sync step, step."""
+    with acc.accumulate(model):
+        acc.backward(model(**batch)["loss"])
+        if acc.sync_gradients:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
 def _accelerate_steps(config: dict, batch: int, steps: int, out: str) -> list[tuple[float, float]]:
     from accelerate import Accelerator
     from torch.optim import AdamW
@@ -152,13 +163,7 @@ def _accelerate_steps(config: dict, batch: int, steps: int, out: str) -> list[tu
     model.train()
     marks = []
     for b in loader:
-        with acc.accumulate(model):
-            acc.backward(model(**b)["loss"])
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+        _accelerate_step(acc, model, opt, sched, b)
         if acc.sync_gradients:
             marks.append((time.perf_counter(), time.process_time()))
             if len(marks) == steps:
@@ -250,13 +255,7 @@ def _accelerate_run(ckpt: str, *, stop_at: int | None, resume: bool, seed: int, 
         skip = (step % steps_per_epoch) * GA if resume and epoch == RESUME_AT // steps_per_epoch else 0
         batches = acc.skip_first_batches(loader, skip) if skip else loader
         for b in batches:
-            with acc.accumulate(model):
-                acc.backward(model(**b)["loss"])
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+            _accelerate_step(acc, model, opt, sched, b)
             if acc.sync_gradients:
                 step += 1
                 if step == stop_at:
