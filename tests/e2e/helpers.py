@@ -44,6 +44,23 @@ def wait_for(predicate: Callable[[], object], *, timeout: float, what: str, inte
         time.sleep(interval)
 
 
+def wait_events(core, namespace: str, name: str, predicate: Callable[[list], object], *, what: str,
+                timeout: float = 60) -> list:
+    """The Events about object ``name`` once ``predicate(events)`` holds.
+
+    The operator posts a job's Events after it writes the status they describe (in the
+    background, best effort), so a test that has just seen a phase must wait for its Event
+    rather than list once."""
+    def events():
+        items = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        return items if predicate(items) else None
+
+    return wait_for(events, timeout=timeout, interval=0.5, what=what,
+                    on_timeout=lambda: "events: " + repr([(e.type, e.reason, e.message) for e in
+                                                          core.list_namespaced_event(
+                                                              namespace, field_selector=f"involvedObject.name={name}").items]))
+
+
 def pids_with_env(entry: str) -> list[int]:
     """Live (non-zombie) processes of this user whose environment contains ``entry`` ("NAME=value")."""
     needle = entry.encode()

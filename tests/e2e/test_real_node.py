@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import wait_for
+from .helpers import wait_events, wait_for
 from .operator_release import CHART, helm
 
 # The first test also starts the node and pulls the 5.6 GB trainer image into containerd.
@@ -393,11 +393,15 @@ def test_a_wrong_image_fails_the_job_with_the_image_named(real_node, real_operat
     st = _wait_finished(core, testbed_env, ns, name, timeout=300)
     assert st["phase"] == "Failed" and wrong in st.get("message", ""), st
     assert "startupGraceSeconds=20s" in st["message"], st
-    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
-    warnings = [(e.reason, e.message or "") for e in events if e.type == "Warning"]
-    # First a warning that the pull fails and will be retried, then the failure.
-    assert any(r == "StartupDelayed" and wrong in m for r, m in warnings), warnings
-    assert any(r == "Failed" and wrong in m for r, m in warnings), warnings
+    def warnings(events):
+        return [(e.reason, e.message or "") for e in events if e.type == "Warning"]
+
+    # First a warning that the pull fails and will be retried, then the failure. The Failed
+    # Event is posted after the status write the test has just seen, so it is waited for.
+    events = wait_events(core, ns, name, lambda evs: any(r == "Failed" for r, _ in warnings(evs)),
+                         what=f"the Failed event of {name}")
+    assert any(r == "StartupDelayed" and wrong in m for r, m in warnings(events)), warnings(events)
+    assert any(r == "Failed" and wrong in m for r, m in warnings(events)), warnings(events)
 
 
 @pytest.mark.parametrize("example, strategy", [("trainingjob-fsdp.yaml", "fsdp"), ("trainingjob-zero3.yaml", "zero3")])

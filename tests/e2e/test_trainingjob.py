@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from .helpers import wait_for
+from .helpers import wait_events, wait_for
 from .operator_release import CHART, EXAMPLE, free_port, install, training_job, uninstall
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -149,7 +149,9 @@ def test_trainingjob_succeeds_with_checkpoints_in_s3(operator, agent, kube_api, 
     assert state["global_step"] == 20
     assert st["lastCheckpoint"]["step"] == 20, st
     assert st["lastCheckpoint"]["uri"].endswith(f"{jobs_ns}/{name}/checkpoint-20"), st
-    reasons = {e.reason for e in core.list_namespaced_event(jobs_ns, field_selector=f"involvedObject.name={name}").items}
+    events = wait_events(core, jobs_ns, name, lambda evs: "Succeeded" in {e.reason for e in evs},
+                         what=f"the Succeeded event of {name}")
+    reasons = {e.reason for e in events}
     assert {"Created", "Succeeded"} <= reasons, reasons
     print(f"\n[e2e] 2-node DDP job, 20 steps: apply -> Succeeded in {time.monotonic() - t0:.1f}s")
 
@@ -382,7 +384,8 @@ def test_web_identity_job_without_a_secret_trains_survives_a_preemption_and_resu
                 f"audience {JOBS_ROLE.audience})")
         created = next(c for c in st["conditions"] if c["type"] == "Created")
         assert mode in created["message"], created
-        events = core.list_namespaced_event(jobs_ns, field_selector=f"involvedObject.name={name}").items
+        events = wait_events(core, jobs_ns, name, lambda evs: "Succeeded" in {e.reason for e in evs},
+                             what=f"the Succeeded event of {name}")
         created_events = [e.message for e in events if e.reason == "Created"]
         assert created_events and all(mode in m for m in created_events), created_events
         assert {"Preempted", "Restarting", "Succeeded"} <= {e.reason for e in events}, [e.reason for e in events]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kubetrain import kueue as kq
+from kubetrain_testbed import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from kubetrain_optest import Jobs, spec
@@ -144,7 +145,7 @@ def test_a_low_priority_gang_is_preempted_counted_as_a_preemption_and_readmitted
     assert status["preemptions"] == 1 and status["failures"] == 0
     jobs.wait_phase("high", "Running", nodesReady=3, timeout=180)
     assert live_pods(jobs, "low") == []
-    assert jobs.event_messages("low", "Preempted"), "a Preempted event on the low job"
+    wait_until(lambda: jobs.event_messages("low", "Preempted"), timeout=30, what="a Preempted event on the low job")
     finish(jobs, "high", 1, 3)
     status = jobs.wait_phase("low", "Running", nodesReady=3, timeout=180)
     assert status["attempt"] == 2 and status["preemptions"] == 1 and status["failures"] == 0
@@ -185,7 +186,6 @@ def admission_policy(kubectl, namespace):
 
 def test_an_admitted_gang_cannot_change_size_resources_or_queue(operator, jobs, kueue_queue, admission_policy):
     from kubernetes import client
-    from kubetrain_testbed import wait_until
 
     create(jobs, "fixed", kueue_queue.local_queue, nodes=2)
     jobs.wait_phase("fixed", "Running", nodesReady=2)

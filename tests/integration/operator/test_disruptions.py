@@ -75,7 +75,8 @@ def test_scheduler_preemption_restarts_the_whole_gang(operator, jobs, own_nodes,
             "spec": {"priorityClassName": high, "nodeSelector": {"pool": pool},
                      "containers": [{"name": "c", "image": "x", "resources": {"requests": {"cpu": "1"}}}]}})
         assert_preempted_once(jobs, "pre", pod_timeline)
-        assert any("PreemptionByScheduler" in m for m in jobs.event_messages("pre", "Preempted"))
+        wait_until(lambda: jobs.event_messages("pre", "Preempted"), lambda ms: any("PreemptionByScheduler" in m for m in ms),
+                   timeout=30, what="the Preempted event of pre")  # posted after the status write
         jobs.core.delete_namespaced_pod("vip", jobs.namespace)
         jobs.wait_phase("pre", "Running", attempt=2, timeout=120)
         pod_timeline.wait_attempts([1, 2])
@@ -90,7 +91,8 @@ def test_eviction_api_restarts_the_whole_gang(operator, jobs, pod_timeline) -> N
     jobs.core.create_namespaced_pod_eviction("evict-a1-n1", jobs.namespace, {
         "metadata": {"name": "evict-a1-n1", "namespace": jobs.namespace}})
     assert_preempted_once(jobs, "evict", pod_timeline)
-    assert any("EvictionByEvictionAPI" in m for m in jobs.event_messages("evict", "Preempted"))
+    wait_until(lambda: jobs.event_messages("evict", "Preempted"), lambda ms: any("EvictionByEvictionAPI" in m for m in ms),
+                   timeout=30, what="the Preempted event of evict")  # posted after the status write
     jobs.wait_phase("evict", "Running", attempt=2, timeout=120)
     assert len(jobs.pods("evict", attempt=2)) == 3 and not jobs.pods("evict", attempt=1)
 
@@ -171,7 +173,8 @@ def test_not_ready_node_restarts_the_gang(operator, jobs, own_nodes, kube_api, p
         create_nodes(1, cpu="2")  # somewhere for attempt 2 to go
         # The test (the "kubelet") stops here: after node-monitor-grace-period the node is NotReady.
         assert_preempted_once(jobs, "dark", pod_timeline)
-        assert any(f"node {dead} is NotReady" in m for m in jobs.event_messages("dark", "Preempted"))
+        wait_until(lambda: jobs.event_messages("dark", "Preempted"), lambda ms: any(f"node {dead} is NotReady" in m for m in ms),
+                   timeout=30, what="the Preempted event of dark")  # posted after the status write
         jobs.wait_phase("dark", "Running", attempt=2, timeout=120)
         assert jobs.pods("dark", attempt=2)[0].spec.node_name != dead
         assert not jobs.pods("dark", attempt=1), "the pod on the dead node was force-deleted"
