@@ -2,7 +2,8 @@
 
 `PodView.from_storage` reads one pod dict (as the informer delivers it) into a
 frozen view, including the records it carries (`records.py`); `NodeView` is a
-node's health; `Observed` bundles them for one `plan()` call. Pure: no I/O.
+node's health; `Observed` bundles them for one `plan()` call; `PodIndex` keeps
+the views by job and by node for the reconciler. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -144,3 +145,56 @@ class Observed:
     """Why pods that no longer exist went away (their last DisruptionTarget reason), by name."""
     progress: ProgressObservation | None = None
     """The newest poll of node rank 0's /progress endpoint (poller.py), if any."""
+
+
+Key = tuple[str, str]
+
+
+class PodIndex:
+    """Our pods by (namespace, job): pod name -> (controller uid, view); and by node, the jobs with
+    a pod there, so a node event finds its jobs without walking every job's pods (every event's
+    cost stays independent of how many jobs the operator manages)."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[Key, dict[str, tuple[str, PodView]]] = {}
+        self._on_node: dict[str, dict[Key, set[str]]] = {}
+
+    def put(self, key: Key, name: str, entry: tuple[str, PodView]) -> None:
+        pods = self._by_job.setdefault(key, {})
+        old = pods.get(name)
+        pods[name] = entry
+        before = old[1].node_name if old is not None else None
+        if before != entry[1].node_name:
+            self._unplace(before, key, name)
+            if entry[1].node_name:
+                self._on_node.setdefault(entry[1].node_name, {}).setdefault(key, set()).add(name)
+
+    def discard(self, key: Key, name: str) -> None:
+        pods = self._by_job.get(key)
+        if pods is None:
+            return
+        old = pods.pop(name, None)
+        if old is not None:
+            self._unplace(old[1].node_name, key, name)
+        if not pods:
+            del self._by_job[key]
+
+    def _unplace(self, node: str | None, key: Key, name: str) -> None:
+        jobs = self._on_node.get(node or "")
+        if not node or jobs is None or key not in jobs:
+            return
+        jobs[key].discard(name)
+        if not jobs[key]:
+            del jobs[key]
+            if not jobs:
+                del self._on_node[node]
+
+    def jobs_on(self, node: str) -> list[Key]:
+        """The jobs with a pod (of any attempt or owner) bound to `node`."""
+        return list(self._on_node.get(node, ()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_job
+
+    def __getitem__(self, key: Key) -> list[tuple[str, PodView]]:
+        return list(self._by_job.get(key, {}).values())

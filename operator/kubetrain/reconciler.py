@@ -29,7 +29,7 @@ from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
-from kubetrain.observe import NodeView, Observed, PodView
+from kubetrain.observe import NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, plan, rejected_plan
 from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
 from kubetrain.progress import ProgressObservation
@@ -73,32 +73,6 @@ class Expectations:
         for name in [n for n, t in self.deleted.items() if n not in seen or now - t > EXPECTATION_TTL]:
             del self.deleted[name]
         return out + [view for _, view in self.created.values()]
-
-
-class PodIndex:
-    """Our pods by (namespace, job): pod name -> (controller uid, view)."""
-
-    def __init__(self) -> None:
-        self._by_job: dict[tuple[str, str], dict[str, tuple[str, PodView]]] = {}
-
-    def put(self, key: tuple[str, str], name: str, entry: tuple[str, PodView]) -> None:
-        self._by_job.setdefault(key, {})[name] = entry
-
-    def discard(self, key: tuple[str, str], name: str) -> None:
-        pods = self._by_job.get(key)
-        if pods is not None:
-            pods.pop(name, None)
-            if not pods:
-                del self._by_job[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._by_job
-
-    def __getitem__(self, key: tuple[str, str]) -> list[tuple[str, PodView]]:
-        return list(self._by_job.get(key, {}).values())
-
-    def __iter__(self) -> Any:
-        return iter(list(self._by_job))
 
 
 class Reconciler:
@@ -322,8 +296,8 @@ class Reconciler:
         if self.node_ready.get(name) == ready and kind != "DELETED":
             return  # a heartbeat, not a change
         self.node_ready[name] = ready
-        for key in self.pods_index:
-            if any(view.node_name == name for _, view in self.pods_index[key]) and key in self.jobs:
+        for key in self.pods_index.jobs_on(name):  # by the node index: never a walk over every job's pods
+            if key in self.jobs:
                 self.enqueue(key)
 
     def pod_event(self, kind: str, body: dict[str, Any]) -> None:
