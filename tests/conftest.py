@@ -36,6 +36,9 @@ if str(_ROOT / "testbed") not in sys.path:  # works without `pip install -e .` t
 if str(_ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(_ROOT / "tests"))
 
+# The Kueue fixtures (tests/kubetrain_kueue.py) serve the Kueue integration tests and the real-node e2e tier.
+pytest_plugins = ["kubetrain_kueue"]
+
 
 def _slug(text: str, limit: int) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-") or "t"

@@ -1,4 +1,5 @@
-"""Fixtures of the Kueue tests (issue 14): Kueue on the testbed, a ResourceFlavor, PriorityClasses
+"""Fixtures of the Kueue tests (issue 14), a pytest plugin (tests/conftest.py loads it, so the
+integration tests on kwok and the real-node e2e test share one Kueue): Kueue on the testbed, a ResourceFlavor, PriorityClasses
 `low` and `high`, and per test a ClusterQueue with a small cpu/pods quota (preemption within the
 queue: LowerPriority) plus a LocalQueue in the test's namespace.
 
@@ -8,7 +9,8 @@ queue: LowerPriority) plus a LocalQueue in the test's namespace.
   kueue_flavor    session: the ResourceFlavor's name (no node labels: every fake node qualifies)
   priority_classes  session: {"low": 100, "high": 1000}, PriorityClasses created if absent
   kueue_queue     test: KueueQueue(cluster_queue, local_queue, namespace) with cpu 3, memory 24Gi, pods 3;
-                  `make_kueue_queue(cpu=..., pods=...)` for another quota. Workloads left in the
+                  `make_kueue_queue(cpu=..., pods=..., namespace=...)` for another quota or namespace
+                  (default: the test's fresh `namespace`). Workloads left in the
                   namespace are deleted (finalizers removed) afterwards, so no quota leaks between tests.
   trainingjob_crd session: crds/trainingjob.yaml applied (a Workload's owner must exist, or the
                   garbage collector deletes the Workload)
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 FLAVOR = "kubetrain-test-flavor"
 PRIORITIES = {"low": 100, "high": 1000}
@@ -96,13 +98,17 @@ def priority_classes(kube_api) -> dict[str, int]:
 
 
 @pytest.fixture
-def make_kueue_queue(kueue_api, kueue_flavor, priority_classes, namespace):
-    """make_kueue_queue(cpu="3", memory="24Gi", pods=3) -> KueueQueue for the test's namespace."""
+def make_kueue_queue(request, kueue_api, kueue_flavor, priority_classes):
+    """make_kueue_queue(cpu="3", memory="24Gi", pods=3, namespace=None) -> KueueQueue for that namespace
+    (default: the test's fresh `namespace`)."""
     from kubernetes import client
 
     made: list[str] = []
+    namespaces: set[str] = set()
 
-    def make(*, cpu: str = "3", memory: str = "24Gi", pods: int = 3) -> KueueQueue:
+    def make(*, cpu: str = "3", memory: str = "24Gi", pods: int = 3, namespace: str | None = None) -> KueueQueue:
+        namespace = namespace or request.getfixturevalue("namespace")
+        namespaces.add(namespace)
         cq = f"cq-{namespace}"[:63] if not made else f"cq{len(made)}-{namespace}"[:63]
         kueue_api.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues", {
             "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "ClusterQueue", "metadata": {"name": cq},
@@ -123,15 +129,16 @@ def make_kueue_queue(kueue_api, kueue_flavor, priority_classes, namespace):
 
     yield make
     # Workloads hold their finalizer until their job's controller releases them: release what is left.
-    for wl in kueue_api.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads")["items"]:
-        name = wl["metadata"]["name"]
-        try:
-            kueue_api.patch_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name,
-                                                     {"metadata": {"finalizers": None}})
-            kueue_api.delete_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+    for namespace in namespaces:
+        for wl in kueue_api.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads")["items"]:
+            name = wl["metadata"]["name"]
+            try:
+                kueue_api.patch_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name,
+                                                         {"metadata": {"finalizers": None}})
+                kueue_api.delete_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
     for cq in made:
         try:
             kueue_api.delete_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues", cq)

@@ -296,6 +296,78 @@ def test_eviction_sigterms_pid_1_which_commits_an_emergency_checkpoint_and_attem
     print(f"\n[real node] eviction -> attempt 2 Running in {restart_s:.1f}s ({len(running2)} pods)")
 
 
+def _job_status(core, ns: str, name: str) -> dict:
+    from kubernetes import client
+
+    return client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
+        "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+
+
+def test_kueue_preempts_a_low_priority_gang_which_commits_an_emergency_checkpoint_and_resumes_when_readmitted(
+        real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed, make_kueue_queue):
+    """Issue 14, acceptance 3, with real training in containers: a running low-priority 3-node job is
+    preempted by Kueue for a high-priority 2-node job (the ClusterQueue holds 3 pods); the low job's
+    pods get SIGTERM and commit an emergency checkpoint, it counts a preemption (backoffLimit 0 is
+    untouched), the high job runs to success, and the low job is re-admitted and resumes from the
+    emergency checkpoint."""
+    ns, suffix, hold = real_operator["jobs"], secrets.token_hex(2), 20
+    low, high = f"low-{suffix}", f"high-{suffix}"
+    queue = make_kueue_queue(cpu="3", pods=3, namespace=ns)
+    _s3_secret(core, ns, testbed)
+
+    def queued_job(name: str, *, nodes: int, priority: str, args: dict, env: list | None = None) -> dict:
+        job = _demo_job(name, images=images, real_node=real_node, testbed=testbed, prefix=s3_prefix, args=args,
+                        env=env)
+        job["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": queue.local_queue}
+        spec = job["spec"]
+        spec["nodes"] = nodes
+        # Five training pods at most share this machine's 2 cores with the operator (one gang at a time).
+        spec["resources"] = {"requests": {"cpu": "300m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
+        spec["podTemplate"] = {**spec["podTemplate"], "priorityClassName": priority}
+        spec["runPolicy"] = {**spec.get("runPolicy", {}), "backoffLimit": 0}
+        return job
+
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(queued_job(
+        low, nodes=3, priority="low", args={"max_steps": 40, "save_total_limit": None},
+        env=[{"name": "KUBETRAIN_TEST_HOLD_AT_STEP", "value": str(hold)}])))
+    low_prefix = f"{s3_prefix}{ns}/{low}/"
+    wait_for(lambda: hold in _committed_steps(s3, testbed.bucket, low_prefix), timeout=420, interval=1,
+             what=f"{low}: checkpoint-{hold} committed",
+             on_timeout=lambda: _kubectl(testbed_env, "describe", "pods", "-n", ns))
+    assert _job_status(core, ns, low)["phase"] == "Running"
+
+    _kubectl(testbed_env, "apply", "-n", ns, "-f", "-", input=json.dumps(queued_job(
+        high, nodes=2, priority="high", args={"max_steps": 10, "save_steps": 10})))
+    st = wait_for(lambda: (lambda s: s if s.get("phase") == "Queued" and s.get("preemptions") == 1 else None)(
+        _job_status(core, ns, low)), timeout=300, interval=1, what=f"{low} preempted and queued again")
+    assert st.get("failures", 0) == 0, st
+    queued = next(c for c in st["conditions"] if c["type"] == "Queued")
+    assert queued["status"] == "True", queued
+    # The kubelet's SIGTERM reached each launcher; the gang stopped after one more step and committed it
+    # within the grace period (the job is Queued from the eviction on, while its pods still terminate).
+    committed = wait_for(lambda: (lambda c: c if hold + 1 in c else None)(
+        _committed_steps(s3, testbed.bucket, low_prefix)), timeout=120, interval=1,
+        what=f"{low}: the emergency checkpoint-{hold + 1}",
+        on_timeout=lambda: _kubectl(testbed_env, "logs", "-n", ns, f"{low}-a1-n0", "--tail=40"))
+    assert max(committed) == hold + 1 and committed[hold + 1]["attempt"] == 1, sorted(committed)
+
+    st_high = _wait_finished(core, testbed_env, ns, high)
+    assert st_high["phase"] == "Succeeded", st_high
+    assert (st_high["attempt"], st_high.get("preemptions", 0), st_high.get("failures", 0)) == (1, 0, 0), st_high
+
+    st = _wait_finished(core, testbed_env, ns, low, timeout=600)
+    assert st["phase"] == "Succeeded", st
+    assert (st["attempt"], st["preemptions"], st.get("failures", 0)) == (2, 1, 0), st
+    rank0 = _kubectl(testbed_env, "logs", "-n", ns, f"{low}-a2-n0")
+    assert f"checkpoint-{hold + 1}" in rank0 and "resuming from" in rank0, rank0[-3000:]
+    committed = _committed_steps(s3, testbed.bucket, low_prefix)
+    assert max(committed) == 40 and committed[40]["attempt"] == 2, sorted(committed)
+    assert min(s for s, m in committed.items() if m["attempt"] == 2) > hold + 1, sorted(committed)
+    events = wait_events(core, ns, low, lambda evs: "Succeeded" in {e.reason for e in evs},
+                         what=f"the Succeeded event of {low}")
+    assert "Preempted" in {e.reason for e in events}, [(e.reason, e.message) for e in events]
+
+
 def test_a_120s_grace_commits_the_emergency_checkpoint_while_a_slow_upload_is_in_flight(
         real_node, real_operator, images, testbed_env, core, s3, s3_prefix, testbed):
     """Issue 11's drain acceptance: with spec.runPolicy.terminationGracePeriodSeconds 120 and uploads that

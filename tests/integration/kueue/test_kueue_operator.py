@@ -268,3 +268,79 @@ def test_deleting_a_job_lets_its_workload_go(operator, jobs, kueue_queue):
     # and its quota is free: a job of the full quota is admitted
     create(jobs, "next", kueue_queue.local_queue, nodes=3)
     jobs.wait_phase("next", "Running", nodesReady=3, timeout=180)
+
+
+class PodsReadyLog:
+    """Every PodsReady (status, reason) of the namespace's Workloads, in the order the API server sent
+    them (a watch, so a short-lived False/WaitForRecovery between two polls is not missed)."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        import threading
+
+        from kubernetes import watch
+
+        self.seen: list[tuple[str, str]] = []
+        self._stopped = False
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(jobs,), daemon=True)
+        self._thread.start()
+
+    def _run(self, jobs: Jobs) -> None:
+        try:
+            for event in self._watch.stream(jobs.custom.list_namespaced_custom_object, kq.GROUP, kq.VERSION,
+                                            jobs.namespace, kq.PLURAL, timeout_seconds=300):
+                cond = kq.WorkloadView.from_storage(event["object"]).pods_ready
+                if cond is not None and (not self.seen or self.seen[-1] != (cond.status, cond.reason)):
+                    self.seen.append((cond.status, cond.reason))
+        except Exception:  # the stream ends when the test stops it or the testbed goes
+            if not self._stopped:
+                raise
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._watch.stop()
+
+
+def test_a_gang_recreated_after_a_pod_failure_reports_wait_for_recovery_then_recovered(operator, jobs, kueue_queue):
+    """PodsReady (issue 14, mechanism 3): Kueue's waitForPodsReady reads it, so a gang the operator
+    recreates after a failure says False/WaitForRecovery until its new pods are Ready, then True/Recovered;
+    the Workload keeps its admission throughout (no eviction, no requeue)."""
+    from kubetrain_testbed import wait_until
+
+    log = PodsReadyLog(jobs)
+    try:
+        create(jobs, "heal", kueue_queue.local_queue, nodes=2, runPolicy={"backoffLimit": 2})
+        jobs.wait_phase("heal", "Running", nodesReady=2)
+        wait_until(lambda: list(log.seen), lambda s: ("True", kq.STARTED) in s, timeout=60,
+                   what="PodsReady True/Started")
+        jobs.finish_pod("heal-a1-n1", 1, "a worker crashed")
+        status = jobs.wait_phase("heal", "Running", nodesReady=2, attempt=2, timeout=180)
+        assert status["failures"] == 1 and status.get("preemptions", 0) == 0, status
+        seen = wait_until(lambda: list(log.seen), lambda s: s and s[-1] == ("True", kq.RECOVERED), timeout=60,
+                          what="PodsReady True/Recovered")
+    finally:
+        log.stop()
+    started = seen.index(("True", kq.STARTED))
+    assert ("False", kq.WAIT_FOR_RECOVERY) in seen[started:], seen
+    [wl] = workloads(jobs)
+    view = kq.WorkloadView.from_storage(wl)
+    assert view.admitted and view.finished is None, wl["status"]
+
+
+def test_an_exhausted_backoff_limit_finishes_the_workload_as_failed_and_frees_the_quota(operator, jobs, kueue_queue):
+    """Finished (issue 14, mechanism 6): a job that fails for good sets Finished=True/Failed on its
+    Workload, which releases its quota to the next job at once."""
+    from kubetrain_testbed import wait_until
+
+    create(jobs, "doomed", kueue_queue.local_queue, nodes=3, runPolicy={"backoffLimit": 0})
+    jobs.wait_phase("doomed", "Running", nodesReady=3)
+    create(jobs, "waiting", kueue_queue.local_queue, nodes=3)
+    wait_queued(jobs, "waiting")
+    jobs.finish_pod("doomed-a1-n0", 1, "out of luck")
+    jobs.wait_phase("doomed", "Failed")
+    [wl] = wait_until(lambda: [w for w in workloads(jobs) if w["metadata"]["ownerReferences"][0]["name"] == "doomed"],
+                      lambda w: len(w) == 1 and kq.WorkloadView.from_storage(w[0]).finished is not None,
+                      timeout=60, what="the failed job's Workload Finished")
+    finished = kq.WorkloadView.from_storage(wl).finished
+    assert (finished.status, finished.reason) == ("True", kq.FINISHED_FAILED), wl["status"]
+    jobs.wait_phase("waiting", "Running", nodesReady=3, timeout=180)
