@@ -17,7 +17,7 @@ from pathlib import Path
 from kubetrain_trainer.commit import CommittedCheckpoint
 from kubetrain_trainer.decisions import newest_complete
 from kubetrain_trainer.manifest import AttemptClaim
-from kubetrain_trainer.retry import retrying
+from kubetrain_trainer.retry import Backoff, retrying
 from kubetrain_trainer.storage import CheckpointStore
 from kubetrain_trainer.storage_errors import ChecksumError
 
@@ -26,6 +26,11 @@ log = logging.getLogger("kubetrain_trainer.restore")
 RESTORE_WAIT_FACTOR = 4
 """Ranks other than 0 wait for node rank 0's restore decision up to this many restore timeouts
 while its claim shows it is restoring (its own download of a big checkpoint)."""
+
+DECISION_POLL = Backoff(initial_s=0.05, maximum_s=1.0)
+"""How often ranks other than 0 read node rank 0's claim while they wait for its decision:
+0.05 s first, doubling (with jitter) up to 1 s, so a decision that comes at once is seen at
+once, and a long download of rank 0's costs each waiting rank one read a second."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class RestoreAgreementError(Exception):
     the ranks never resume from different steps, so this pod fails and the gang restarts."""
 def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarnation: int, attempt: int,
                    deadline: float, stop: threading.Event | None = None, access_deadline: float | None = None,
-                   poll_s: float = 1.0) -> Restored:
+                   poll: Backoff = DECISION_POLL) -> Restored:
     """Restore what every rank of this attempt restores, decided once by node rank 0.
 
     Node rank 0 first claims the attempt (`AttemptClaim`, undecided): from then on every older
@@ -54,7 +59,9 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
     deletes nothing, so the checkpoint about to be restored cannot vanish by retention. It then
     restores the newest complete checkpoint (falling back past corrupt ones) and records the step
     in the claim. The other ranks wait for that decision and restore exactly that step; if it is
-    no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError)."""
+    no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError).
+    They read the claim after `poll.delay(1)`, `poll.delay(2)`... seconds (`DECISION_POLL`: fast
+    first, since rank 0's decision of a small checkpoint comes within a second, then backing off)."""
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep
     if incarnation == 0:
@@ -78,6 +85,7 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
     # Node rank 0 downloads before it decides: while its claim says it is at work, wait longer than
     # the restore timeout (a big checkpoint), up to WAIT_FACTOR times it; without any claim, the timeout.
     hard = time.monotonic() + RESTORE_WAIT_FACTOR * budget
+    polls = 0
     while True:
         claim = retrying(lambda: store.read_claim(incarnation, attempt), deadline=time.monotonic() + budget,
                          access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore decision")
@@ -89,7 +97,8 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
         if (claim is None and now > deadline) or now > hard:
             raise RestoreAgreementError("node rank 0 recorded no restore decision for this attempt in time "
                                         "(KUBETRAIN_RESTORE_TIMEOUT_SECONDS)")
-        sleep(poll_s)
+        polls += 1
+        sleep(poll.delay(polls))
     restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
                               access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
     return replace(restored, claims=claims)

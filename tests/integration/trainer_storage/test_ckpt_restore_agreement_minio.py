@@ -32,7 +32,7 @@ def test_every_rank_restores_the_step_node_0_decided(ckpt_env, minio, tmp_path: 
     def rank1():
         try:
             follower["restored"] = restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=7, attempt=2,
-                                                  deadline=time.monotonic() + 120, poll_s=0.2)
+                                                  deadline=time.monotonic() + 120)
         except Exception as e:  # noqa: BLE001 - reported below
             follower["error"] = e
 
@@ -63,7 +63,7 @@ def test_no_decision_in_time_is_a_clear_failure(ckpt_env, minio, tmp_path: Path)
     store = _store(ckpt_env)
     with pytest.raises(RestoreAgreementError, match="no restore decision"):
         restore_agreed(store, tmp_path / "r1", node_rank=1, incarnation=5, attempt=3,
-                       deadline=time.monotonic() + 2, poll_s=0.2)
+                       deadline=time.monotonic() + 2)
 
 
 def test_an_older_attempt_commits_and_deletes_nothing_once_a_newer_one_claimed(ckpt_env, minio, tmp_path: Path):
