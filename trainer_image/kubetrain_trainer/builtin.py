@@ -171,10 +171,28 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     return name, args, task
 
 
+def restored_folder(env: dict[str, str]) -> str | None:
+    """The checkpoint the launcher restored for this worker (None: none). A worker started while the
+    launcher restores waits here for the outcome (handoff.py): its imports, model and process group are
+    ready by then. HandoffError when the launcher gave up (it reports why) or is gone."""
+    import time
+
+    from .handoff import receive
+
+    fd = WorkerEnv.from_environ(env).restore_outcome_fd
+    if fd is None:
+        return env.get(RESUME_FROM) or None
+    started = time.monotonic()
+    folder = receive(fd)
+    logger.info("restore outcome after %.2fs waiting: %s", time.monotonic() - started, folder or "start fresh")
+    return str(folder) if folder is not None else None
+
+
 def run(env: dict[str, str], argv: Sequence[str]) -> int:
     import torch
 
     from .args import ConfigError
+    from .handoff import HandoffError
     from .progress import declare_tokens_per_sample
     from .rng import set_seed
     from .state import TrainingPreempted
@@ -192,7 +210,7 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         for hook in test_hooks(env, trainer):
             trainer.add_callback(hook)
         declare_tokens_per_sample(trainer.callback_handler.callbacks, getattr(task, "seq_len", None))
-        resume = env.get(RESUME_FROM) or True
+        resume = restored_folder(env) or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
     except ConfigError as exc:
@@ -201,6 +219,9 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
     except TrainingPreempted as exc:
         print(f"kubetrain: {exc}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except HandoffError as exc:
+        print(f"kubetrain: {exc}", file=sys.stderr)
+        return 1
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -220,5 +241,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(dict(env.environ), sys.argv[1:] if argv is None else argv)
 
 
+def exit_at_once(code: int) -> typing.NoReturn:
+    """Exit with `code` now, skipping the interpreter's teardown (1-2 s with torch loaded, on the path
+    from SIGTERM to the next attempt). Everything else a normal exit does is kept, in its order:
+    non-daemon threads are joined, then the atexit handlers run (logging, reporters,
+    multiprocessing), then stdout and stderr are flushed. Called only after `TrainingPreempted`,
+    which the Trainer raises once the emergency checkpoint is committed on disk (after any save
+    still in flight, which it waits for first)."""
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PREEMPTED:  # the emergency checkpoint is complete on disk: the launcher waits for this exit
+        exit_at_once(code)
+    sys.exit(code)

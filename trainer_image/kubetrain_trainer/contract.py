@@ -81,6 +81,9 @@ POD_ENV = (
 LOCAL_CHECKPOINT_DIR = "KUBETRAIN_LOCAL_CHECKPOINT_DIR"
 RESUME_FROM = "KUBETRAIN_RESUME_FROM"
 """The restored checkpoint folder the workers resume from (unset when there is none)."""
+RESTORE_OUTCOME_FD = "KUBETRAIN_RESTORE_OUTCOME_FD"
+"""Instead of RESUME_FROM, for a built-in trainer started while the launcher restores: the pipe it
+reads the restore's outcome from before it trains (handoff.py)."""
 SYNC_BY_LAUNCHER = "KUBETRAIN_SYNC_BY_LAUNCHER"
 """`1`: the launcher uploads, so an in-process `CheckpointSyncCallback` stays idle."""
 PROGRESS_FILE = "KUBETRAIN_PROGRESS_FILE"

@@ -7,7 +7,10 @@ It is the trainer side of docs/contract.md, and PID 1 of the pod:
    newest complete checkpoint, then upload every new `checkpoint-<step>` in the background;
 3. start NPROC_PER_NODE workers (plain subprocesses: the launcher owns their
    signals) with RANK/LOCAL_RANK/WORLD_SIZE/... set; the default worker is the
-   built-in trainer, `-- cmd...` runs the user's command;
+   built-in trainer, `-- cmd...` runs the user's command. The built-in trainer starts
+   before the restore (step 2) and waits for its outcome (`handoff.py`): its imports, model
+   and process group cost no time after the restore. A user's command may name
+   `$(KUBETRAIN_RESUME_FROM)`, so it starts after the restore;
 4. forward SIGTERM to the workers, give them what the emergency checkpoint
    needs of the grace period (`grace.py`), then spend the rest uploading it;
 5. exit with the contract's code: 0 success, 83 preempted, 82 invalid
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from kubetrain_trainer import handoff
 from kubetrain_trainer.command import expand_command
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level, pod_environ
@@ -66,8 +70,10 @@ def writable_extensions(base: Mapping[str, str], scratch: Path) -> dict[str, str
     return env
 
 
-def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resume_from: Path | None) -> dict[str, str]:
-    """The environment of one worker: torch.distributed's variables plus ours."""
+def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resume_from: Path | None,
+               outcome_fd: int | None = None) -> dict[str, str]:
+    """The environment of one worker: torch.distributed's variables plus ours. `outcome_fd`: the
+    worker starts before the restore and reads its outcome from this pipe (`handoff.py`)."""
     env = dict(base)
     env.update({
         contract.RANK: str(cfg.node_rank * cfg.nproc_per_node + local_rank),
@@ -87,8 +93,11 @@ def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resu
     if cfg.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.pop(contract.RESUME_FROM, None)
+    env.pop(contract.RESTORE_OUTCOME_FD, None)
     if resume_from is not None:
         env[contract.RESUME_FROM] = str(resume_from)
+    if outcome_fd is not None:
+        env[contract.RESTORE_OUTCOME_FD] = str(outcome_fd)
     # The built-in trainer takes output_dir from KUBETRAIN_LOCAL_CHECKPOINT_DIR
     # unless its arguments name one (then local_dir is that one) and resumes
     # from KUBETRAIN_RESUME_FROM: its arguments are passed through untouched.
@@ -111,21 +120,51 @@ def exit_code_for(*, first_failure: int | None, signalled: bool, all_ok: bool) -
 class Workers:
     """The worker processes of this node, with signal forwarding and first-failure tracking."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], outcome_pipes: list[int] | None = None) -> None:
         self.procs = procs
         self.first_failure: int | None = None
         self._termed = False
+        self._outcome_pipes = outcome_pipes or []
+        """Write ends of the workers that wait for the restore's outcome (`handoff.py`)."""
 
     @classmethod
-    def spawn(cls, cfg: LaunchConfig, base_env: Mapping[str, str], resume_from: Path | None) -> "Workers":
-        procs = []
+    def spawn(cls, cfg: LaunchConfig, base_env: Mapping[str, str], resume_from: Path | None, *,
+              before_restore: bool = False) -> "Workers":
+        """Start the workers; `before_restore`: they wait for `hand_over(...)` before they train."""
+        procs, pipes = [], []
         for local_rank in range(cfg.nproc_per_node):
-            env = worker_env(cfg, local_rank, base_env, resume_from)
+            read_fd = None
+            if before_restore:
+                read_fd, write_fd = handoff.open_pipe()
+                pipes.append(write_fd)
+            env = worker_env(cfg, local_rank, base_env, resume_from, read_fd)
             # Own process group: a terminal's Ctrl-C or a group kill of the
             # launcher reaches workers only through us, exactly once.
-            procs.append(subprocess.Popen(expand_command(cfg.command, env), env=env, process_group=0))
-        log.info("started %d worker(s): %s", len(procs), " ".join(cfg.command))
-        return cls(procs)
+            procs.append(subprocess.Popen(expand_command(cfg.command, env), env=env, process_group=0,
+                                          pass_fds=(read_fd,) if read_fd is not None else ()))
+            if read_fd is not None:
+                os.close(read_fd)  # the worker's end: the launcher keeps only its write end
+        log.info("started %d worker(s)%s: %s", len(procs), " (they wait for the restore)" if before_restore else "",
+                 " ".join(cfg.command))
+        return cls(procs, pipes)
+
+    def hand_over(self, resume_from: Path | None) -> None:
+        """Tell the waiting workers what the restore decided: `resume_from`, or None (start fresh)."""
+        pipes, self._outcome_pipes = self._outcome_pipes, []
+        for fd in pipes:
+            handoff.send(fd, resume_from)  # a worker already gone: supervise() reads its exit code
+
+    def stop_before_training(self, wait_s: float = 10.0) -> None:
+        """The restore failed or SIGTERM came first: the waiting workers never train. Their pipes close
+        without an outcome, they get SIGTERM, and SIGKILL after `wait_s`."""
+        pipes, self._outcome_pipes = self._outcome_pipes, []
+        for fd in pipes:
+            handoff.withhold(fd)
+        self.terminate()
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # their exit codes mean nothing here: the launcher reports the restore's failure
+        self.kill()
 
     def poll(self) -> bool:
         """Record exits; True when every worker has exited."""
@@ -216,24 +255,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.metrics_port:
         telemetry.serve(cfg.metrics_port)  # a taken port costs a warning, never the job
 
+    base = writable_extensions(environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
+    base[PROGRESS_FILE_ENV] = str(telemetry.progress_file)  # the workers' progress report (progress.py)
     session: CheckpointSession | None = None
     resume_from: Path | None = None
+    early: Workers | None = None
     if cfg.checkpoint_uri:
+        if cfg.builtin:  # it reads the restore's outcome from a pipe (handoff.py): start it now
+            early = Workers.spawn(cfg, base, None, before_restore=True)
         try:
             session = CheckpointSession(CheckpointStore(StorageConfig.from_env(environ)), session_config(cfg),
                                         telemetry=telemetry, stop=stop)
             restored = session.restore()
-            session.start(restored)
+            session.start(restored)  # before the hand-over: the watcher primes before any worker saves
             resume_from = restored.path
         except (RestoreAgreementError, StorageError) as e:
+            if early is not None:
+                early.stop_before_training()
             return _restore_failed(cfg, stop, e)
     if stop.is_set():
         log.warning("SIGTERM before training started")
+        if early is not None:
+            early.stop_before_training()
         return EXIT_PREEMPTED
 
-    base = writable_extensions(environ, Path(tempfile.gettempdir()) / "kubetrain-torch-extensions")
-    base[PROGRESS_FILE_ENV] = str(telemetry.progress_file)  # the workers' progress report (progress.py)
-    workers = Workers.spawn(cfg, base, resume_from)
+    if early is not None:
+        workers = early
+        workers.hand_over(resume_from)
+    else:
+        workers = Workers.spawn(cfg, base, resume_from)
     started = time.monotonic()
     signalled_at = supervise(workers, stop, cfg, telemetry.grace_split)
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)

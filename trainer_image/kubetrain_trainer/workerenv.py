@@ -73,6 +73,9 @@ class WorkerEnv:
     """KUBETRAIN_LOCAL_CHECKPOINT_DIR: the launcher's local output folder."""
     resume_from: Path | None = None
     """KUBETRAIN_RESUME_FROM: the restored checkpoint to resume from (None: none)."""
+    restore_outcome_fd: int | None = None
+    """KUBETRAIN_RESTORE_OUTCOME_FD: the pipe the launcher hands the restore's outcome through, when
+    it started this worker before the restore ended (handoff.py; None: RESUME_FROM says it)."""
     progress_file: Path | None = None
     """KUBETRAIN_PROGRESS_FILE: where to write the progress report (None: nowhere)."""
     test_hold_at_step: str = ""
@@ -102,6 +105,7 @@ class WorkerEnv:
             sync_by_launcher=env.get(contract.SYNC_BY_LAUNCHER) == "1",
             local_checkpoint_dir=_path(env, contract.LOCAL_CHECKPOINT_DIR),
             resume_from=_path(env, contract.RESUME_FROM),
+            restore_outcome_fd=_int(env, contract.RESTORE_OUTCOME_FD, None),
             progress_file=_path(env, contract.PROGRESS_FILE),
             test_hold_at_step=env.get(contract.TEST_HOLD_AT_STEP, ""),
             test_hf_hold=env.get(contract.TEST_HF_HOLD, ""),

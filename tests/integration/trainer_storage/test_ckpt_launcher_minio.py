@@ -82,6 +82,9 @@ def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(c
     text = log2.read_text()
     assert code == 0, text[-4000:]
     assert f"restored checkpoint-{last} (attempt 1)" in text
+    # The built-in trainer started while the launcher restored, and trained only on its word (handoff.py).
+    assert text.index("started 2 worker(s) (they wait for the restore)") < text.index(f"restored checkpoint-{last}")
+    assert "restore outcome after" in text, text[-4000:]  # rank 0 logs at info
     assert f"resuming from {tmp_path / 'pod-a2' / 'ckpt' / f'checkpoint-{last}'}" in text
     # Both ranks print a result line to one shared stdout: read each object, however the lines interleave.
     results = [json.loads(m) for m in re.findall(r'\{"task": [^{}]*\}', text)]

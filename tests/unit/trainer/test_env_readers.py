@@ -78,6 +78,7 @@ CASES = [
     ({contract.LOCAL_CHECKPOINT_DIR: "/ckpt"}, {"local_checkpoint_dir": Path("/ckpt")}),
     ({contract.RESUME_FROM: "/ckpt/checkpoint-4"}, {"resume_from": Path("/ckpt/checkpoint-4")}),
     ({contract.PROGRESS_FILE: "/run/p.json"}, {"progress_file": Path("/run/p.json")}),
+    ({contract.RESTORE_OUTCOME_FD: "7"}, {"restore_outcome_fd": 7}),
     ({contract.TEST_HOLD_AT_STEP: "2"}, {"test_hold_at_step": "2"}),
     ({contract.TEST_HF_HOLD: "1:save:10"}, {"test_hf_hold": "1:save:10"}),
     ({contract.TEST_HOLD_SECONDS: "0.5"}, {"test_hold_seconds": "0.5"}),
@@ -92,7 +93,7 @@ def test_from_environ(environ, changed) -> None:
 
 
 @pytest.mark.parametrize("name", [contract.RANK, contract.LOCAL_RANK, contract.WORLD_SIZE, contract.LOCAL_WORLD_SIZE,
-                                  contract.ATTEMPT, contract.JOB_INCARNATION])
+                                  contract.ATTEMPT, contract.JOB_INCARNATION, contract.RESTORE_OUTCOME_FD])
 def test_a_bad_integer_names_its_variable(name) -> None:
     with pytest.raises(WorkerEnvError, match=rf"^{name}: 'two' is not a whole number$"):
         WorkerEnv.from_environ({name: "two"})

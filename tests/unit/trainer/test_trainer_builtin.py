@@ -100,3 +100,48 @@ def test_hold_at_step_bad_values_are_config_errors(hold, seconds, capsys):
     env = {**_env(max_steps=1), "KUBETRAIN_TEST_HOLD_AT_STEP": hold, "KUBETRAIN_TEST_HOLD_SECONDS": seconds}
     assert run(env, []) == EXIT_INVALID_CONFIG
     assert "KUBETRAIN_TEST_HOLD_AT_STEP" in capsys.readouterr().err
+
+
+# Started while the launcher restores (handoff.py): the restored folder comes through a pipe, before train().
+def test_a_worker_started_before_the_restore_resumes_from_the_folder_handed_over(tmp_path, capsys):
+    from kubetrain_trainer import handoff
+
+    first = tmp_path / "first"
+    assert run(_env(output_dir=str(first), max_steps=2, save_steps=2), []) == 0
+    second = tmp_path / "second"
+    read_fd, write_fd = handoff.open_pipe()
+    assert handoff.send(write_fd, first / "checkpoint-2")
+    env = {**_env(output_dir=str(second), max_steps=3, save_steps=1), "KUBETRAIN_RESTORE_OUTCOME_FD": str(read_fd)}
+    assert run(env, []) == 0
+    assert not (second / "checkpoint-1").exists() and (second / "checkpoint-3").is_dir()  # steps 1-2 came restored
+
+    read_fd, write_fd = handoff.open_pipe()
+    handoff.withhold(write_fd)  # the launcher's restore failed: never a fresh start
+    env = {**_env(output_dir=str(tmp_path / "third"), max_steps=3), "KUBETRAIN_RESTORE_OUTCOME_FD": str(read_fd)}
+    assert run(env, []) == 1
+    assert "without an outcome" in capsys.readouterr().err
+    assert not list((tmp_path / "third").glob("checkpoint-*"))
+
+
+EXITS = r"""
+import atexit, pathlib, sys, threading, time
+from kubetrain_trainer.builtin import exit_at_once
+out = pathlib.Path(sys.argv[1])
+def writer():  # a background writer still finishing a checkpoint's bytes
+    time.sleep(0.3)
+    (out / "written").write_text("bytes")
+threading.Thread(target=writer).start()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+sys.stdout.write("preempted at step 7")  # no newline, piped: still in the buffer
+exit_at_once(83)
+"""
+
+
+def test_the_preempted_exit_skips_the_teardown_but_not_writers_atexit_or_output(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", EXITS, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 83, p.stderr
+    assert p.stdout == "preempted at step 7"
+    assert (tmp_path / "written").read_text() == "bytes" and (tmp_path / "atexit").read_text() == "ran"
