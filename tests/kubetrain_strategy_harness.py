@@ -338,6 +338,29 @@ class TrainerSpec:
     """Stop cleanly after this step (its checkpoint written), as an interrupted run would have."""
     resume: bool | str | None = None
     init_seed: int = 0
+    async_save: bool = False
+    hold_writes: bool = False
+    """With async_save: each checkpoint's background write waits until the loop waits for it (training moves on first)."""
+
+
+def hold_background_writes(trainer) -> None:
+    """Hold each staged checkpoint's writer until the loop next waits for the save in flight."""
+    import threading
+
+    gates: list = []
+    stage, wait = trainer.strategy.stage_checkpoint, trainer._saves.wait
+
+    def held_stage(directory):
+        write, gate = stage(directory), threading.Event()
+        gates.append(gate)
+        return lambda: (gate.wait(), write())
+
+    def releasing_wait():
+        for gate in gates:
+            gate.set()
+        return wait()
+    trainer.strategy.stage_checkpoint = held_stage
+    trainer._saves.wait = releasing_wait
 
 
 def trainer_worker(spec: TrainerSpec) -> dict[str, Any]:
@@ -357,8 +380,11 @@ def trainer_worker(spec: TrainerSpec) -> dict[str, Any]:
     args = TrainingArguments(output_dir=spec.out, max_steps=spec.max_steps, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                              lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
-                             report_to=["none"], use_cpu=True, strategy=spec.strategy, **extra)
+                             report_to=["none"], use_cpu=True, strategy=spec.strategy, async_save=spec.async_save,
+                             **extra)
     trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(40, 8, 32), callbacks=[StopAt()])
+    if spec.hold_writes:
+        hold_background_writes(trainer)
     output = trainer.train(resume_from_checkpoint=spec.resume)
     trainer.save_model(str(Path(spec.out) / "final"))
     return {"history": trainer.state.log_history, "global_step": output.global_step}

@@ -50,6 +50,8 @@ class TrainingArguments(ProcessLogLevels):
     """Keep at most this many checkpoints; the best and the newest are never deleted."""
     save_safetensors: bool = True
     """Write model weights as safetensors (`model.safetensors`) rather than a pickle."""
+    async_save: bool = False
+    """Copy the state to CPU memory in the loop, write and commit the checkpoint in a thread (docs/trainer.md)."""
     resume_from_checkpoint: str | None = None
     """Checkpoint folder to resume from (the entrypoint passes it to `train`)."""
     ignore_data_skip: bool = False

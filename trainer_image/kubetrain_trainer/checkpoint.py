@@ -45,6 +45,8 @@ class ResumeItem:
     name: str
     save: Callable[[Path], None]
     load: Callable[[Path], None]
+    stage: Callable[[Path], Callable[[], None]] | None = None
+    """For `async_save`: capture the state now, return the writer that writes it later (another thread)."""
 
 
 class ResumeRegistry:
@@ -53,14 +55,25 @@ class ResumeRegistry:
     def __init__(self) -> None:
         self.items: list[ResumeItem] = []
 
-    def register(self, name: str, *, save: Callable[[Path], None], load: Callable[[Path], None]) -> None:
+    def register(self, name: str, *, save: Callable[[Path], None], load: Callable[[Path], None],
+                 stage: Callable[[Path], Callable[[], None]] | None = None) -> None:
         if any(item.name == name for item in self.items):
             raise ValueError(f"resume item {name!r} registered twice")
-        self.items.append(ResumeItem(name, save, load))
+        self.items.append(ResumeItem(name, save, load, stage))
 
     def save_all(self, directory: Path) -> None:
         for item in self.items:
             item.save(directory)
+
+    def stage_all(self, directory: Path) -> list[Callable[[], None]]:
+        """Items with a `stage` capture their state and hand back writers; the others are written now."""
+        writers = []
+        for item in self.items:
+            if item.stage is not None:
+                writers.append(item.stage(directory))
+            else:
+                item.save(directory)
+        return writers
 
     def load_all(self, directory: Path) -> None:
         for item in self.items:
@@ -117,30 +130,41 @@ def _fsync(path: Path) -> None:
 
 def save_checkpoint(output_dir: str | Path, step: int, registry: ResumeRegistry) -> Path:
     """*Collective.* Write every registered item under a temporary name, then commit it by renaming."""
-    root = Path(output_dir)
-    tmp = root / tmp_dirname(step)
-    final = root / checkpoint_name(step)
-    local_main = dist_util.is_local_main_process()
-    if local_main:  # one process per node owns the node's folder
+    tmp = begin_save(output_dir, step)
+    registry.save_all(tmp)
+    dist_util.barrier()
+    if dist_util.is_local_main_process():
+        commit_folder(output_dir, step)
+    dist_util.barrier()
+    return Path(output_dir) / checkpoint_name(step)
+
+
+def begin_save(output_dir: str | Path, step: int) -> Path:
+    """*Collective.* The empty `tmp-checkpoint-<step>` folder, made by one process per node, seen by all."""
+    tmp = Path(output_dir) / tmp_dirname(step)
+    if dist_util.is_local_main_process():  # one process per node owns the node's folder
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist_util.barrier()
-    registry.save_all(tmp)
-    dist_util.barrier()
-    if local_main:
-        _fsync_tree(tmp)
-        # The launcher's watcher commits a marked folder at first sight (readiness.py): every rank wrote.
-        mark_ready(tmp)
-        if final.exists():  # re-saving a step (e.g. an emergency save right after a regular one)
-            stale = root / f"{TMP_PREFIX}-{step}-replaced"
-            shutil.rmtree(stale, ignore_errors=True)
-            final.rename(stale)
-            tmp.rename(final)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync(root)
-    dist_util.barrier()
+    return tmp
+
+
+def commit_folder(output_dir: str | Path, step: int) -> Path:
+    """The commit (local main process, once every rank of the node wrote): flush, mark ready, rename."""
+    root = Path(output_dir)
+    tmp, final = root / tmp_dirname(step), root / checkpoint_name(step)
+    _fsync_tree(tmp)
+    # The launcher's watcher commits a marked folder at first sight (readiness.py): every rank wrote.
+    mark_ready(tmp)
+    if final.exists():  # re-saving a step (e.g. an emergency save right after a regular one)
+        stale = root / f"{TMP_PREFIX}-{step}-replaced"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        tmp.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync(root)
     return final
 
 

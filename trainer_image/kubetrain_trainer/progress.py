@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 from .callbacks import TrainerCallback
 from .contract import PROGRESS_FILE
+from .layout import parse_checkpoint_dirname
 from .workerenv import WorkerEnv
 
 PROGRESS_FILE_ENV = PROGRESS_FILE
@@ -324,9 +325,11 @@ class TrainProgressCallback(TrainerCallback):
         if state.is_local_process_zero:
             self.tracker.event()
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args, state, control, checkpoint_dir=None, **kwargs):
         if state.is_local_process_zero:
-            self.tracker.saved(state.global_step)
+            # With async_save the save is reported steps after it began: the folder names its step.
+            step = parse_checkpoint_dirname(Path(checkpoint_dir).name) if checkpoint_dir else None
+            self.tracker.saved(state.global_step if step is None else step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_local_process_zero:

@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist_util
 from . import rng
 from .args import ConfigError, TrainingArguments
+from .background_save import BackgroundSaver
 from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
                         TrainerControl)
 from .evaluation import EvaluationMixin
@@ -37,14 +38,15 @@ from .loglevels import apply_process_log_level
 from .modelio import save_model_files
 from .overridable import OverridableMixin
 from .reporting import reporters_for
-from .state import DataPosition, NonFiniteLossError, TrainerState, TrainingPreempted, TrainOutput
+from .saving import SavingMixin
+from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput
 from .steps import StepPlan, epoch_batches, plan_steps
 from .strategies import Strategy, get_strategy, strategy_options
 
 logger = logging.getLogger("kubetrain_trainer")
 
 
-class Trainer(OverridableMixin, EvaluationMixin):
+class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
     """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -88,6 +90,7 @@ class Trainer(OverridableMixin, EvaluationMixin):
         self._stop_requested = False
         self._world = 1
         self._new_best = False
+        self._saves, self._save_landed = BackgroundSaver(), False  # async_save: the save in flight
         self._loss_since_log = self._loss_total = torch.zeros(())
         main = dist_util.is_main_process()
         self.state = TrainerState(is_world_process_zero=main, is_local_process_zero=dist_util.is_local_main_process())
@@ -224,13 +227,17 @@ class Trainer(OverridableMixin, EvaluationMixin):
 
     # ---------------------------------------------------------------- helpers
     def _reduce_step(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        busy = self._saves.busy  # the same on every rank; then the flag "my background save has ended" rides along
         if self._world == 1:  # nothing to agree on: one read of the loss is the step's only host sync
+            self._save_landed = busy and self._saves.finished()
             return step_loss, math.isfinite(step_loss.item()), self._stop_requested
+        flags = [self._stop_requested, self._saves.finished()] if busy else [self._stop_requested]
         packed = torch.stack([step_loss.float(), (~torch.isfinite(step_loss)).float(),
-                              torch.tensor(float(self._stop_requested), device=self.device)])
+                              *(torch.tensor(float(f), device=self.device) for f in flags)])
         torch.distributed.all_reduce(packed)
         packed[0] /= self._world
-        non_finite, stop = packed[1:].tolist()
+        non_finite, stop, *landed = packed[1:].tolist()
+        self._save_landed = busy and landed[0] == self._world
         return packed[0], not non_finite, bool(stop)
 
     def _handle_non_finite(self, step_loss: torch.Tensor) -> None:
@@ -245,6 +252,9 @@ class Trainer(OverridableMixin, EvaluationMixin):
 
     def _maybe_log_save_evaluate(self, grad_norm, registry) -> None:
         control, state = self.control, self.state
+        if self._save_landed:  # committed on every rank: its on_save fires now, at the same step everywhere
+            self._save_landed = False
+            self._wait_for_save()
         if control.should_log and state.steps_since_log:
             logs = {"loss": self._loss_since_log.item() / state.steps_since_log,
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
@@ -279,34 +289,8 @@ class Trainer(OverridableMixin, EvaluationMixin):
             self.state.best_metric = value
             self._new_best = True
 
-    def _save_checkpoint(self, registry: ckpt.ResumeRegistry) -> Path:
-        """*Collective.* Commit `checkpoint-<step>` and apply retention, then fire `on_save`."""
-        args, state = self.args, self.state
-        final = Path(args.output_dir) / ckpt.checkpoint_name(state.global_step)
-        if self._new_best:
-            state.best_model_checkpoint = str(final)
-            self._new_best = False
-        state.last_checkpoint_dir = str(final)
-        self.callback_handler.save_states(state)
-        ckpt.save_checkpoint(args.output_dir, state.global_step, registry)
-        if dist_util.is_local_main_process():
-            ckpt.rotate_checkpoints(args.output_dir, limit=args.save_total_limit, keep=[state.best_model_checkpoint])
-        self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
-        return final
-
-    def _preempt(self, registry: ckpt.ResumeRegistry) -> None:
-        """Emergency checkpoint (unless this step was just saved), then raise TrainingPreempted."""
-        state, args = self.state, self.args
-        saved = None
-        if args.save_strategy != "no":
-            already = state.last_checkpoint_dir and Path(state.last_checkpoint_dir).name == \
-                ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir()
-            saved = state.last_checkpoint_dir if already else str(self._save_checkpoint(registry))
-        logger.warning("SIGTERM: stopped after step %d; emergency checkpoint: %s", state.global_step, saved)
-        self.control = self.callback_handler.on_train_end(args, state, self.control, preempted=True)
-        raise TrainingPreempted(state.global_step, saved)
-
     def _finish(self, start_time: float, start_step: int) -> TrainOutput:
+        self._wait_for_save()
         args, state = self.args, self.state
         if args.load_best_model_at_end and state.best_model_checkpoint:
             best = self._local_path(state.best_model_checkpoint)
@@ -359,7 +343,8 @@ class Trainer(OverridableMixin, EvaluationMixin):
         """Everything a resume needs, in load order (the trainer state goes last: it marks completion)."""
         reg = ckpt.ResumeRegistry()
         main = dist_util.is_main_process
-        reg.register("model+optimizer", save=self.strategy.save_checkpoint, load=self.strategy.load_checkpoint)
+        reg.register("model+optimizer", save=self.strategy.save_checkpoint, load=self.strategy.load_checkpoint,
+                     stage=self.strategy.stage_checkpoint)
 
         def save_scheduler(d: Path) -> None:
             if main():

@@ -3,7 +3,8 @@
 Usage: python ddp_worker.py '<json spec>' with RANK/WORLD_SIZE/MASTER_* set.
 Spec keys: out (output_dir), max_steps, stop_at (step to stop cleanly at),
 sigterm_at ({"rank": r, "step": s}: that rank signals itself mid-step s),
-resume (None, True or a path), result (folder for this rank's params + history).
+resume (None, True or a path), result (folder for this rank's params + history),
+async_save, hold_writes (background writes wait until the loop waits for them).
 Exit code 83 when preempted, as the built-in entrypoint does.
 """
 
@@ -22,6 +23,9 @@ from safetensors.torch import save_file  # noqa: E402
 from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments, TrainingPreempted  # noqa: E402
 from kubetrain_trainer.models import SyntheticTokens, TinyGPT, TinyGPTConfig  # noqa: E402
 from kubetrain_trainer.rng import set_seed  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared harness
+from kubetrain_strategy_harness import hold_background_writes  # noqa: E402
 
 
 class Control(TrainerCallback):
@@ -45,8 +49,10 @@ def main():
     args = TrainingArguments(output_dir=spec["out"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                              lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
-                             report_to=["none"])
+                             report_to=["none"], async_save=spec.get("async_save", False))
     trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(30, 8, 32), callbacks=[Control(spec)])
+    if spec.get("hold_writes"):
+        hold_background_writes(trainer)
     code = 0
     try:
         trainer.train(resume_from_checkpoint=spec.get("resume"))

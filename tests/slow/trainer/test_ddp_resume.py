@@ -95,3 +95,28 @@ def test_sigterm_on_one_rank_preempts_both_at_the_same_step(straight, tmp_path):
     assert launch({"out": str(out), "max_steps": STEPS, "resume": True, "init_seed": 5,
                    "result": str(tmp_path / "r2")}) == [0, 0]
     _assert_equal_runs(straight, tmp_path / "r2")
+
+
+def test_async_saves_commit_after_training_moved_on_and_resume_bitwise(straight, tmp_path):
+    """async_save: checkpoint-3 is written only after the loop reached step 6 (held), yet holds step 3's state."""
+    out = tmp_path / "out"
+    assert launch({"out": str(out), "max_steps": STEPS, "stop_at": 6, "async_save": True, "hold_writes": True,
+                   "result": str(tmp_path / "r1")}) == [0, 0]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    assert (out / "checkpoint-3" / ".kubetrain-ready").is_file()
+    assert launch({"out": str(out), "max_steps": STEPS, "resume": str(out / "checkpoint-3"), "init_seed": 99,
+                   "async_save": True, "result": str(tmp_path / "r2")}) == [0, 0]
+    _assert_equal_runs(straight, tmp_path / "r2")
+
+
+def test_async_save_in_flight_then_sigterm_commits_both_and_resumes_bitwise(straight, tmp_path):
+    out = tmp_path / "out"
+    codes = launch({"out": str(out), "max_steps": STEPS, "sigterm_at": {"rank": 1, "step": 5}, "async_save": True,
+                    "hold_writes": True, "result": str(tmp_path / "r1")})
+    assert codes == [83, 83]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-5"]
+    for step in (3, 5):
+        assert json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())["global_step"] == step
+    assert launch({"out": str(out), "max_steps": STEPS, "resume": True, "init_seed": 5, "async_save": True,
+                   "result": str(tmp_path / "r2")}) == [0, 0]
+    _assert_equal_runs(straight, tmp_path / "r2")

@@ -12,6 +12,7 @@ same order; the others are local.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -86,6 +87,16 @@ class Strategy(ABC):
         writes only what is sharded or engine-owned. `directory` exists on every rank.
         """
 
+    def stage_checkpoint(self, directory: Path) -> Callable[[], None]:
+        """*Collective.* For `async_save`: capture what `save_checkpoint` writes and return the writer that
+        writes it later, on another thread, using no collective of the default process group.
+
+        What is captured must not change when training goes on (a copy in fresh CPU memory). This
+        default writes at once and returns a writer with nothing left to do.
+        """
+        self.save_checkpoint(directory)
+        return _nothing_left
+
     @abstractmethod
     def load_checkpoint(self, directory: Path) -> None:
         """*Collective.* Restore what `save_checkpoint` wrote."""
@@ -104,6 +115,33 @@ class Strategy(ABC):
     @abstractmethod
     def unwrap(self) -> nn.Module:
         """The user's module underneath the wrappers (for config, saving, eval)."""
+
+
+def _nothing_left() -> None:
+    return None
+
+
+def cpu_copy(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """A (nested) state dict whose tensors are copies in fresh CPU memory: the live state can change under it.
+
+    Dicts, lists and tuples are rebuilt (a state dict's `_metadata` kept); a tensor met twice is copied
+    once; other values are shared (they are immutable in a state dict: numbers, strings, None).
+    """
+    memo: dict[int, torch.Tensor] = {} if _memo is None else _memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = cpu_copy(value, memo)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(cpu_copy(v, memo) for v in obj)
+    return obj
 
 
 _REGISTRY: dict[str, str] = {

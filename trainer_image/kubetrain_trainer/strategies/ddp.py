@@ -9,8 +9,9 @@ read by every rank. fp16 uses a gradient scaler, whose state is saved too.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_util
 from ..optim import step_groups_at_once
-from .base import OptimizerFactory, Prepared, SchedulerFactory, Strategy
+from .base import OptimizerFactory, Prepared, SchedulerFactory, Strategy, cpu_copy
 
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
@@ -109,14 +110,25 @@ class DDPStrategy(Strategy):
     def save_checkpoint(self, directory: Path) -> None:
         if dist_util.rank() != 0:
             return  # replicas hold identical copies
-        state = self._module.state_dict()
+        self._write(Path(directory), self._module.state_dict(), self._optimizer.state_dict(),
+                    self._scaler.state_dict() if self._scaler else None)
+
+    def stage_checkpoint(self, directory: Path) -> Callable[[], None]:
+        if dist_util.rank() != 0:
+            return lambda: None
+        # The only blocked part of an async save: a copy of the weights and the optimizer state in CPU memory.
+        staged = (cpu_copy(self._module.state_dict()), cpu_copy(self._optimizer.state_dict()),
+                  self._scaler.state_dict() if self._scaler else None)
+        return functools.partial(self._write, Path(directory), *staged)
+
+    def _write(self, directory: Path, state: dict, optimizer_state: dict, scaler_state: dict | None) -> None:
         if self._safetensors:
             save_file(safetensors_ready(state), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
         else:
             torch.save(state, directory / PICKLE_WEIGHTS_NAME)
-        torch.save(self._optimizer.state_dict(), directory / OPTIMIZER_NAME)
-        if self._scaler:
-            torch.save(self._scaler.state_dict(), directory / SCALER_NAME)
+        torch.save(optimizer_state, directory / OPTIMIZER_NAME)
+        if scaler_state is not None:
+            torch.save(scaler_state, directory / SCALER_NAME)
 
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)

@@ -22,7 +22,7 @@ import difflib
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Literal, Mapping
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,7 @@ class FSDPStrategy(Strategy):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = None
+        self._save_groups: tuple[Any, Any] | None = None
 
     # --- setup ---------------------------------------------------------------------
     @staticmethod
@@ -268,6 +269,22 @@ class FSDPStrategy(Strategy):
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory / OPTIMIZER_DIR)
         if self.scaler is not None and dist.get_rank() == 0:
             torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+
+    def stage_checkpoint(self, directory: Path) -> Callable[[], None]:
+        """DCP's own `async_save`: it copies the shards to CPU memory now and writes them in a thread."""
+        model, optimizer = self._fsdp_model(), self.optimizer
+        directory = Path(directory)
+        if self._save_groups is None:  # collective, once: one gloo group per background save, not the loop's
+            self._save_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        futures = [
+            dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=directory / MODEL_DIR,
+                           process_group=self._save_groups[0]),
+            dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                           checkpoint_id=directory / OPTIMIZER_DIR, process_group=self._save_groups[1]),
+        ]
+        if self.scaler is not None and dist.get_rank() == 0:
+            torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+        return lambda: [f.result() for f in futures]  # type: ignore[union-attr]
 
     def load_checkpoint(self, directory: Path) -> None:
         model, optimizer = self._fsdp_model(), self.optimizer

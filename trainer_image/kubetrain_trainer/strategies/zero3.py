@@ -33,14 +33,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from kubetrain_trainer.args import ConfigError
-from kubetrain_trainer.strategies.base import OptimizerFactory, Prepared, SchedulerFactory, Strategy
+from kubetrain_trainer.strategies.base import OptimizerFactory, Prepared, SchedulerFactory, Strategy, cpu_copy
 from kubetrain_trainer.strategies.fsdp import ensure_process_group, check_complete
 
 AUTO = "auto"
@@ -341,6 +341,18 @@ class Zero3Strategy(Strategy):
         # global_step<N>/ with per-rank optimizer partitions, and a `latest` file naming it (HF layout).
         self._engine().save_checkpoint(str(directory))
 
+    def stage_checkpoint(self, directory: Path) -> Callable[[], None]:
+        """The engine's own save, with its checkpoint engine's `save(state, path)` turned into a CPU copy;
+        the writer hands each copy to the real checkpoint engine (same files, same serialization)."""
+        engine = self._engine()
+        real, staged = engine.checkpoint_engine, []
+        engine.checkpoint_engine = _Staging(real, staged)
+        try:
+            engine.save_checkpoint(str(directory))
+        finally:
+            engine.checkpoint_engine = real
+        return lambda: [real.save(state, path) for state, path in staged]  # type: ignore[func-returns-value]
+
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
         if not (directory / "latest").is_file():
@@ -420,3 +432,16 @@ class Zero3Strategy(Strategy):
         if self.engine is None:
             raise RuntimeError("Zero3Strategy: call prepare() first")
         return self.engine
+
+
+class _Staging:
+    """A DeepSpeed checkpoint engine that keeps a CPU copy of what it is asked to save (for `stage_checkpoint`)."""
+
+    def __init__(self, real: Any, staged: list[tuple[Any, str]]) -> None:
+        self._real, self._staged = real, staged
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self._staged.append((cpu_copy(state_dict), path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)

@@ -1,0 +1,67 @@
+"""Checkpoint saves of the `Trainer` (a mixin): regular, in the background (`async_save`), and on SIGTERM.
+
+A regular save writes `checkpoint-<step>` through `checkpoint.save_checkpoint`
+(collective, committed when it returns) or, with `async_save`, stages it and
+lets `background_save.BackgroundSaver` write and commit it in a thread. At most
+one save is in flight: every save, the emergency checkpoint and the end of
+training first wait for it, and its `on_save` fires once it is committed.
+The emergency checkpoint (SIGTERM) is always synchronous: it must be on disk
+before the process exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from . import distributed as dist_util
+from .state import TrainingPreempted
+
+logger = logging.getLogger("kubetrain_trainer")
+
+
+class SavingMixin:
+    """`_save_checkpoint`, `_wait_for_save` and `_preempt` of `Trainer` (it provides args, state, the saver...)."""
+
+    def _save_checkpoint(self, registry: ckpt.ResumeRegistry, *, background: bool | None = None) -> Path:
+        """*Collective.* Commit `checkpoint-<step>` and apply retention, then fire `on_save`; with `async_save`
+        (or `background`) only stage it here (background_save.py). A save in flight is waited for first."""
+        self._wait_for_save()
+        args, state = self.args, self.state
+        final = Path(args.output_dir) / ckpt.checkpoint_name(state.global_step)
+        if self._new_best:
+            state.best_model_checkpoint = str(final)
+            self._new_best = False
+        state.last_checkpoint_dir = str(final)
+        self.callback_handler.save_states(state)
+        keep = [state.best_model_checkpoint]
+        if args.async_save if background is None else background:
+            return self._saves.save(args.output_dir, state.global_step, registry, after_commit=functools.partial(
+                ckpt.rotate_checkpoints, args.output_dir, limit=args.save_total_limit, keep=keep))
+        ckpt.save_checkpoint(args.output_dir, state.global_step, registry)
+        if dist_util.is_local_main_process():
+            ckpt.rotate_checkpoints(args.output_dir, limit=args.save_total_limit, keep=keep)
+        self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
+        return final
+
+    def _wait_for_save(self) -> None:
+        """Wait until the background save in flight (if any) is committed on every rank; fire its `on_save`."""
+        folder = self._saves.wait()
+        if folder is not None:
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control, checkpoint_dir=str(folder))
+
+    def _preempt(self, registry: ckpt.ResumeRegistry) -> None:
+        """Emergency checkpoint (unless this step was just saved), then raise TrainingPreempted."""
+        state, args = self.state, self.args
+        saved = None
+        if args.save_strategy != "no":
+            self._wait_for_save()  # the save in flight commits first; the emergency one is synchronous
+            already = state.last_checkpoint_dir and Path(state.last_checkpoint_dir).name == \
+                ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir()
+            saved = state.last_checkpoint_dir if already else str(self._save_checkpoint(registry, background=False))
+        logger.warning("SIGTERM: stopped after step %d; emergency checkpoint: %s", state.global_step, saved)
+        self.control = self.callback_handler.on_train_end(args, state, self.control, preempted=True)
+        raise TrainingPreempted(state.global_step, saved)
+
