@@ -7,8 +7,9 @@ The I/O around `decisions.plan_commit`, for one hard-linked snapshot
    already committed with the same content, or upload (uncommitting another
    writer's manifest first);
 2. upload every file not yet uploaded (a retry resumes where the last try
-   stopped), the claims fence re-read before each file and while its bytes go
-   out (`ClaimsFence`, at most once per `fence_check_interval_s`);
+   stopped), up to `StorageConfig.upload_file_concurrency` files at once, the
+   claims fence re-read before each file and while its bytes go out
+   (`ClaimsFence`, at most once per `fence_check_interval_s`);
 3. multi-node: write this node's part (`manifest.node-<r>.json`); node rank 0
    then waits up to `part_wait_s` for every node's part and merges them
    (`decisions.merge_parts`, `MissingPartsError` while one is missing), or gives
@@ -20,8 +21,11 @@ The I/O around `decisions.plan_commit`, for one hard-linked snapshot
 Fencing is check-then-write (plain S3 has no compare-and-swap across objects,
 and boto3's managed transfers take no If-None-Match): a zombie (an attempt
 still running after its pod was force-deleted) stops at its next request, so
-what it can overwrite under a newer commit is bounded by one in-flight
-request, which restore's sha256 check then catches.
+what it can overwrite under a newer commit is bounded by its in-flight requests
+(one per file in flight, each cut within one part), which restore's sha256
+check then catches. In time the bound is `fence_check_interval_s` plus one
+part after the claim, while a newer attempt must first restore and train
+before it writes the same step.
 
 Retries, the queue and reporting are the uploader's (`sync.py`); retention
 after the commit is `retention.py`'s.
@@ -146,6 +150,7 @@ class ClaimsFence:
         self.store = store
         self.settings = settings
         self._checked_at = float("-inf")
+        self._lock = threading.Lock()
 
     def new_claims(self) -> list[tuple[int, int]]:
         """Claims written since this writer started (those at start are history)."""
@@ -153,11 +158,13 @@ class ClaimsFence:
 
     def check(self, step: int, *, at_most_every_s: float = 0.0) -> None:
         """FencedError when a newer attempt has claimed since this writer started (one LIST; skipped
-        within `at_most_every_s` of the last check, so a thousand-shard checkpoint is not a thousand LISTs)."""
-        now = time.monotonic()
-        if now - self._checked_at < at_most_every_s:
-            return
-        self._checked_at = now
+        within `at_most_every_s` of the last check, so a thousand-shard checkpoint is not a thousand LISTs).
+        Safe from the upload threads: one of them reads, the others skip within the interval."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked_at < at_most_every_s:
+                return
+            self._checked_at = now
         s = self.settings
         fence = check_fence((), step=step, attempt=s.attempt, incarnation=s.incarnation, claims=self.new_claims())
         if not fence.allowed:
@@ -204,16 +211,21 @@ class CommitProtocol:
             return CommitOutcome("already committed")
         if decision.uncommit_first:
             self.store.uncommit(job.step)
-        for f in job.files:
-            if f.path not in job.uploaded:
-                # Fence re-checked before every write, not once per checkpoint: a zombie whose check
-                # passed before a newer attempt claimed stops at its next file, so what it can still
-                # overwrite under a newer commit is one in-flight request, not a whole (retried) upload.
-                self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
-                self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self.fence.check(
-                    job.step, at_most_every_s=s.fence_check_interval_s))
+        done = threading.Lock()
+
+        def upload(f: FileEntry) -> None:
+            # Fence re-checked before every write, not once per checkpoint: a zombie whose check
+            # passed before a newer attempt claimed stops at its next file (and each file in flight
+            # within one part), so what it can still overwrite under a newer commit is its in-flight
+            # requests, not a whole (retried) upload.
+            self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
+            self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self.fence.check(
+                job.step, at_most_every_s=s.fence_check_interval_s))
+            with done:
                 job.uploaded.add(f.path)
                 self.bytes_uploaded += f.size
+
+        self.store.each_upload([f for f in job.files if f.path not in job.uploaded], upload)
         files = job.files
         if s.nnodes > 1:
             self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files,

@@ -77,8 +77,11 @@ class StorageConfig:
     max_concurrency: int = 4
     """Parts of one file in flight at once (multipart transfers)."""
     file_concurrency: int = 8
-    """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`. Uploads go one
-    file at a time: the write fence bounds a zombie's writes by one file (commit.py)."""
+    """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`."""
+    upload_file_concurrency: int = 4
+    """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence
+    check and is cut within one part by it, so what a zombie writes after a newer claim is bounded by
+    this many in-flight requests (commit.py); 1 uploads one file after another."""
     test_upload_bytes_per_second: int = 0
     """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
     test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
@@ -341,11 +344,16 @@ class CheckpointStore:
         for f in files:
             self.upload_file(step, folder / f.path, f.path)
 
-    def _each(self, items: Iterable[T], fn: Callable[[T], object]) -> None:
-        """`fn(item)` for every item, up to `config.file_concurrency` at once. After a failure no new item
-        starts; once the running ones end, the failure of the earliest item (in `items` order) is raised."""
+    def each_upload(self, items: Iterable[T], fn: Callable[[T], object]) -> None:
+        """`fn(item)` for every item, up to `config.upload_file_concurrency` at once (as `_each`)."""
+        self._each(items, fn, width=self.config.upload_file_concurrency)
+
+    def _each(self, items: Iterable[T], fn: Callable[[T], object], *, width: int | None = None) -> None:
+        """`fn(item)` for every item, up to `width` (default `config.file_concurrency`) at once. After a
+        failure no new item starts; once the running ones end, the failure of the earliest item (in
+        `items` order) is raised."""
         items = list(items)
-        width = max(1, min(self.config.file_concurrency, len(items)))
+        width = max(1, min(self.config.file_concurrency if width is None else width, len(items)))
         if width == 1:
             for item in items:
                 fn(item)
@@ -411,7 +419,8 @@ def _make_client(config: StorageConfig) -> Any:
         read_timeout=config.read_timeout_s,
         retries={"max_attempts": 3, "mode": "standard"},
         # A restore has every file's parts in flight at once (`file_concurrency` x `max_concurrency`).
-        max_pool_connections=max(10, config.file_concurrency * config.max_concurrency),
+        max_pool_connections=max(10, max(config.file_concurrency, config.upload_file_concurrency)
+                                 * config.max_concurrency),
         # S3-compatible servers (MinIO) address buckets by path, not by host.
         s3={"addressing_style": "path" if config.endpoint_url else "auto"},
     )

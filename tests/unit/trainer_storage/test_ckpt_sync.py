@@ -70,6 +70,11 @@ class MemoryStore:
             still_allowed()
         self._put(f"checkpoint-{step}/{rel}", data)
 
+    def each_upload(self, items, fn) -> None:
+        """One file after another (as `upload_file_concurrency=1`), so the write order is deterministic."""
+        for item in items:
+            fn(item)
+
     def commit(self, manifest: Manifest) -> None:
         self._put(f"checkpoint-{manifest.step}/{MANIFEST_NAME}", manifest.to_json())
 
