@@ -12,7 +12,6 @@ same order; the others are local.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -121,27 +120,26 @@ def _nothing_left() -> None:
     return None
 
 
-def cpu_copy(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A (nested) state dict whose tensors are copies in fresh CPU memory: the live state can change under it.
+class CpuStager:
+    """Copies of state dicts in CPU memory that training can change under, by DCP's own stager (`DefaultStager`,
+    synchronous): containers are deep-copied, tensors that share a storage still share one, and each source
+    storage's copy is kept and overwritten at the next save (free again by then: a save first waits for the
+    write in flight), so only the first save pays for allocating it."""
 
-    Dicts, lists and tuples are rebuilt (a state dict's `_metadata` kept); a tensor met twice is copied
-    once; other values are shared (they are immutable in a state dict: numbers, strings, None).
-    """
-    memo: dict[int, torch.Tensor] = {} if _memo is None else _memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
-        for key, value in obj.items():
-            out[key] = cpu_copy(value, memo)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(cpu_copy(v, memo) for v in obj)
-    return obj
+    def __init__(self) -> None:
+        self._stager: Any = None
+
+    def default_stager(self) -> Any:
+        """The `torch.distributed.checkpoint.staging.DefaultStager` behind it (DCP's `async_stager`)."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def __call__(self, state: Any) -> Any:
+        return self.default_stager().stage(state)
 
 
 _REGISTRY: dict[str, str] = {

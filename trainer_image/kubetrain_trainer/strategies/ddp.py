@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_util
 from ..optim import step_groups_at_once
-from .base import OptimizerFactory, Prepared, SchedulerFactory, Strategy, cpu_copy
+from .base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
 
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
@@ -54,6 +54,7 @@ class DDPStrategy(Strategy):
         self._scaler: torch.amp.GradScaler | None = None
         self._safetensors = True
         self.device = torch.device("cpu")
+        self._stage = CpuStager()
 
     def prepare(self, model: nn.Module, *, args: Any, create_optimizer: OptimizerFactory,
                 create_scheduler: SchedulerFactory) -> Prepared:
@@ -117,7 +118,7 @@ class DDPStrategy(Strategy):
         if dist_util.rank() != 0:
             return lambda: None
         # The only blocked part of an async save: a copy of the weights and the optimizer state in CPU memory.
-        staged = (cpu_copy(self._module.state_dict()), cpu_copy(self._optimizer.state_dict()),
+        staged = (self._stage(self._module.state_dict()), self._stage(self._optimizer.state_dict()),
                   self._scaler.state_dict() if self._scaler else None)
         return functools.partial(self._write, Path(directory), *staged)
 

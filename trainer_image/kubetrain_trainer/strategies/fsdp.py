@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain_trainer.args import ConfigError
 from kubetrain_trainer.distributed import device_for
-from kubetrain_trainer.strategies.base import OptimizerFactory, Prepared, SchedulerFactory, Strategy
+from kubetrain_trainer.strategies.base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
 
 MODEL_DIR = "pytorch_model_fsdp_0"
 """DCP folder of the sharded model inside a checkpoint (the name Accelerate/HF use)."""
@@ -169,6 +169,7 @@ class FSDPStrategy(Strategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = None
         self._save_groups: tuple[Any, Any] | None = None
+        self._stage = CpuStager()
 
     # --- setup ---------------------------------------------------------------------
     @staticmethod
@@ -276,11 +277,13 @@ class FSDPStrategy(Strategy):
         directory = Path(directory)
         if self._save_groups is None:  # collective, once: one gloo group per background save, not the loop's
             self._save_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        stager = self._stage.default_stager()  # ours, so its CPU copies are reused from save to save
         futures = [
             dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=directory / MODEL_DIR,
-                           process_group=self._save_groups[0]),
+                           process_group=self._save_groups[0], async_stager=stager),
             dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                           checkpoint_id=directory / OPTIMIZER_DIR, process_group=self._save_groups[1]),
+                           checkpoint_id=directory / OPTIMIZER_DIR, process_group=self._save_groups[1],
+                           async_stager=stager),
         ]
         if self.scaler is not None and dist.get_rank() == 0:
             torch.save(self.scaler.state_dict(), directory / "scaler.pt")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kubetrain_trainer.args import ConfigError
-from kubetrain_trainer.strategies.base import OptimizerFactory, Prepared, SchedulerFactory, Strategy, cpu_copy
+from kubetrain_trainer.strategies.base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
 from kubetrain_trainer.strategies.fsdp import ensure_process_group, check_complete
 
 AUTO = "auto"
@@ -274,6 +274,7 @@ class Zero3Strategy(Strategy):
         """The filled config the engine runs with (after `prepare`)."""
         self.engine: Any = None
         self._grad_norm: torch.Tensor | None = None
+        self._stage = CpuStager()
 
     def prepare(
         self,
@@ -346,7 +347,7 @@ class Zero3Strategy(Strategy):
         the writer hands each copy to the real checkpoint engine (same files, same serialization)."""
         engine = self._engine()
         real, staged = engine.checkpoint_engine, []
-        engine.checkpoint_engine = _Staging(real, staged)
+        engine.checkpoint_engine = _Staging(real, staged, self._stage)
         try:
             engine.save_checkpoint(str(directory))
         finally:
@@ -437,11 +438,11 @@ class Zero3Strategy(Strategy):
 class _Staging:
     """A DeepSpeed checkpoint engine that keeps a CPU copy of what it is asked to save (for `stage_checkpoint`)."""
 
-    def __init__(self, real: Any, staged: list[tuple[Any, str]]) -> None:
-        self._real, self._staged = real, staged
+    def __init__(self, real: Any, staged: list[tuple[Any, str]], stage: CpuStager) -> None:
+        self._real, self._staged, self._stage = real, staged, stage
 
     def save(self, state_dict: Any, path: str) -> None:
-        self._staged.append((cpu_copy(state_dict), path))
+        self._staged.append((self._stage(state_dict), path))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
