@@ -63,6 +63,8 @@ class PatchWorkload:
     resource_version: str
     spec: Mapping[str, Any] | None = None
     """e.g. {"active": False} while the job is suspended."""
+    annotations: Mapping[str, str | None] | None = None
+    """Merged into metadata.annotations in the same patch as `spec` (None: remove that annotation)."""
     status: Mapping[str, Any] | None = None
     """The whole conditions list (Kueue's own kept) and, after an eviction, `admission: None`."""
     remove_finalizer: bool = False

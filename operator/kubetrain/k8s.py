@@ -321,6 +321,8 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
         body: dict[str, Any] = {"metadata": meta}
         if action.spec is not None:
             body["spec"] = dict(action.spec)
+        if action.annotations is not None:
+            meta["annotations"] = dict(action.annotations)
         if action.remove_finalizer:
             current = await api.call("get workload", api.custom.get_namespaced_custom_object, KUEUE_GROUP,
                                      KUEUE_VERSION, namespace, WORKLOADS, action.name, write=False)

@@ -62,6 +62,10 @@ FINISHED = "Finished"
 PODS_READY = "PodsReady"
 DEACTIVATION_TARGET = "DeactivationTarget"
 
+ANNOTATION_SUSPENDED = "kubetrain.io/suspended"
+"""Set on a Workload in the same patch that makes it inactive for the job's suspend, removed in the one
+that activates it again: an inactive Workload without it was deactivated by Kueue itself."""
+
 # Reasons of PodsReady (written by the job's controller: the operator).
 WAIT_FOR_START = "WaitForStart"
 WAIT_FOR_RECOVERY = "WaitForRecovery"
@@ -197,6 +201,7 @@ def build_workload(job: Job, *, labels: Mapping[str, str] | None, priority: int 
             "labels": {LABEL_JOB_UID: job.uid},
             "finalizers": [FINALIZER],
             "ownerReferences": [get_owner_reference(job)],
+            **({"annotations": {ANNOTATION_SUSPENDED: "true"}} if spec.run_policy.suspend else {}),
         },
         "spec": body_spec,
     }
@@ -258,6 +263,8 @@ class WorkloadView:
     pod_set_updates: tuple[PodSetUpdate, ...] = ()
     requeue_count: int = 0
     deleting: bool = False
+    suspended_by_job: bool = False
+    """The operator made it inactive for the job's suspend (`ANNOTATION_SUSPENDED`)."""
 
     @classmethod
     def from_storage(cls, body: Mapping[str, Any]) -> "WorkloadView":
@@ -280,6 +287,7 @@ class WorkloadView:
             cluster_queue=str(admission.get("clusterQueue") or ""), assignments=assignments,
             pod_set_updates=updates, requeue_count=int((status.get("requeueState") or {}).get("count") or 0),
             deleting=bool(meta.get("deletionTimestamp")),
+            suspended_by_job=(meta.get("annotations") or {}).get(ANNOTATION_SUSPENDED) == "true",
         )
 
     def condition(self, kind: str) -> Condition | None:
@@ -330,8 +338,10 @@ class WorkloadView:
     def deactivated_by_kueue(self, *, suspended: bool) -> Condition | None:
         """Kueue deactivated the Workload itself (requeuing limit, maximum execution time): spec.active is
         false although the job is not suspended. The condition (DeactivationTarget while Kueue has not yet
-        evicted, then Evicted/Deactivated) carries Kueue's message; None otherwise."""
-        if suspended:
+        evicted, then Evicted/Deactivated) carries Kueue's message; None otherwise, and None for a Workload
+        the operator deactivated for a suspend (marked so in the same write), even once the job is resumed
+        but the reactivation has not been written yet."""
+        if suspended or (self.suspended_by_job and not self.active):
             return None
         if self._is(DEACTIVATION_TARGET):
             return self.conditions[DEACTIVATION_TARGET]

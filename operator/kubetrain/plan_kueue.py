@@ -260,8 +260,10 @@ def _spec_patch(job: Job, body: Mapping[str, Any], view: kueue.WorkloadView, *, 
     if not changes:
         return None
     meta = body.get("metadata") or {}
+    # The mark that tells the operator's own deactivation from Kueue's goes in the same write.
+    marks = {kueue.ANNOTATION_SUSPENDED: None if active else "true"} if "active" in changes else None
     return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
-                         spec=changes)
+                         spec=changes, annotations=marks)
 
 
 def _podsets(job: Job, body: Mapping[str, Any]) -> list[dict[str, Any]] | None:

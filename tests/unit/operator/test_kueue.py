@@ -226,6 +226,19 @@ def test_deactivated_by_kueue_only_when_the_job_is_not_suspended() -> None:
     assert view(active=True).deactivated_by_kueue(suspended=False) is None
 
 
+def test_a_workload_the_operator_deactivated_for_a_suspend_is_never_read_as_kueues_deactivation() -> None:
+    """The CI failure of 2026-12-04: the job was resumed (its status no longer Suspended) but the write
+    that activates its Workload again had not landed (a conflict with Kueue), and the inactive Workload
+    was read as Kueue's own deactivation: the job failed. The operator's mark settles it."""
+    body = {"metadata": {"name": "wl", "annotations": {kueue.ANNOTATION_SUSPENDED: "true"}},
+            "spec": {"queueName": "q", "active": False},
+            "status": {"conditions": [cond("Evicted", "True", "Deactivated", "The workload is deactivated")]}}
+    marked = WorkloadView.from_storage(body)
+    assert marked.suspended_by_job and marked.deactivated_by_kueue(suspended=False) is None
+    unmarked = WorkloadView.from_storage({**body, "metadata": {"name": "wl"}})
+    assert unmarked.deactivated_by_kueue(suspended=False) is not None  # Kueue's own: the job fails
+
+
 # ------------------------------------------------------------------ admission into the pods
 
 FLAVORS = {

@@ -29,8 +29,10 @@ def cond(kind: str, status: str, reason: str, message: str = "") -> dict[str, An
 
 
 def workload(*conds: dict[str, Any], active: bool = True, admitted: bool = False, deleting: bool = False,
-             topology: bool = False, nodes: int = 2) -> dict[str, Any]:
+             topology: bool = False, nodes: int = 2, marked: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": NAME, "namespace": "ns", "resourceVersion": "7", "finalizers": [kueue.FINALIZER]}
+    if marked:  # deactivated by the operator for the job's suspend
+        meta["annotations"] = {kueue.ANNOTATION_SUSPENDED: "true"}
     if deleting:
         meta["deletionTimestamp"] = iso(0)
     status: dict[str, Any] = {"conditions": list(conds)}
@@ -125,6 +127,12 @@ CASES = [
          KueueObserved(workload=workload(cond("Evicted", "True", "Deactivated", "The workload is deactivated"),
                                          active=False)),
          phase="Queued", patch={"spec": {"active": True}}, creates=0),
+    Case("resumed, but the reactivation lost a race (the status already says Queued): the marked inactive "
+         "Workload is the operator's own doing, activated again, and the job does not fail",
+         queued(status={**started(phase="Queued"), "conditions": [cond("Queued", "True", "Deactivated")]}),
+         KueueObserved(workload=workload(cond("Evicted", "True", "Deactivated", "The workload is deactivated"),
+                                         active=False, marked=True)),
+         phase=None, patch={"spec": {"active": True}}, creates=0),
     Case("the gang resized while suspended: the waiting Workload asks for the new size",
          queued(nodes=3, status={**started(phase="Queued"), "conditions": [cond("Queued", "True", "Pending")]}),
          pending("Pending", "waiting"), phase=None, patch={"spec": {"podSets": 3}}),
@@ -212,3 +220,19 @@ def test_a_status_patch_keeps_kueues_own_conditions_and_their_times() -> None:
 def test_jobs_without_the_label_are_not_queued() -> None:
     assert not is_queued(job()) and is_queued(queued())
     assert plan_queued(queued(deleting=True), observed(), KueueObserved(), at(5)) == Plan()
+
+
+def test_the_suspend_mark_goes_in_the_same_write_as_spec_active() -> None:
+    """Deactivating for a suspend marks the Workload, activating removes the mark, in one merge patch each
+    (so no reader can see an inactive Workload of a suspend without the mark)."""
+    suspend = plan_queued(queued(run_policy={"suspend": True}, status=started(phase="Running")), observed(*gang(2)),
+                          admitted(), at(5))
+    [off] = [a for a in suspend.actions if isinstance(a, PatchWorkload) and a.spec is not None]
+    assert off.spec == {"active": False} and off.annotations == {kueue.ANNOTATION_SUSPENDED: "true"}
+    resume = plan_queued(queued(status=started(phase="Suspended")), observed(), KueueObserved(
+        workload=workload(cond("Evicted", "True", "Deactivated"), active=False, marked=True)), at(5))
+    [on] = [a for a in resume.actions if isinstance(a, PatchWorkload) and a.spec is not None]
+    assert on.spec == {"active": True} and on.annotations == {kueue.ANNOTATION_SUSPENDED: None}
+    created_suspended = kueue.build_workload(job(run_policy={"suspend": True}), labels={kueue.LABEL_QUEUE_NAME: "q"},
+                                             priority=None)
+    assert created_suspended["metadata"]["annotations"] == {kueue.ANNOTATION_SUSPENDED: "true"}
