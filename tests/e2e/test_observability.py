@@ -21,7 +21,7 @@ import pytest
 
 from .helpers import wait_for
 from .operator_release import CHART, helm
-from .test_real_node import REAL_PLACEMENT, _committed_steps, _demo_job, _kubectl, _s3_secret
+from .test_real_node import REAL_OPERATOR_RESOURCES, REAL_PLACEMENT, _committed_steps, _demo_job, _kubectl, _s3_secret
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode, pytest.mark.timeout(1800)]
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
@@ -41,7 +41,7 @@ def operator(real_node, images, testbed_env, core, tmp_path_factory):
              ignore=(client.ApiException,))
     repo, tag = images["operator"].rsplit(":", 1)
     values = {"image": {"repository": repo, "tag": tag}, "namespaces": [jobs_ns],
-              "progress": {"intervalSeconds": 2, "timeoutSeconds": 1}, **REAL_PLACEMENT}
+              "progress": {"intervalSeconds": 2, "timeoutSeconds": 1}, **REAL_PLACEMENT, **REAL_OPERATOR_RESOURCES}
     path = tmp_path_factory.mktemp("helm") / "values.json"
     path.write_text(json.dumps(values))
     helm(testbed_env, "upgrade", "--install", rel, str(CHART), "--namespace", ns, "--values", str(path),
@@ -133,8 +133,12 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
         return st if st.get("attempt") == 2 and st.get("phase") == "Running" else None
     st = wait_for(restarted, timeout=420, interval=1, what="attempt 2 running")
     after = scrape(operator["metrics"])
+    # Counters live in the operator process: a restart (e.g. a failed liveness probe) resets them.
+    op_pod = core.read_namespaced_pod(operator["metrics"][2], operator["namespace"])
+    assert op_pod.status.container_statuses[0].restart_count == 0, op_pod.status.container_statuses[0]
     key = ("kubetrain_job_preemptions_total", (("reason", "EvictionByEvictionAPI"),))
-    assert after.get(key, 0) - before.get(key, 0) == st["preemptions"] == 1, (before, after)
+    assert after.get(key, 0) - before.get(key, 0) == st["preemptions"] == 1, (
+        {k: v for k, v in before.items() if "preemptions" in k[0]}, {k: v for k, v in after.items() if "preemptions" in k[0]})
     key = ("kubetrain_job_restarts_total", (("reason", "Preempted"),))
     assert after.get(key, 0) - before.get(key, 0) == st["restarts"] == 1, (before, after)
     assert after[("kubetrain_leader", ())] == 1 and total(after, "kubetrain_api_writes_total") > 0

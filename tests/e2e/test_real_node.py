@@ -31,6 +31,11 @@ REAL_PLACEMENT = {
     "nodeSelector": {REAL_NODE_LABEL: "true"},
     "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
 }
+#: The operator's CPU request on the real node. The chart's default (100m) is a controller's usual
+#: request on a real cluster; here two training pods (500m each) start `import torch` on 2 shared cores
+#: next to the whole control plane, and at 100m the operator was starved long enough for its liveness
+#: probe (4 x 5 s) to fail and the kubelet to restart it mid-test (a full run, 2026-12-04).
+REAL_OPERATOR_RESOURCES = {"resources": {"requests": {"cpu": "500m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}}
 #: What PodSecurity "restricted" demands of every container.
 RESTRICTED = {
     "allowPrivilegeEscalation": False,
@@ -140,7 +145,7 @@ def real_operator(real_node, images, testbed_env, core, tmp_path_factory):
     wait_for(lambda: core.read_namespaced_service_account("default", jobs_ns), timeout=120, what="default SA",
              ignore=(client.ApiException,))
     values = {"image": {"repository": images["operator"].rsplit(":", 1)[0], "tag": images["operator"].rsplit(":", 1)[1]},
-              "namespaces": [jobs_ns], **REAL_PLACEMENT}
+              "namespaces": [jobs_ns], **REAL_PLACEMENT, **REAL_OPERATOR_RESOURCES}
     path = tmp_path_factory.mktemp("helm") / "values.json"
     path.write_text(json.dumps(values))
     helm(testbed_env, "upgrade", "--install", rel, str(CHART), "--namespace", ns, "--values", str(path),
