@@ -8,6 +8,7 @@ every other permanent error never.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -28,7 +29,12 @@ class Backoff:
     factor: float = 2.0
 
     def delay(self, failures: int) -> float:
-        ceiling = min(self.maximum_s, self.initial_s * self.factor ** max(0, failures - 1))
+        steps = max(0, failures - 1)
+        if self.factor > 1 and self.initial_s > 0 and steps * math.log(self.factor) >= math.log(
+                self.maximum_s / self.initial_s):
+            ceiling = self.maximum_s  # reached the cap (also where factor ** steps would overflow a float)
+        else:
+            ceiling = min(self.maximum_s, self.initial_s * self.factor ** steps)
         return random.uniform(ceiling / 2, ceiling)
 
 

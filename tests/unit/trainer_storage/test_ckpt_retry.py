@@ -89,3 +89,13 @@ def test_the_access_window_is_read_from_the_environment():
     for bad in ("soon", "0", "-3"):
         with pytest.raises(ConfigError, match="^KUBETRAIN_S3_AUTH_RETRY_SECONDS:"):
             LaunchConfig.from_env({"KUBETRAIN_S3_AUTH_RETRY_SECONDS": bad}, [])
+
+
+def test_a_backoff_polled_for_a_long_time_stays_at_its_cap() -> None:
+    """The restore-decision poll counts its polls without limit (a rank waiting on rank 0's long download):
+    `factor ** (polls - 1)` overflowed a float at poll 1025 and the launcher died with a traceback."""
+    poll = Backoff(initial_s=0.05, maximum_s=1.0)
+    for polls in (1, 5, 1025, 10**6):
+        assert 0 < poll.delay(polls) <= 1.0
+    assert poll.delay(10**6) >= 0.5  # full jitter over [cap / 2, cap]
+    assert Backoff(initial_s=0.05, maximum_s=1.0, factor=1.0).delay(10**6) <= 0.05
