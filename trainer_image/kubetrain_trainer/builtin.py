@@ -252,9 +252,16 @@ def exit_at_once(code: int) -> typing.NoReturn:
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What Python's own shutdown runs first: threading's exit hooks (they wake idle executor workers,
+    # e.g. a ThreadPoolExecutor still alive) and then the join of every non-daemon thread. A bare join
+    # would wait forever on an idle executor's workers.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - CPython has had threading._shutdown since 3.x
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -131,6 +131,9 @@ def writer():  # a background writer still finishing a checkpoint's bytes
     time.sleep(0.3)
     (out / "written").write_text("bytes")
 threading.Thread(target=writer).start()
+import concurrent.futures  # an executor left alive (its idle worker threads are not daemons)
+pool = concurrent.futures.ThreadPoolExecutor(2)
+pool.submit(lambda: None).result()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 sys.stdout.write("preempted at step 7")  # no newline, piped: still in the buffer
 exit_at_once(83)
@@ -142,6 +145,6 @@ def test_the_preempted_exit_skips_the_teardown_but_not_writers_atexit_or_output(
     import sys
 
     p = subprocess.run([sys.executable, "-c", EXITS, str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 83, p.stderr
+    assert p.returncode == 83, p.stderr  # a join of the idle executor's workers would hang to the timeout
     assert p.stdout == "preempted at step 7"
     assert (tmp_path / "written").read_text() == "bytes" and (tmp_path / "atexit").read_text() == "ran"
