@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,10 @@ class _InFlight:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    started: float = 0.0
+    seconds: float | None = None
+    """From the start of staging to the end of the commit: what a synchronous save of it would have taken,
+    and so what the emergency checkpoint needs (the grace split reads it through the progress report)."""
 
 
 class BackgroundSaver:
@@ -60,6 +65,8 @@ class BackgroundSaver:
     def __init__(self) -> None:
         self._job: _InFlight | None = None
         self._group = None
+        self.last_seconds: float | None = None
+        """How long the last save `wait()` returned took, staging to commit."""
 
     @property
     def busy(self) -> bool:
@@ -78,9 +85,10 @@ class BackgroundSaver:
             raise RuntimeError("a checkpoint save is already in flight: wait() for it first")
         if self._group is None and dist_util.world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # collective, once: every rank saves at the same step
+        started = time.monotonic()
         tmp = ckpt.begin_save(output_dir, step)
         writers = registry.stage_all(tmp)
-        job = _InFlight(step, Path(output_dir) / ckpt.checkpoint_name(step))
+        job = _InFlight(step, Path(output_dir) / ckpt.checkpoint_name(step), started=started)
         job.thread = threading.Thread(target=self._run, args=(job, Path(output_dir), writers, after_commit),
                                       name=f"kubetrain-save-{step}", daemon=True)
         self._job = job
@@ -101,17 +109,26 @@ class BackgroundSaver:
                 flag = torch.tensor([1.0 if ok else 0.0])
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
                 everywhere = bool(flag.item())
+            committed = True
             if everywhere and dist_util.is_local_main_process():
-                ckpt.commit_folder(output_dir, job.step)
-                if after_commit is not None:
-                    after_commit()
-            if self._group is not None:
-                dist.barrier(group=self._group)  # committed on every node before anyone reports it
+                try:
+                    ckpt.commit_folder(output_dir, job.step)
+                    if after_commit is not None:
+                        after_commit()
+                except BaseException as exc:  # noqa: BLE001 - agreed below, reported by wait()
+                    job.error, committed = exc, False
+            if self._group is not None:  # committed on every node before anyone reports it, or failed everywhere
+                flag = torch.tensor([1.0 if committed else 0.0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+                committed = bool(flag.item())
             if not everywhere and job.error is None:
                 job.error = RuntimeError("another rank could not write its part")
+            elif not committed and job.error is None:
+                job.error = RuntimeError("another node could not commit the checkpoint folder")
         except BaseException as exc:  # noqa: BLE001
             job.error = job.error or exc
         finally:
+            job.seconds = time.monotonic() - job.started
             job.done.set()
 
     def wait(self) -> Path | None:
@@ -126,5 +143,7 @@ class BackgroundSaver:
         if job.error is not None:
             raise CheckpointWriteError(f"checkpoint-{job.step}: the background write failed, it was not committed: "
                                        f"{job.error}") from job.error
-        logger.info("checkpoint-%d committed in the background", job.step)
+        self.last_seconds = job.seconds
+        logger.info("checkpoint-%d committed in the background (%.2f s from staging to commit)", job.step,
+                    job.seconds or 0.0)
         return job.folder

@@ -223,8 +223,10 @@ class ProgressTracker:
         if _is_number(logs.get("learning_rate")):
             self._update(learning_rate=float(logs["learning_rate"]))
 
-    def saved(self, step: int) -> None:
-        seconds = max(0.0, self.clock() - self._last_event)
+    def saved(self, step: int, seconds: float | None = None) -> None:
+        """A checkpoint of `step` was saved; `seconds` (a background save's staging-to-commit time) or, by
+        default, the time since the last trainer event (a synchronous save)."""
+        seconds = max(0.0, self.clock() - self._last_event) if seconds is None else max(0.0, seconds)
         saves = (*self.report.saves, (step, round(seconds, 3)))[-RECENT_SAVES:]
         self._update(save_seconds=self.report.save_seconds.observe(seconds), saves=saves)
         self.flush(force=True)
@@ -325,11 +327,12 @@ class TrainProgressCallback(TrainerCallback):
         if state.is_local_process_zero:
             self.tracker.event()
 
-    def on_save(self, args, state, control, checkpoint_dir=None, **kwargs):
+    def on_save(self, args, state, control, checkpoint_dir=None, save_seconds=None, **kwargs):
         if state.is_local_process_zero:
-            # With async_save the save is reported steps after it began: the folder names its step.
+            # With async_save the save is reported steps after it began: the folder names its step, and the
+            # saver says how long it took from staging to commit (what an emergency checkpoint will need).
             step = parse_checkpoint_dirname(Path(checkpoint_dir).name) if checkpoint_dir else None
-            self.tracker.saved(state.global_step if step is None else step)
+            self.tracker.saved(state.global_step if step is None else step, seconds=save_seconds)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_local_process_zero:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from . import distributed as dist_util
+from .background_save import CheckpointWriteError
 from .state import TrainingPreempted
 
 logger = logging.getLogger("kubetrain_trainer")
@@ -49,15 +50,20 @@ class SavingMixin:
     def _wait_for_save(self) -> None:
         """Wait until the background save in flight (if any) is committed on every rank; fire its `on_save`."""
         folder = self._saves.wait()
-        if folder is not None:
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control, checkpoint_dir=str(folder))
+        if folder is not None:  # save_seconds: staging to commit, not the ~0 s the loop was blocked
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control, checkpoint_dir=str(folder),
+                                                         save_seconds=self._saves.last_seconds)
 
     def _preempt(self, registry: ckpt.ResumeRegistry) -> None:
         """Emergency checkpoint (unless this step was just saved), then raise TrainingPreempted."""
         state, args = self.state, self.args
         saved = None
         if args.save_strategy != "no":
-            self._wait_for_save()  # the save in flight commits first; the emergency one is synchronous
+            try:
+                self._wait_for_save()  # the save in flight commits first; the emergency one is synchronous
+            except CheckpointWriteError as exc:  # agreed on every rank: that folder is not committed,
+                # but the training state is fine: the emergency checkpoint still saves it
+                logger.error("SIGTERM: %s; writing the emergency checkpoint", exc)
             already = state.last_checkpoint_dir and Path(state.last_checkpoint_dir).name == \
                 ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir()
             saved = state.last_checkpoint_dir if already else str(self._save_checkpoint(registry, background=False))

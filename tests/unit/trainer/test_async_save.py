@@ -150,6 +150,34 @@ def test_a_failed_background_write_is_never_committed_and_stops_training(tiny_gp
     assert list_checkpoints(out) == []
 
 
+def test_sigterm_after_a_failed_background_write_still_commits_the_emergency_checkpoint(tiny_gpt, tokens, make_args,
+                                                                                        tmp_path):
+    """checkpoint-3's background write fails (disk full), then SIGTERM at step 4: the training state is
+    fine, so the preemption still saves it (checkpoint-4, exit as preempted), instead of a crash that the
+    launcher would count as a failure with the steps since the last checkpoint lost."""
+    out = tmp_path / "out"
+    watch = Watch(out, sigterm_at=4)
+    trainer = Trainer(model=tiny_gpt(0), args=_args(make_args, output_dir=str(out), async_save=True),
+                      train_dataset=tokens(), callbacks=[watch])
+    stage, calls = trainer.strategy.stage_checkpoint, []
+
+    def first_write_fails(directory):
+        calls.append(directory)
+        if len(calls) > 1:
+            return stage(directory)
+
+        def write():
+            raise OSError(28, "No space left on device")
+        return write
+    trainer.strategy.stage_checkpoint = first_write_fails
+    Held(trainer)
+    with pytest.raises(TrainingPreempted) as info:
+        trainer.train()
+    assert info.value.step == 4 and info.value.checkpoint_dir == str(out / "checkpoint-4")
+    assert [s for s, _ in list_checkpoints(out)] == [4]  # checkpoint-3 never committed
+    assert (out / "checkpoint-4" / READY_MARKER).is_file()
+
+
 def test_async_save_is_off_by_default(make_args):
     assert make_args().async_save is False
 
@@ -164,3 +192,33 @@ def test_the_progress_report_names_the_step_of_the_committed_folder(tmp_path):
     state = TrainerState(global_step=6, max_steps=12, is_local_process_zero=True)
     callback.on_save(None, state, None, checkpoint_dir=str(tmp_path / "checkpoint-3"))
     assert [step for step, _ in WorkerProgress.from_file(path.read_text()).saves] == [3]
+
+
+def test_an_async_save_reports_its_whole_duration_for_the_grace_split(tmp_path):
+    """The grace split gives the workers room for their slowest recent save: an async save must report the
+    time from staging to commit (what the emergency checkpoint will need), not the ~0 s the loop was blocked."""
+    from kubetrain_trainer.progress import ProgressTracker, TrainProgressCallback, WorkerProgress
+    from kubetrain_trainer.state import TrainerState
+
+    path = tmp_path / "progress.json"
+    callback = TrainProgressCallback(ProgressTracker(path))
+    state = TrainerState(global_step=6, max_steps=12, is_local_process_zero=True)
+    callback.on_save(None, state, None, checkpoint_dir=str(tmp_path / "checkpoint-3"), save_seconds=21.5)
+    assert list(WorkerProgress.from_file(path.read_text()).saves) == [(3, 21.5)]
+
+
+def test_the_background_saver_times_a_save_from_staging_to_commit(tiny_gpt, tokens, make_args, tmp_path):
+    out = tmp_path / "out"
+    trainer = Trainer(model=tiny_gpt(0), args=_args(make_args, output_dir=str(out), async_save=True, max_steps=4),
+                      train_dataset=tokens())
+    stage = trainer.strategy.stage_checkpoint
+
+    def slow_stage(directory):
+        write = stage(directory)
+        return lambda: (threading.Event().wait(0.3), write())
+    trainer.strategy.stage_checkpoint = slow_stage
+    seen = []
+    trainer.add_callback(type("Seen", (TrainerCallback,), {
+        "on_save": lambda self, args, state, control, save_seconds=None, **kw: seen.append(save_seconds)})())
+    trainer.train()
+    assert seen and seen[0] is not None and seen[0] >= 0.3, seen
