@@ -273,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if early is not None:
                 early.stop_before_training()
             return _restore_failed(cfg, stop, e)
+        except BaseException:  # a bug or an OS error: no worker waiting for the hand-over is left behind
+            if early is not None:
+                early.stop_before_training()
+            raise
     if stop.is_set():
         log.warning("SIGTERM before training started")
         if early is not None:
