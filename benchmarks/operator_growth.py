@@ -48,9 +48,11 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "testbed"), str(ROOT / "bench
 
 from kubernetes import client, config  # noqa: E402
 
-from kubetrain_testbed import EXIT_CODE_ANNOTATION, TestbedConfig, fake_node, free_port, kubectl, load_env  # noqa: E402
+from kubetrain_testbed import EXIT_CODE_ANNOTATION, TestbedConfig, free_port, kubectl, load_env  # noqa: E402
 from kubetrain_testbed import cluster  # noqa: E402
-from operator_scale import GROUP, PLURAL, VERSION, job_spec, scrape_operator  # noqa: E402
+from operator_scale import (  # noqa: E402
+    GROUP, PLURAL, VERSION, job_spec, make_nodes, remove_bench_objects, scrape_operator,
+)
 
 TOUCH = "bench.kubetrain.io/touch"
 PHASES = ("launch", "touch", "idle", "finish", "delete")
@@ -330,9 +332,7 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
     print(f"namespace {namespace}, {args.fake_nodes} kwok nodes of {per_node} pods each; operator log {log_path}; "
           f"load average {loadavg()}", flush=True)
     try:
-        for name in node_names:
-            kubectl(env, "apply", "-f", "-", input=json.dumps(
-                fake_node(name=name, cpu="1000", memory="4Ti", pods=str(per_node), gpus="0", labels={"pool": pool})))
+        make_nodes(env, node_names, pool=pool, per_node=per_node)
         wait_for("the namespace's ServiceAccount", lambda: bool(core.list_namespaced_service_account(namespace).items), 60)
         time.sleep(3)  # let kwok mark the new nodes Ready
         for n in sizes:
@@ -342,15 +342,7 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
         return 0 if all(r["ok"] for r in results) else 1
     finally:
         if not args.keep:
-            try:
-                core.delete_namespace(namespace)
-            except client.ApiException:
-                pass
-            for name in node_names:
-                try:
-                    core.delete_node(name)
-                except client.ApiException:
-                    pass
+            remove_bench_objects(core, namespace, node_names)
 
 
 if __name__ == "__main__":

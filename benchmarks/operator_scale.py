@@ -355,9 +355,7 @@ def main() -> int:
     core.create_namespace({"metadata": {"name": namespace}})
     per_node = (args.jobs * args.nodes) // args.fake_nodes + 20
     node_names = [f"{pool}-{i}" for i in range(args.fake_nodes)]
-    for name in node_names:
-        kubectl(env, "apply", "-f", "-", input=json.dumps(
-            fake_node(name=name, cpu="1000", memory="4Ti", pods=str(per_node), gpus="0", labels={"pool": pool})))
+    make_nodes(env, node_names, pool=pool, per_node=per_node)
     while not core.list_namespaced_service_account(namespace).items:
         time.sleep(0.2)
     time.sleep(3)  # let kwok mark the new nodes Ready
@@ -437,15 +435,28 @@ def main() -> int:
     finally:
         pods.stop.set()
         if not args.keep:
-            try:
-                core.delete_namespace(namespace)
-            except client.ApiException:
-                pass
-            for name in node_names:
-                try:
-                    core.delete_node(name)
-                except client.ApiException:
-                    pass
+            remove_bench_objects(core, namespace, node_names)
+
+
+
+def make_nodes(env: object, names: list[str], *, pool: str, per_node: int) -> None:
+    """kwok nodes labelled pool=<pool>, each with room for `per_node` pods (shared with operator_growth.py)."""
+    for name in names:
+        kubectl(env, "apply", "-f", "-", input=json.dumps(
+            fake_node(name=name, cpu="1000", memory="4Ti", pods=str(per_node), gpus="0", labels={"pool": pool})))
+
+
+def remove_bench_objects(core: client.CoreV1Api, namespace: str, node_names: list[str]) -> None:
+    """Delete a benchmark's namespace and kwok nodes, whatever is already gone."""
+    try:
+        core.delete_namespace(namespace)
+    except client.ApiException:
+        pass
+    for name in node_names:
+        try:
+            core.delete_node(name)
+        except client.ApiException:
+            pass
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 from kubetrain_trainer import Trainer, TrainerCallback, TrainingPreempted
 from kubetrain_trainer.checkpoint import list_checkpoints
 from kubetrain_trainer.readiness import READY_MARKER
+from test_trainer_resume import StopAt
 
 STEPS = 12
 
@@ -66,15 +67,6 @@ class Watch(TrainerCallback):
 
     def on_save(self, args, state, control, checkpoint_dir=None, **kwargs):
         self.saves.append((state.global_step, os.path.basename(checkpoint_dir)))
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def _params(model):
