@@ -215,12 +215,16 @@ def _demo_job(name: str, *, images, real_node, testbed, prefix: str, args: dict 
     return job
 
 
-def _wait_finished(core, testbed_env, ns: str, name: str, timeout: float = 540) -> dict:
+def _job_status(core, ns: str, name: str) -> dict:
     from kubernetes import client
 
+    return client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
+        "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+
+
+def _wait_finished(core, testbed_env, ns: str, name: str, timeout: float = 540) -> dict:
     def finished():
-        st = client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
-            "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
+        st = _job_status(core, ns, name)
         return st if st.get("phase") in ("Succeeded", "Failed") else None
 
     return wait_for(finished, timeout=timeout, interval=2, what=f"TrainingJob {name} to finish",
@@ -299,13 +303,6 @@ def test_eviction_sigterms_pid_1_which_commits_an_emergency_checkpoint_and_attem
     assert f"checkpoint-{hold + 1}" in rank0 and "resuming from" in rank0, rank0[-3000:]
     assert max(committed) == 60 and committed[60]["attempt"] == 2
     print(f"\n[real node] eviction -> attempt 2 Running in {restart_s:.1f}s ({len(running2)} pods)")
-
-
-def _job_status(core, ns: str, name: str) -> dict:
-    from kubernetes import client
-
-    return client.CustomObjectsApi(core.api_client).get_namespaced_custom_object(
-        "kubetrain.io", "v1alpha1", ns, "trainingjobs", name).get("status") or {}
 
 
 def test_kueue_preempts_a_low_priority_gang_which_commits_an_emergency_checkpoint_and_resumes_when_readmitted(
