@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def extract_logits(outputs: Any) -> torch.Tensor | None:
 
 
 def call_model(model: Any, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
+    if type(inputs) is dict or isinstance(inputs, Mapping):  # a dict, or a collator's BatchEncoding (a UserDict)
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from .args import TrainingArguments
@@ -82,8 +83,6 @@ def step_groups_at_once(optimizer: torch.optim.Optimizer) -> list[dict] | None:
 
 
 def _global_step_hooks() -> bool:
-    from torch.optim import optimizer as torch_optimizer
-
     return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
