@@ -11,7 +11,8 @@ Each direction is timed twice on the same bytes in the same run:
 
 - kubetrain: upload = the commit protocol (`commit.CommitProtocol.run`: sha256 of every file,
   list, per-file upload with the claims fence, manifest last), download = `restore.restore_newest`
-  (list, manifest, download, sha256 of every file, rename into place): what the launcher does;
+  (list, manifest, download with every file's sha256 computed as its parts land in order, rename into
+  place): what the launcher does;
 - raw: one `s3transfer` TransferManager (boto3's own) with a tuned TransferConfig
   (max_concurrency 16, 32 MiB parts, a 16-connection pool), every file submitted at once, no hashing.
 
@@ -19,7 +20,7 @@ Each transfer runs in its own child process (so its peak RSS is its own), kubetr
 alternate (A B, B A, ...), and a ratio is raw seconds / kubetrain seconds within one round
 (kubetrain's share of raw throughput; goal >= 0.9x), reported as median and range over rounds.
 Peak RSS of kubetrain's upload process is also measured at `--rss-sizes` (goal <= 256 MiB at any
-size). Last, a 2-node sharded FSDP-layout checkpoint is committed by two nodes (node parts, then
+size), and the download's in every round (parts that land early wait in memory for the hash). Last, a 2-node sharded FSDP-layout checkpoint is committed by two nodes (node parts, then
 the manifest) and restored once per node: bytes each node downloads vs the bytes its ranks' shards
 and the shared files take. Prints figures; not a test.
 
@@ -336,7 +337,7 @@ def main() -> None:
         for shape in args.shapes.split(","):
             src = work / f"src-{shape}" / "checkpoint-1"
             nbytes = make_checkpoint(src, shape, size)
-            rounds, rss, ratios_up, ratios_down = [], [], [], []
+            rounds, rss, rss_down, ratios_up, ratios_down = [], [], [], [], []
             for rnd in range(args.rounds):
                 kt_prefix, raw_prefix = f"kt-{shape}-{rnd}", f"raw-{shape}-{rnd}"
                 order = ("kt", "raw") if rnd % 2 == 0 else ("raw", "kt")
@@ -359,11 +360,14 @@ def main() -> None:
                 ratios_down.append(t["raw-down"]["seconds"] / t["kt-down"]["seconds"])
                 rounds.append(t)
                 rss.append(t["kt-up"]["peak_rss_mib"])
+                rss_down.append(t["kt-down"]["peak_rss_mib"])
                 mbps = {k: nbytes / MiB / v["seconds"] for k, v in t.items()}
                 print(f"  {shape} round {rnd + 1}: " + ", ".join(f"{k} {v:.0f} MiB/s" for k, v in mbps.items())
                       + f"; peak RSS kt-up {t['kt-up']['peak_rss_mib']:.0f} MiB, raw-up "
-                        f"{t['raw-up']['peak_rss_mib']:.0f} MiB", flush=True)
-            results[shape] = {"bytes": nbytes, "up": ratios_up, "down": ratios_down, "rss": rss, "rounds": rounds}
+                        f"{t['raw-up']['peak_rss_mib']:.0f} MiB, kt-down {t['kt-down']['peak_rss_mib']:.0f} MiB, "
+                        f"raw-down {t['raw-down']['peak_rss_mib']:.0f} MiB", flush=True)
+            results[shape] = {"bytes": nbytes, "up": ratios_up, "down": ratios_down, "rss": rss, "rss_down": rss_down,
+                              "rounds": rounds}
             shutil.rmtree(src.parent)
         rss_by_size: dict[str, list] = {}
         for extra in [int(s) for s in args.rss_sizes.split(",") if s]:
@@ -380,11 +384,12 @@ def main() -> None:
 
     print(f"\nkubetrain / raw TransferManager throughput (raw s / kubetrain s), median (range) of {args.rounds} "
           f"rounds, {args.size} MiB; goal >= 0.90x")
-    print("| shape | upload | download | kubetrain upload peak RSS (MiB) |")
+    print("| shape | upload | download | kubetrain peak RSS (MiB), upload / download |")
     print("|---|---|---|---|")
     for shape, r in results.items():
         files = "1 file" if shape == "one" else f"{r['bytes'] // (FILE_MB * MiB)} x {FILE_MB} MiB + {len(SMALL_FILES)} json"
-        print(f"| {shape} ({files}) | {_fmt(r['up'])} | {_fmt(r['down'])} | {max(r['rss']):.0f} |")
+        print(f"| {shape} ({files}) | {_fmt(r['up'])} | {_fmt(r['down'])} | {max(r['rss']):.0f} / "
+              f"{max(r['rss_down']):.0f} |")
     if rss_by_size:
         print("\nkubetrain upload peak RSS by checkpoint size (goal <= 256 MiB at any size)")
         for shape, rows in rss_by_size.items():

@@ -13,7 +13,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Mapping
+from typing import BinaryIO, Iterable, Mapping
 
 from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, _numeric_only, rfc3339
@@ -26,6 +26,27 @@ def sha256_file(path: Path, *, chunk: int = 4 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+class HashingSink:
+    """A write-only stream into an open file that hashes what passes through it, so a download is
+    verified without a second read of the file. It has `write` and nothing else on purpose: s3transfer
+    treats a target without `seek` as a stream and hands it the bytes in order (its DeferQueue holds
+    parts that arrive early), however many parts are in flight."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self._sha.update(data)  # hashlib releases the GIL for large buffers
+        self._fh.write(data)
+        self.size += len(data)
+        return len(data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -18,12 +18,11 @@ import os
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
-from kubetrain_trainer.hashing import sha256_file
+from kubetrain_trainer.hashing import HashingSink, sha256_file
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -33,73 +32,11 @@ from kubetrain_trainer.layout import (
     parse_claim_name,
 )
 from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
-from kubetrain_trainer.storage_errors import ChecksumError, StorageError, StoragePermanentError, classify, error_code
+from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig
+from kubetrain_trainer.storage_errors import ChecksumError, StorageError, classify, error_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class S3Location:
-    bucket: str
-    prefix: str
-    """Key prefix without leading or trailing slash ('' for the bucket root)."""
-
-    @classmethod
-    def parse(cls, uri: str) -> "S3Location":
-        if not uri.startswith("s3://"):
-            raise StoragePermanentError(f"checkpoint URI must start with s3://, got {uri!r}")
-        rest = uri[len("s3://") :]
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise StoragePermanentError(f"checkpoint URI has no bucket: {uri!r}")
-        return cls(bucket=bucket, prefix=prefix.strip("/"))
-
-    @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-
-    def key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """How to reach S3. Read from the pod environment once (`from_env`)."""
-
-    uri: str
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
-    multipart_threshold: int = 64 << 20
-    multipart_chunksize: int = 64 << 20
-    max_concurrency: int = 4
-    """Parts of one file in flight at once (multipart transfers)."""
-    file_concurrency: int = 8
-    """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`."""
-    upload_file_concurrency: int = 4
-    """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence
-    check and is cut within one part by it, so what a zombie writes after a newer claim is bounded by
-    this many in-flight requests (commit.py); 1 uploads one file after another."""
-    test_upload_bytes_per_second: int = 0
-    """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
-    test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "StorageConfig":
-        raw = env.get(UPLOAD_RATE_ENV, "").strip() or "0"
-        if not raw.isdigit():
-            raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
-        return cls(
-            uri=env["KUBETRAIN_CHECKPOINT_URI"],
-            endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
-            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **{"test_upload_bytes_per_second": int(raw), **overrides},
-        )
-
-
-UPLOAD_RATE_ENV = "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"
 
 
 class _Throttle:
@@ -219,11 +156,14 @@ class CheckpointStore:
                     _copy(existing, target)
         missing = [f for f in manifest.files if not (staging / f.path).exists()]
 
-        def fetch(f: FileEntry) -> None:  # each file verified on its own thread, while others download
+        width = max(1, min(self.config.file_concurrency, len(missing)))
+        parts = max(self.config.max_concurrency, self.config.download_parts_in_flight // width)
+
+        def fetch(f: FileEntry) -> None:  # each file hashed as its bytes land, while others download
             target = staging / f.path
             key = self.location.key(checkpoint_dirname(manifest.step), f.path)
-            self._call("download", key, lambda: self._download(key, target, manifest.step))
-            if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
+            size, digest = self._call("download", key, lambda: self._download(key, target, manifest.step, parts))
+            if size != f.size or digest != f.sha256:
                 raise ChecksumError(f"checkpoint-{manifest.step}/{f.path}: downloaded bytes do not match the manifest")
 
         try:
@@ -237,9 +177,19 @@ class CheckpointStore:
         staging.rename(final)
         return final
 
-    def _download(self, key: str, target: Path, step: int) -> None:
+    def _download(self, key: str, target: Path, step: int, parts: int) -> tuple[int, str]:
+        """(bytes, sha256) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=self.config.multipart_threshold,
+                                multipart_chunksize=self.config.download_chunksize, max_concurrency=parts,
+                                use_threads=parts > 1)
+        config.max_in_memory_download_chunks = parts  # s3transfer's bound on parts held; boto3's __init__ lacks it
         try:
-            self._client.download_file(self.location.bucket, key, str(target), Config=self._transfer)
+            with open(target, "wb") as fh:
+                sink = HashingSink(fh)
+                self._client.download_fileobj(self.location.bucket, key, sink, Config=config)
+            return sink.size, sink.hexdigest()
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None
@@ -418,9 +368,9 @@ def _make_client(config: StorageConfig) -> Any:
         connect_timeout=config.connect_timeout_s,
         read_timeout=config.read_timeout_s,
         retries={"max_attempts": 3, "mode": "standard"},
-        # A restore has every file's parts in flight at once (`file_concurrency` x `max_concurrency`).
-        max_pool_connections=max(10, max(config.file_concurrency, config.upload_file_concurrency)
-                                 * config.max_concurrency),
+        # A restore has every file's parts in flight at once (`_download`'s share of them each).
+        max_pool_connections=max(10, config.download_parts_in_flight,
+                                 max(config.file_concurrency, config.upload_file_concurrency) * config.max_concurrency),
         # S3-compatible servers (MinIO) address buckets by path, not by host.
         s3={"addressing_style": "path" if config.endpoint_url else "auto"},
     )

@@ -13,7 +13,7 @@ from kubetrain_testbed import free_port
 from kubetrain_trainer.decisions import RetentionPolicy, newest_complete
 from kubetrain_trainer.retry import Backoff
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
-from kubetrain_trainer.storage_errors import StoragePermanentError, StorageTemporaryError
+from kubetrain_trainer.storage_errors import ChecksumError, StoragePermanentError, StorageTemporaryError
 from kubetrain_trainer.restore import restore_newest
 from kubetrain_trainer.commit import SyncSettings
 from kubetrain_trainer.sync import CheckpointUploader
@@ -74,6 +74,28 @@ def test_commit_and_restore_round_trip_is_byte_exact_with_multipart(ckpt_env, mi
     assert restored.committed.step == 40 and restored.committed.uri.endswith("/ns/job/checkpoint-40")
     assert restored.history == {(40, 0, 1)}
     _same_tree(src, restored.path)
+
+
+def test_a_large_file_restores_byte_exact_with_its_parts_in_flight_and_a_changed_part_is_caught(
+        ckpt_env, minio, tmp_path: Path):
+    # One 23 MiB file in 5 MiB ranged GETs, 8 in flight: parts land out of order, and the file and its
+    # sha256 (computed as the bytes land, no second read) must still be the object's, in order.
+    store = _store(ckpt_env, download_chunksize=5 * MiB, download_parts_in_flight=8)
+    src = _checkpoint(tmp_path / "out", 40, big=23 * MiB + 12345)
+    up = _uploader(store, tmp_path)
+    assert up.submit(src, 40)
+    assert up.close(240), up.status_line()
+    (c,) = store.list_checkpoints()
+    _same_tree(src, store.download_checkpoint(c.manifest, tmp_path / "restore"))
+    # The same object with one byte changed inside its fourth part (same size): the download's hash catches it
+    # and nothing lands under the final name.
+    data = bytearray((src / "big.bin").read_bytes())
+    data[3 * 5 * MiB + 7] ^= 0xFF
+    minio.client().put_object(Bucket=store.location.bucket, Key=store.location.key("checkpoint-40", "big.bin"),
+                              Body=bytes(data))
+    with pytest.raises(ChecksumError, match="big.bin"):
+        store.download_checkpoint(c.manifest, tmp_path / "again")
+    assert not (tmp_path / "again" / "checkpoint-40").exists()
 
 
 def test_torn_and_mismatching_checkpoints_are_never_restored_and_torn_ones_are_cleaned(ckpt_env, minio, tmp_path):

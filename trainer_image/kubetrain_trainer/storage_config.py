@@ -1,0 +1,80 @@
+"""Where a job's checkpoints live in S3 and how to reach it: the store's address and its transfer settings.
+
+Plain data, read from the pod environment once (`StorageConfig.from_env`); `storage.py` (the only
+module that talks to S3) acts on it and re-exports both names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kubetrain_trainer.storage_errors import StoragePermanentError
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str
+    """Key prefix without leading or trailing slash ('' for the bucket root)."""
+
+    @classmethod
+    def parse(cls, uri: str) -> "S3Location":
+        if not uri.startswith("s3://"):
+            raise StoragePermanentError(f"checkpoint URI must start with s3://, got {uri!r}")
+        rest = uri[len("s3://") :]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise StoragePermanentError(f"checkpoint URI has no bucket: {uri!r}")
+        return cls(bucket=bucket, prefix=prefix.strip("/"))
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How to reach S3. Read from the pod environment once (`from_env`)."""
+
+    uri: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    multipart_threshold: int = 64 << 20
+    multipart_chunksize: int = 64 << 20
+    max_concurrency: int = 4
+    """Parts of one file in flight at once (multipart transfers)."""
+    file_concurrency: int = 8
+    """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`."""
+    download_parts_in_flight: int = 16
+    """Parts in flight on a restore, shared by the files downloading together (at least `max_concurrency`
+    each): one large file gets them all. Each file's parts are hashed in order as they land, and a part
+    that lands early waits in memory, so at most this many `download_chunksize` parts are buffered."""
+    download_chunksize: int = 16 << 20
+    upload_file_concurrency: int = 4
+    """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence
+    check and is cut within one part by it, so what a zombie writes after a newer claim is bounded by
+    this many in-flight requests (commit.py); 1 uploads one file after another."""
+    test_upload_bytes_per_second: int = 0
+    """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
+    test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "StorageConfig":
+        raw = env.get(UPLOAD_RATE_ENV, "").strip() or "0"
+        if not raw.isdigit():
+            raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
+        return cls(
+            uri=env["KUBETRAIN_CHECKPOINT_URI"],
+            endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            **{"test_upload_bytes_per_second": int(raw), **overrides},
+        )
+
+
+UPLOAD_RATE_ENV = "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"
