@@ -28,25 +28,66 @@ def sha256_file(path: Path, *, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
-class HashingSink:
-    """A write-only stream into an open file that hashes what passes through it, so a download is
-    verified without a second read of the file. It has `write` and nothing else on purpose: s3transfer
-    treats a target without `seek` as a stream and hands it the bytes in order (its DeferQueue holds
-    parts that arrive early), however many parts are in flight."""
+class HashingFile:
+    """The file a download writes, hashing its bytes as they land, so a restore needs no second pass.
+
+    s3transfer writes each part's chunks at their offsets (`seek` + `write`, from its one IO thread)
+    in the order they arrive, many parts in flight. The sha256 follows the contiguous prefix: a chunk
+    that extends it is hashed from memory, and chunks that landed ahead of it are read back (from the
+    page cache) once the gap before them closes. Nothing is held in memory. Anything irregular (a
+    retried part rewriting bytes already hashed, chunks that never close the prefix) is not trusted:
+    `hexdigest` then hashes the whole file again.
+    """
 
     def __init__(self, fh: BinaryIO) -> None:
-        self._fh = fh
+        self._fd = fh.fileno()  # opened for reading too ("w+b"): early chunks are read back
         self._sha = hashlib.sha256()
-        self.size = 0
+        self._pos = self._front = self.size = 0
+        self._ahead: dict[int, int] = {}  # start -> end of chunks written past the prefix
+        self._irregular = False
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise OSError("HashingFile seeks to absolute offsets only")
+        self._pos = offset
+        return offset
 
     def write(self, data: bytes) -> int:
-        self._sha.update(data)  # hashlib releases the GIL for large buffers
-        self._fh.write(data)
-        self.size += len(data)
+        start = self._pos
+        os.pwrite(self._fd, data, start)
+        self._pos = end = start + len(data)
+        self.size = max(self.size, end)
+        if start == self._front:
+            self._sha.update(data)  # hashlib releases the GIL for large buffers
+            self._front = end
+            while self._front in self._ahead:
+                self._hash_file(self._front, self._ahead.pop(self._front))
+        elif start > self._front:
+            self._ahead[start] = end
+        else:
+            self._irregular = True  # bytes before the prefix's end written again
         return len(data)
 
     def hexdigest(self) -> str:
+        if self._irregular or self._ahead or self._front != self.size:
+            self._sha, self._front = hashlib.sha256(), 0
+            self._hash_file(0, self.size)
         return self._sha.hexdigest()
+
+    def _hash_file(self, start: int, end: int) -> None:
+        while start < end:
+            block = os.pread(self._fd, min(end - start, 4 << 20), start)
+            if not block:
+                raise OSError(f"short read at {start} of a downloaded file")
+            self._sha.update(block)
+            start += len(block)
+        self._front = end
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
-from kubetrain_trainer.hashing import HashingSink, sha256_file
+from kubetrain_trainer.hashing import HashingFile, sha256_file
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -184,12 +184,11 @@ class CheckpointStore:
         config = TransferConfig(multipart_threshold=self.config.multipart_threshold,
                                 multipart_chunksize=self.config.download_chunksize, max_concurrency=parts,
                                 use_threads=parts > 1)
-        config.max_in_memory_download_chunks = parts  # s3transfer's bound on parts held; boto3's __init__ lacks it
         try:
-            with open(target, "wb") as fh:
-                sink = HashingSink(fh)
-                self._client.download_fileobj(self.location.bucket, key, sink, Config=config)
-            return sink.size, sink.hexdigest()
+            with open(target, "w+b") as fh:
+                written = HashingFile(fh)
+                self._client.download_fileobj(self.location.bucket, key, written, Config=config)
+                return written.size, written.hexdigest()
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None

@@ -53,9 +53,8 @@ class StorageConfig:
     """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`."""
     download_parts_in_flight: int = 16
     """Parts in flight on a restore, shared by the files downloading together (at least `max_concurrency`
-    each): one large file gets them all. Each file's parts are hashed in order as they land, and a part
-    that lands early waits in memory, so at most this many `download_chunksize` parts are buffered."""
-    download_chunksize: int = 16 << 20
+    each): one large file gets them all. Each file is hashed as its bytes land (`hashing.HashingFile`)."""
+    download_chunksize: int = 32 << 20
     upload_file_concurrency: int = 4
     """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence
     check and is cut within one part by it, so what a zombie writes after a newer claim is bounded by

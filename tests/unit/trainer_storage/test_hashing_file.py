@@ -1,0 +1,79 @@
+"""HashingFile: the file a restore downloads into, its sha256 following the bytes as they land."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+from s3transfer.compat import seekable
+
+from kubetrain_trainer.hashing import HashingFile
+
+CHUNK = 1000
+
+
+def _land(path: Path, data: bytes, chunks: list[tuple[int, int]]) -> tuple[HashingFile, str]:
+    """Write `chunks` (start, end) of `data` as s3transfer's IO thread does (seek, then write)."""
+    with open(path, "w+b") as fh:
+        out = HashingFile(fh)
+        for start, end in chunks:
+            out.seek(start)
+            out.write(data[start:end])
+        return out, out.hexdigest()
+
+
+def _chunks(size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)]
+
+
+def test_s3transfer_writes_it_at_offsets():
+    # The property the restore relies on: seekable, so s3transfer writes parts where they belong (no
+    # reordering buffer in memory).
+    assert seekable(HashingFile.__new__(HashingFile))
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "last first", "parts interleaved"])
+def test_chunks_landing_in_any_order_give_the_file_and_its_sha256(tmp_path, order):
+    data = os.urandom(37 * CHUNK + 123)
+    chunks = _chunks(len(data))
+    if order == "shuffled":
+        random.Random(7).shuffle(chunks)
+    elif order == "last first":
+        chunks = chunks[::-1]
+    elif order == "parts interleaved":  # 4 parts of 10 chunks in flight, one chunk of each in turn
+        parts = [chunks[i:i + 10] for i in range(0, len(chunks), 10)]
+        chunks = [part[i] for i in range(10) for part in parts if i < len(part)]
+    out, digest = _land(tmp_path / "f", data, chunks)
+    assert (tmp_path / "f").read_bytes() == data
+    assert out.size == len(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+
+
+def test_a_retried_part_that_rewrites_hashed_bytes_is_hashed_again_from_the_file(tmp_path):
+    data = bytearray(os.urandom(10 * CHUNK))
+    chunks = _chunks(len(data))
+    path = tmp_path / "f"
+    with open(path, "w+b") as fh:
+        out = HashingFile(fh)
+        for start, end in chunks[:5]:
+            out.seek(start)
+            out.write(bytes(data[start:end]))
+        data[2 * CHUNK] ^= 0xFF  # the retry brought other bytes (the object changed under us)
+        for start, end in chunks[2:]:
+            out.seek(start)
+            out.write(bytes(data[start:end]))
+        digest = out.hexdigest()
+    # The hash is the file's, not the first bytes seen: the manifest check sees what will be loaded.
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
+
+
+def test_a_gap_that_never_closes_is_hashed_from_the_file_with_its_hole(tmp_path):
+    data = os.urandom(6 * CHUNK)
+    chunks = [c for i, c in enumerate(_chunks(len(data))) if i != 2]  # chunk 2 never lands
+    out, digest = _land(tmp_path / "f", data, chunks)
+    on_disk = (tmp_path / "f").read_bytes()
+    assert on_disk != data and digest == hashlib.sha256(on_disk).hexdigest()
+    assert digest != hashlib.sha256(data).hexdigest()
