@@ -85,7 +85,7 @@ HOLD_SECONDS_ENV = TEST_HOLD_SECONDS
 
 
 class HoldAtStep(TrainerCallback):
-    """TEST HOOK (off unless `KUBETRAIN_TEST_HOLD_AT_STEP` is set): after saving step N, wait for a SIGTERM.
+    """TEST HOOK (off unless `KUBETRAIN_TEST_HOLD_AT_STEP` is set): once checkpoint-N is saved, wait for a SIGTERM.
 
     Tests that preempt a job "midway" need midway to be a step they choose,
     not a moment they hope for: a fast machine trains the demo model in a
@@ -100,13 +100,19 @@ class HoldAtStep(TrainerCallback):
         self.trainer, self.step, self.max_seconds, self.poll_s = trainer, step, max_seconds, poll_s
 
     def on_save(self, args, state, control, **kwargs):
+        import os
         import time
 
         import torch
 
         from . import distributed as dist_util
+        from .layout import parse_checkpoint_dirname
 
-        if state.global_step != self.step:
+        # The checkpoint's own step: with async_save, on_save fires when checkpoint-N is committed, a step or
+        # more after N (at the same step on every rank, so every rank takes the same branch).
+        folder = kwargs.get("checkpoint_dir")
+        saved = parse_checkpoint_dirname(os.path.basename(folder)) if folder else None
+        if (state.global_step if saved is None else saved) != self.step:
             return control
         logger.warning("test hook: holding after step %d until SIGTERM (at most %.0f s)", self.step, self.max_seconds)
         deadline = time.monotonic() + self.max_seconds

@@ -95,6 +95,19 @@ def test_hold_at_step_ends_after_its_time_and_a_resumed_run_never_holds(tmp_path
     assert (out / "checkpoint-6").is_dir()
 
 
+def test_hold_at_step_holds_an_async_save_run_once_its_checkpoint_is_committed(tmp_path, caplog):
+    # With async_save, checkpoint-2's on_save fires when its background write is committed: at step 3 or
+    # later, never at step 2. The hold must key on the checkpoint, not on the step on_save fires at.
+    out = tmp_path / "out"
+    env = {**_env(output_dir=str(out), max_steps=6, save_steps=2, async_save=True),
+           "KUBETRAIN_TEST_HOLD_AT_STEP": "2", "KUBETRAIN_TEST_HOLD_SECONDS": "0.2"}
+    with caplog.at_level("WARNING", logger="kubetrain_trainer"):
+        assert run(env, []) == 0
+    assert "test hook: holding after step 2" in caplog.text
+    assert "test hook: released after step 2 (hold time over)" in caplog.text
+    assert (out / "checkpoint-6").is_dir()
+
+
 @pytest.mark.parametrize("hold, seconds", [("x", "1"), ("0", "1"), ("3", "0"), ("3", "soon")])
 def test_hold_at_step_bad_values_are_config_errors(hold, seconds, capsys):
     env = {**_env(max_steps=1), "KUBETRAIN_TEST_HOLD_AT_STEP": hold, "KUBETRAIN_TEST_HOLD_SECONDS": seconds}
