@@ -143,6 +143,7 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int, *, contro
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(**_common_args(out, steps), report_to=["none"])
+        assert args.optim == "adamw_torch_fused", args.optim  # the raw loop's optimizer
         Trainer(model=model, args=args, train_dataset=data, callbacks=[Pair()]).train()
     return diffs[WARMUP:]
 

@@ -1,9 +1,10 @@
 """Local hashing: a checkpoint folder on this node's disk, turned into (or checked against) a commit record.
 
-Every file is read once for its sha256 (`scan_folder`) before upload, and
-again after a restore (`verify_local`); `build_manifest` adds the metrics and
-the best-checkpoint record from the folder's trainer_state.json. No network:
-`storage.py` uploads and downloads, `sync.py` decides when.
+Every file is read once for its sha256 (`scan_folder`) before upload; a restore
+hashes each file as its bytes land (`HashingFile`), and `verify_local` checks a
+folder already on disk; `build_manifest` adds the metrics and the best-checkpoint
+record from the folder's trainer_state.json. No network: `storage.py` uploads and
+downloads, `sync.py` decides when.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class HashingFile:
 
     def write(self, data: bytes) -> int:
         start = self._pos
-        os.pwrite(self._fd, data, start)
+        self._write_all(data, start)  # never hash bytes the file did not get
         self._pos = end = start + len(data)
         self.size = max(self.size, end)
         if start == self._front:
@@ -79,6 +80,14 @@ class HashingFile:
             self._sha, self._front = hashlib.sha256(), 0
             self._hash_file(0, self.size)
         return self._sha.hexdigest()
+
+    def _write_all(self, data: bytes, offset: int) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self._fd, view, offset)
+            if n <= 0:
+                raise OSError(f"no byte written at offset {offset} of a downloaded file")
+            view, offset = view[n:], offset + n
 
     def _hash_file(self, start: int, end: int) -> None:
         while start < end:

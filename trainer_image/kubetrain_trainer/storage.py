@@ -156,8 +156,10 @@ class CheckpointStore:
                     _copy(existing, target)
         missing = [f for f in manifest.files if not (staging / f.path).exists()]
 
-        width = max(1, min(self.config.file_concurrency, len(missing)))
-        parts = max(self.config.max_concurrency, self.config.download_parts_in_flight // width)
+        # Only files at or above the multipart threshold are fetched in parts: they share the parts in flight.
+        big = sum(1 for f in missing if f.size >= self.config.multipart_threshold)
+        parts = max(self.config.max_concurrency,
+                    self.config.download_parts_in_flight // max(1, min(self.config.file_concurrency, big)))
 
         def fetch(f: FileEntry) -> None:  # each file hashed as its bytes land, while others download
             target = staging / f.path

@@ -52,8 +52,9 @@ class StorageConfig:
     file_concurrency: int = 8
     """Files of one checkpoint downloaded (and verified) at once by `download_checkpoint`."""
     download_parts_in_flight: int = 16
-    """Parts in flight on a restore, shared by the files downloading together (at least `max_concurrency`
-    each): one large file gets them all. Each file is hashed as its bytes land (`hashing.HashingFile`)."""
+    """Parts in flight on a restore, shared by the checkpoint's files large enough to be fetched in parts
+    (`multipart_threshold`; at least `max_concurrency` each): one large file beside small ones gets them all.
+    Each file is hashed as its bytes land (`hashing.HashingFile`)."""
     download_chunksize: int = 32 << 20
     upload_file_concurrency: int = 4
     """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence

@@ -77,3 +77,31 @@ def test_a_gap_that_never_closes_is_hashed_from_the_file_with_its_hole(tmp_path)
     on_disk = (tmp_path / "f").read_bytes()
     assert on_disk != data and digest == hashlib.sha256(on_disk).hexdigest()
     assert digest != hashlib.sha256(data).hexdigest()
+
+
+def test_short_writes_are_completed_before_the_bytes_are_hashed(tmp_path, monkeypatch):
+    # pwrite may write less than asked (a full disk, a file-size limit, FUSE): the file must get every byte
+    # the hash saw, or the digest would vouch for bytes that are not on disk.
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real(fd, bytes(data[:300]), offset))
+    data = os.urandom(5 * CHUNK + 7)
+    out, digest = _land(tmp_path / "f", data, _chunks(len(data))[::-1])
+    assert (tmp_path / "f").read_bytes() == data
+    assert digest == hashlib.sha256(data).hexdigest()
+
+
+def test_a_region_rewritten_before_the_prefix_reaches_it_is_hashed_as_finally_written(tmp_path):
+    data = bytearray(os.urandom(6 * CHUNK))
+    chunks = _chunks(len(data))
+    path = tmp_path / "f"
+    with open(path, "w+b") as fh:
+        out = HashingFile(fh)
+        for start, end in chunks[3:]:  # a later part lands first
+            out.seek(start)
+            out.write(bytes(data[start:end]))
+        data[4 * CHUNK + 1] ^= 0xFF  # that part is retried and brings other bytes
+        for start, end in chunks[3:] + chunks[:3]:
+            out.seek(start)
+            out.write(bytes(data[start:end]))
+        digest = out.hexdigest()
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
