@@ -41,6 +41,9 @@ def main():
         for level in LEVELS:
             logger.log(getattr(logging, level), "probe %s", name)
         print(f"rank={rank} ASKED {name} {logging.getLevelName(asked)}", flush=True)
+    # Both ranks are done before either tears its process group down: gloo can abort a process at exit
+    # ("terminate called without an active exception", SIGABRT) when its peer went away mid-teardown.
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
