@@ -68,49 +68,64 @@ def wait_queued(jobs: Jobs, name: str, reason: str | None = None, timeout: float
                      what=f"{name} Queued ({reason or 'any reason'})")
 
 
-class QueuedLog:
-    """Every (Queued reason, attempt, preemptions, failures) one existing job's status passed through, in the
-    order the API server sent them: a watch, so a reason that lasts a few milliseconds (Kueue requeues and may
-    readmit at once on a fast machine) is not missed between two polls. Built once the watch is streaming."""
+class WatchLog:
+    """A background watch on one kind of custom object in the test's namespace: `record` sees every object in
+    the order the API server sent it, so a state that lasts a few milliseconds (Kueue answers at once on a
+    fast machine) is not missed between two polls. `first_event_within`: wait until the watch streams."""
 
-    def __init__(self, jobs: Jobs, name: str) -> None:
+    def __init__(self, jobs: Jobs, group: str, version: str, plural: str, *, first_event_within: float = 0.0,
+                 **list_kwargs: Any) -> None:
         import threading
 
         from kubernetes import watch
 
-        self.seen: list[dict[str, Any]] = []
         self._stopped = False
         self._watch = watch.Watch()
-        self._streaming = threading.Event()  # the job's first event arrived: later changes will too
-        self._thread = threading.Thread(target=self._run, args=(jobs, name), daemon=True)
+        self._streaming = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(jobs, (group, version, jobs.namespace, plural),
+                                                                list_kwargs), daemon=True)
         self._thread.start()
-        if not self._streaming.wait(30):
-            raise AssertionError(f"no watch event for TrainingJob {name} within 30 s (does it exist yet?)")
+        if first_event_within and not self._streaming.wait(first_event_within):
+            raise AssertionError(f"no watch event on {plural} {list_kwargs} within {first_event_within:.0f} s")
 
-    def _run(self, jobs: Jobs, name: str) -> None:
+    def _run(self, jobs: Jobs, where: tuple, list_kwargs: dict[str, Any]) -> None:
         try:
-            for event in self._watch.stream(jobs.custom.list_namespaced_custom_object, "kubetrain.io", "v1alpha1",
-                                            jobs.namespace, "trainingjobs", field_selector=f"metadata.name={name}",
-                                            timeout_seconds=600):
+            for event in self._watch.stream(jobs.custom.list_namespaced_custom_object, *where, timeout_seconds=600,
+                                            **list_kwargs):
                 self._streaming.set()
-                status = event["object"].get("status") or {}
-                reason = queued_reason(status) if status.get("phase") == "Queued" else None
-                if reason is not None and (not self.seen or self.seen[-1]["reason"] != reason):
-                    self.seen.append({"reason": reason, "attempt": status.get("attempt", 0),
-                                      "preemptions": status.get("preemptions", 0),
-                                      "failures": status.get("failures", 0)})
+                self.record(event["object"])
         except Exception:  # the stream ends when the test stops it or the testbed goes
             if not self._stopped:
                 raise
+
+    def record(self, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._watch.stop()
+
+
+class QueuedLog(WatchLog):
+    """Every (Queued reason, attempt, preemptions, failures) one existing job's status passed through, in
+    order. Built once the watch streams (the job must exist)."""
+
+    def __init__(self, jobs: Jobs, name: str) -> None:
+        self.seen: list[dict[str, Any]] = []
+        super().__init__(jobs, "kubetrain.io", "v1alpha1", "trainingjobs", first_event_within=30,
+                         field_selector=f"metadata.name={name}")
+
+    def record(self, obj: dict[str, Any]) -> None:
+        status = obj.get("status") or {}
+        reason = queued_reason(status) if status.get("phase") == "Queued" else None
+        if reason is not None and (not self.seen or self.seen[-1]["reason"] != reason):
+            self.seen.append({"reason": reason, "attempt": status.get("attempt", 0),
+                              "preemptions": status.get("preemptions", 0), "failures": status.get("failures", 0)})
 
     def wait_reason(self, reason: str, timeout: float = TIMEOUT) -> dict[str, Any]:
         """The first record with `reason`."""
         return wait_until(lambda: [r for r in self.seen if r["reason"] == reason], bool, timeout=timeout,
                           what=f"Queued ({reason}) in the job's status")[0]
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._watch.stop()
 
 
 @pytest.fixture
@@ -333,35 +348,18 @@ def test_deleting_a_job_lets_its_workload_go(operator, jobs, kueue_queue):
     jobs.wait_phase("next", "Running", nodesReady=3, timeout=180)
 
 
-class PodsReadyLog:
+class PodsReadyLog(WatchLog):
     """Every PodsReady (status, reason) of the namespace's Workloads, in the order the API server sent
-    them (a watch, so a short-lived False/WaitForRecovery between two polls is not missed)."""
+    them (a short-lived False/WaitForRecovery between two polls is not missed)."""
 
     def __init__(self, jobs: Jobs) -> None:
-        import threading
-
-        from kubernetes import watch
-
         self.seen: list[tuple[str, str]] = []
-        self._stopped = False
-        self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, args=(jobs,), daemon=True)
-        self._thread.start()
+        super().__init__(jobs, kq.GROUP, kq.VERSION, kq.PLURAL)
 
-    def _run(self, jobs: Jobs) -> None:
-        try:
-            for event in self._watch.stream(jobs.custom.list_namespaced_custom_object, kq.GROUP, kq.VERSION,
-                                            jobs.namespace, kq.PLURAL, timeout_seconds=300):
-                cond = kq.WorkloadView.from_storage(event["object"]).pods_ready
-                if cond is not None and (not self.seen or self.seen[-1] != (cond.status, cond.reason)):
-                    self.seen.append((cond.status, cond.reason))
-        except Exception:  # the stream ends when the test stops it or the testbed goes
-            if not self._stopped:
-                raise
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._watch.stop()
+    def record(self, obj: dict[str, Any]) -> None:
+        cond = kq.WorkloadView.from_storage(obj).pods_ready
+        if cond is not None and (not self.seen or self.seen[-1] != (cond.status, cond.reason)):
+            self.seen.append((cond.status, cond.reason))
 
 
 def test_a_gang_recreated_after_a_pod_failure_reports_wait_for_recovery_then_recovered(operator, jobs, kueue_queue):

@@ -19,10 +19,14 @@ def _land(path: Path, data: bytes, chunks: list[tuple[int, int]]) -> tuple[Hashi
     """Write `chunks` (start, end) of `data` as s3transfer's IO thread does (seek, then write)."""
     with open(path, "w+b") as fh:
         out = HashingFile(fh)
-        for start, end in chunks:
-            out.seek(start)
-            out.write(data[start:end])
+        _write(out, data, chunks)
         return out, out.hexdigest()
+
+
+def _write(out: HashingFile, data: bytes | bytearray, chunks: list[tuple[int, int]]) -> None:
+    for start, end in chunks:
+        out.seek(start)
+        out.write(bytes(data[start:end]))
 
 
 def _chunks(size: int) -> list[tuple[int, int]]:
@@ -58,13 +62,9 @@ def test_a_retried_part_that_rewrites_hashed_bytes_is_hashed_again_from_the_file
     path = tmp_path / "f"
     with open(path, "w+b") as fh:
         out = HashingFile(fh)
-        for start, end in chunks[:5]:
-            out.seek(start)
-            out.write(bytes(data[start:end]))
+        _write(out, data, chunks[:5])
         data[2 * CHUNK] ^= 0xFF  # the retry brought other bytes (the object changed under us)
-        for start, end in chunks[2:]:
-            out.seek(start)
-            out.write(bytes(data[start:end]))
+        _write(out, data, chunks[2:])
         digest = out.hexdigest()
     # The hash is the file's, not the first bytes seen: the manifest check sees what will be loaded.
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
@@ -96,12 +96,8 @@ def test_a_region_rewritten_before_the_prefix_reaches_it_is_hashed_as_finally_wr
     path = tmp_path / "f"
     with open(path, "w+b") as fh:
         out = HashingFile(fh)
-        for start, end in chunks[3:]:  # a later part lands first
-            out.seek(start)
-            out.write(bytes(data[start:end]))
+        _write(out, data, chunks[3:])  # a later part lands first
         data[4 * CHUNK + 1] ^= 0xFF  # that part is retried and brings other bytes
-        for start, end in chunks[3:] + chunks[:3]:
-            out.seek(start)
-            out.write(bytes(data[start:end]))
+        _write(out, data, chunks[3:] + chunks[:3])
         digest = out.hexdigest()
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
