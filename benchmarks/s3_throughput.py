@@ -252,32 +252,41 @@ def run_child(minio: Minio, *args: str) -> dict:
 
 
 def sharded_restore(minio: Minio, work: Path, size: int) -> list[dict]:
-    """2 nodes x 1 rank, FSDP layout (DCP folders with one shard per rank, per-rank rng state,
-    shared small files). Each node commits its own files through the protocol (node parts, then node
-    rank 0's manifest), then each node restores into its own folder."""
+    """2 nodes x 1 rank, the FSDP layout `strategies/dcp_files.RankFilesWriter` writes: per DCP folder each
+    rank's proper shards in `__<r>_0.distcp`, what every rank loads in `__<r>_shared.distcp`, node rank 0's
+    `.metadata` and rank-files record; per-rank rng state; shared small files. Each node commits its own
+    files through the protocol (node parts, then node rank 0's manifest), then each node restores it as
+    the launcher does (`NodeRanks` of its node), into its own folder."""
     import threading as th
 
     from kubetrain_trainer.commit import ClaimsFence, CommitProtocol, SyncSettings, UploadJob
+    from kubetrain_trainer.layout import RANK_FILES_NAME
+    from kubetrain_trainer.rank_files import NodeRanks, RankFiles
     from kubetrain_trainer.restore import restore_newest
 
     uri = f"s3://{BUCKET}/sharded"
     os.environ.update(minio.env)
     block = os.urandom(4 * MiB)
     nodes = 2
+    record = RankFiles(world_size=nodes, private={r: (f"__{r}_0.distcp",) for r in range(nodes)}).to_json()
     folders, own = [], []
     for r in range(nodes):
         f = work / f"node-{r}" / "checkpoint-5"
-        mine = [f"pytorch_model_fsdp_0/__{r}_0.distcp", f"optimizer_0/__{r}_0.distcp", f"rng_state_{r}.pth"]
-        _write(f / mine[0], size // 6, block, f"mdl{r}".encode())
-        _write(f / mine[1], size // 3, block, f"opt{r}".encode())
-        _write(f / mine[2], 16 << 10, block, f"rng{r}".encode())
-        if r == 0:  # node rank 0 writes the shared files (DCP metadata, scheduler, trainer state)
+        mine = [f"pytorch_model_fsdp_0/__{r}_0.distcp", f"optimizer_0/__{r}_0.distcp"]
+        _write(f / mine[0], size // 3, block, f"mdl{r}".encode())
+        _write(f / mine[1], 2 * size // 3, block, f"opt{r}".encode())
+        for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+            _write(f / sub / f"__{r}_shared.distcp", 32 << 10, block, f"{sub}{r}".encode())
+        _write(f / f"rng_state_{r}.pth", 16 << 10, block, f"rng{r}".encode())
+        if r == 0:  # node rank 0 writes the shared files (DCP metadata and the records, scheduler, trainer state)
             for name in ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "scheduler.pt",
                          "trainer_state.json"):
                 _write(f / name, 64 << 10, block, name.encode())
+            for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+                (f / sub / RANK_FILES_NAME).write_bytes(record)
         folders.append(f)
         own.append(sum((f / m).stat().st_size for m in mine))
-    shared = sum(p.stat().st_size for p in folders[0].rglob("*") if p.is_file()) - own[0]
+    total = sum(p.stat().st_size for f in folders for p in f.rglob("*") if p.is_file())
     errors: list[BaseException] = []
 
     def commit(r: int) -> None:
@@ -296,15 +305,26 @@ def sharded_restore(minio: Minio, work: Path, size: int) -> list[dict]:
         t.join()
     if errors:
         raise errors[0]
-    total = sum(p.stat().st_size for f in folders for p in f.rglob("*") if p.is_file())
     out = []
     for r in range(nodes):
         dest = work / f"restore-{r}"
-        restored = restore_newest(_store(uri), dest, deadline=time.monotonic() + 600)
+        restored = restore_newest(_store(uri), dest, deadline=time.monotonic() + 600,
+                                  node=NodeRanks.of(node_rank=r, nnodes=nodes, world_size=nodes))
         got = sum(p.stat().st_size for p in restored.path.rglob("*") if p.is_file() and p.name != "manifest.json")
-        out.append({"node": r, "downloaded": got, "needed": own[r] + shared, "total": total})
+        out.append({"node": r, "downloaded": got, "needed": total - sum(own) + own[r], "total": total})
         shutil.rmtree(dest)
     return out
+
+
+def _print_throughput(args: argparse.Namespace, results: dict) -> None:
+    print(f"\nkubetrain / raw TransferManager throughput (raw s / kubetrain s), median (range) of {args.rounds} "
+          f"rounds, {args.size} MiB; goal >= 0.90x")
+    print("| shape | upload | download | kubetrain peak RSS (MiB), upload / download |")
+    print("|---|---|---|---|")
+    for shape, r in results.items():
+        files = "1 file" if shape == "one" else f"{r['bytes'] // (FILE_MB * MiB)} x {FILE_MB} MiB + {len(SMALL_FILES)} json"
+        print(f"| {shape} ({files}) | {_fmt(r['up'])} | {_fmt(r['down'])} | {max(r['rss']):.0f} / "
+              f"{max(r['rss_down']):.0f} |")
 
 
 # ------------------------------------------------------------------ main
@@ -318,7 +338,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=1024, help="checkpoint MiB per shape (default 1024)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--shapes", default="many,one")
+    ap.add_argument("--shapes", default="many,one", help="'' = none (only the sharded restore)")
     ap.add_argument("--rss-sizes", default="256", help="extra MiB sizes for the upload peak RSS ('' = none)")
     ap.add_argument("--sharded-size", type=int, default=128, help="MiB per node of the sharded checkpoint (0 = skip)")
     ap.add_argument("--workdir", default=None, help="parent of the temporary folder (default: the system's)")
@@ -334,7 +354,7 @@ def main() -> None:
     print(f"MinIO on {minio.endpoint}, data in {work}; load {os.getloadavg()[0]:.1f}, {os.cpu_count()} cpus")
     results: dict = {}
     try:
-        for shape in args.shapes.split(","):
+        for shape in [s for s in args.shapes.split(",") if s]:
             src = work / f"src-{shape}" / "checkpoint-1"
             nbytes = make_checkpoint(src, shape, size)
             rounds, rss, rss_down, ratios_up, ratios_down = [], [], [], [], []
@@ -371,7 +391,7 @@ def main() -> None:
             shutil.rmtree(src.parent)
         rss_by_size: dict[str, list] = {}
         for extra in [int(s) for s in args.rss_sizes.split(",") if s]:
-            for shape in args.shapes.split(","):
+            for shape in [s for s in args.shapes.split(",") if s]:
                 src = work / f"rss-{shape}-{extra}" / "checkpoint-1"
                 make_checkpoint(src, shape, extra * MiB)
                 r = run_child(minio, "kt-up", str(src), f"s3://{BUCKET}/rss-{shape}-{extra}", "1")
@@ -382,14 +402,8 @@ def main() -> None:
         minio.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nkubetrain / raw TransferManager throughput (raw s / kubetrain s), median (range) of {args.rounds} "
-          f"rounds, {args.size} MiB; goal >= 0.90x")
-    print("| shape | upload | download | kubetrain peak RSS (MiB), upload / download |")
-    print("|---|---|---|---|")
-    for shape, r in results.items():
-        files = "1 file" if shape == "one" else f"{r['bytes'] // (FILE_MB * MiB)} x {FILE_MB} MiB + {len(SMALL_FILES)} json"
-        print(f"| {shape} ({files}) | {_fmt(r['up'])} | {_fmt(r['down'])} | {max(r['rss']):.0f} / "
-              f"{max(r['rss_down']):.0f} |")
+    if results:
+        _print_throughput(args, results)
     if rss_by_size:
         print("\nkubetrain upload peak RSS by checkpoint size (goal <= 256 MiB at any size)")
         for shape, rows in rss_by_size.items():

@@ -240,9 +240,10 @@ def train_worker(spec: RunSpec) -> dict[str, Any]:
         create_optimizer=lambda m: optim.create_optimizer(m, args),
         create_scheduler=lambda o: optim.create_scheduler(o, args, spec.total_steps))
     wrapped, scheduler = prepared.model, prepared.lr_scheduler
-    if spec.load_from:
-        strategy.load_checkpoint(Path(spec.load_from))
-        scheduler.load_state_dict(torch.load(Path(spec.load_from) / f"scheduler_rank{rank}.pt", weights_only=False))
+    if spec.load_from:  # "{rank}" in it: each rank its own folder, as each node restores its own
+        load_from = Path(spec.load_from.format(rank=rank))
+        strategy.load_checkpoint(load_from)
+        scheduler.load_state_dict(torch.load(load_from / f"scheduler_rank{rank}.pt", weights_only=False))
     losses, norms, lrs = [], [], []
     wrapped.train()
     for step in range(spec.start, spec.total_steps if spec.stop is None else spec.stop):

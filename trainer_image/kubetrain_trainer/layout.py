@@ -9,6 +9,7 @@ layout in storage"):
     <uri>/checkpoint-<step>/<files...>
     <uri>/checkpoint-<step>/manifest.node-<r>.json   one node's part (multi-node)
     <uri>/checkpoint-<step>/manifest.json        the commit record, written last
+    <uri>/checkpoint-<step>/corrupt.node-<r>.json    node r found a file there corrupt: not restored again
     <uri>/final/...                              the finished model
     <uri>/attempts/<incarnation>-<attempt>.json  one claim per attempt
 
@@ -32,10 +33,14 @@ MANIFEST_NAME = "manifest.json"
 FINAL_FOLDER = "final"
 CLAIMS_FOLDER = "attempts"
 """`<uri>/attempts/<incarnation>-<attempt>.json`: one claim per attempt, written by node rank 0 at start."""
+RANK_FILES_NAME = "kubetrain-rank-files.json"
+"""Beside a sharded strategy's files: which of them only one rank loads (`rank_files.py`), so a restore
+on one node can leave the other nodes' shards in storage."""
 EVAL_PREFIX = "eval_"
 
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX}-(\d+)$")
 _NODE_PART = re.compile(r"^manifest\.node-(\d+)\.json$")
+_CORRUPT = re.compile(r"^corrupt\.node-(\d+)\.json$")
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -61,6 +66,17 @@ def by_step(named: Iterable[tuple[str, T]]) -> list[tuple[int, T]]:
 
 def node_part_name(node_rank: int) -> str:
     return f"manifest.node-{node_rank}.json"
+
+
+def corrupt_marker_name(node_rank: int) -> str:
+    """`<uri>/checkpoint-<step>/corrupt.node-<r>.json`: node r found a file of this committed checkpoint
+    that does not match its manifest (a file only its ranks load, which node rank 0 never read), so
+    the next attempt's restore passes over it."""
+    return f"corrupt.node-{node_rank}.json"
+
+
+def is_corrupt_marker(name: str) -> bool:
+    return _CORRUPT.match(name) is not None
 
 
 def is_manifest_name(name: str) -> bool:

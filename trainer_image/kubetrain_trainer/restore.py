@@ -8,6 +8,7 @@ Every file is checked against its sha256; a corrupt checkpoint falls back to an 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -16,10 +17,12 @@ from pathlib import Path
 
 from kubetrain_trainer.commit import CommittedCheckpoint
 from kubetrain_trainer.decisions import newest_complete
-from kubetrain_trainer.manifest import AttemptClaim
+from kubetrain_trainer.layout import corrupt_marker_name
+from kubetrain_trainer.manifest import AttemptClaim, rfc3339
+from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.retry import Backoff, retrying
 from kubetrain_trainer.storage import CheckpointStore
-from kubetrain_trainer.storage_errors import ChecksumError
+from kubetrain_trainer.storage_errors import ChecksumError, DigestMismatchError, StorageError
 
 log = logging.getLogger("kubetrain_trainer.restore")
 
@@ -49,9 +52,14 @@ class Restored:
 class RestoreAgreementError(Exception):
     """This rank cannot restore the step node rank 0 decided for the attempt (or no decision came):
     the ranks never resume from different steps, so this pod fails and the gang restarts."""
+
+    def __init__(self, message: str, *, corrupt_step: int | None = None) -> None:
+        super().__init__(message)
+        self.corrupt_step = corrupt_step
+        """The decided step, when one of its files here did not match its manifest."""
 def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarnation: int, attempt: int,
                    deadline: float, stop: threading.Event | None = None, access_deadline: float | None = None,
-                   poll: Backoff = DECISION_POLL) -> Restored:
+                   poll: Backoff = DECISION_POLL, node: NodeRanks | None = None) -> Restored:
     """Restore what every rank of this attempt restores, decided once by node rank 0.
 
     Node rank 0 first claims the attempt (`AttemptClaim`, undecided): from then on every older
@@ -61,7 +69,11 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
     in the claim. The other ranks wait for that decision and restore exactly that step; if it is
     no longer there, or no decision comes before `deadline`, they fail (RestoreAgreementError).
     They read the claim after `poll.delay(1)`, `poll.delay(2)`... seconds (`DECISION_POLL`: fast
-    first, since rank 0's decision of a small checkpoint comes within a second, then backing off)."""
+    first, since rank 0's decision of a small checkpoint comes within a second, then backing off).
+
+    With `node`, each node fetches only the files its ranks load (`rank_files.py`). Node rank 0 then
+    never reads the other nodes' own shards: a node that finds one of them corrupt marks the step
+    (`layout.corrupt_marker_name`) before it fails, so the next attempt's decision passes over it."""
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep
     if incarnation == 0:
@@ -75,7 +87,8 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
         claim = AttemptClaim(incarnation=incarnation, attempt=attempt)
         retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
                  cancelled=cancelled, sleep=sleep, what="claiming the attempt")
-        restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline)
+        restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline,
+                                  node=node)
         step = restored.committed.step if restored.committed is not None else None
         decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
         retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
@@ -99,14 +112,30 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
                                         "(KUBETRAIN_RESTORE_TIMEOUT_SECONDS)")
         polls += 1
         sleep(poll.delay(polls))
-    restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
-                              access_deadline=access_deadline, only_step=claim.restore_step, agreed=True)
+    try:
+        restored = restore_newest(store, dest, deadline=time.monotonic() + budget, stop=stop,
+                                  access_deadline=access_deadline, only_step=claim.restore_step, agreed=True,
+                                  node=node)
+    except RestoreAgreementError as e:
+        if e.corrupt_step is not None:
+            _mark_corrupt(store, e.corrupt_step, node_rank, str(e))
+        raise
     return replace(restored, claims=claims)
+
+
+def _mark_corrupt(store: CheckpointStore, step: int, node_rank: int, why: str) -> None:
+    """One try: without the mark, the next attempt decides the same step and fails here again."""
+    try:
+        store.put_bytes(step, corrupt_marker_name(node_rank),
+                        json.dumps({"node_rank": node_rank, "reason": why, "time": rfc3339()}).encode())
+        log.error("checkpoint-%d marked corrupt: the next attempt restores an older one", step)
+    except StorageError as e:
+        log.error("could not mark checkpoint-%d corrupt: %s", step, e)
 
 
 def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop: threading.Event | None = None,
                    access_deadline: float | None = None, only_step: int | None = None,
-                   agreed: bool = False) -> Restored:
+                   agreed: bool = False, node: NodeRanks | None = None) -> Restored:
     """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
 
     Temporary storage errors are retried until `deadline`, refused access or a
@@ -134,12 +163,13 @@ def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop:
         manifest = chosen.manifest
         assert manifest is not None
         try:
-            path = retrying(lambda: store.download_checkpoint(manifest, dest), deadline=deadline,
+            path = retrying(lambda: store.download_checkpoint(manifest, dest, node=node), deadline=deadline,
                             access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
         except ChecksumError as e:
             if agreed:
-                raise RestoreAgreementError(f"checkpoint-{chosen.step}, which node rank 0 restored for this "
-                                            f"attempt, failed verification here: {e}") from None
+                raise RestoreAgreementError(
+                    f"checkpoint-{chosen.step}, which node rank 0 restored for this attempt, failed verification "
+                    f"here: {e}", corrupt_step=chosen.step if isinstance(e, DigestMismatchError) else None) from None
             log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
             bad.add(chosen.step)
             continue

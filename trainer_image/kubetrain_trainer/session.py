@@ -25,6 +25,7 @@ from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.final_model import upload_final_model
 from kubetrain_trainer.metrics import Telemetry
 from kubetrain_trainer.podreport import write_termination_message
+from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.readiness import CommitMode
 from kubetrain_trainer.restore import Restored, restore_agreed
 from kubetrain_trainer.retry import Backoff
@@ -82,7 +83,8 @@ class CheckpointSession:
         started = time.monotonic()
         restored = restore_agreed(self.store, c.local_dir, node_rank=c.node_rank, incarnation=c.incarnation,
                                   attempt=c.attempt, deadline=started + c.restore_timeout_s, stop=self.stop,
-                                  access_deadline=started + c.access_retry_s)
+                                  access_deadline=started + c.access_retry_s,
+                                  node=NodeRanks.of(node_rank=c.node_rank, nnodes=c.nnodes, world_size=c.world_size))
         self.telemetry.restored(time.monotonic() - started, restored.committed)
         return restored
 

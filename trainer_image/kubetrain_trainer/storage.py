@@ -33,7 +33,8 @@ from kubetrain_trainer.layout import (
 )
 from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
 from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig
-from kubetrain_trainer.storage_errors import ChecksumError, StorageError, classify, error_code
+from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
+from kubetrain_trainer.storage_errors import ChecksumError, DigestMismatchError, StorageError, classify, error_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,13 +132,15 @@ class CheckpointStore:
                     log.warning("checkpoint-%d: invalid node part %s ignored: %s", step, name, e)
         return parts
 
-    def download_checkpoint(self, manifest: Manifest, dest: Path) -> Path:
-        """Download every file of a committed checkpoint into `dest/checkpoint-<step>`, verified.
+    def download_checkpoint(self, manifest: Manifest, dest: Path, *, node: NodeRanks | None = None) -> Path:
+        """Download the files of a committed checkpoint into `dest/checkpoint-<step>`, each one verified.
 
         Files land in a sibling `.restoring` folder that is renamed into place
         only after every sha256 matched, so a crash never leaves a half
         restored folder under the final name. Files already present locally
-        with the right digest are not fetched again.
+        with the right digest are not fetched again. With `node`, the files that
+        only other nodes' ranks load stay in storage (`rank_files.py`): the
+        strategy's records are fetched first and say which.
         """
         final = dest / checkpoint_dirname(manifest.step)
         staging = dest / f".{checkpoint_dirname(manifest.step)}.restoring"
@@ -154,22 +157,17 @@ class CheckpointStore:
                     os.link(existing, target)
                 else:
                     _copy(existing, target)
-        missing = [f for f in manifest.files if not (staging / f.path).exists()]
-
-        # Only files at or above the multipart threshold are fetched in parts: they share the parts in flight.
-        big = sum(1 for f in missing if f.size >= self.config.multipart_threshold)
-        parts = max(self.config.max_concurrency,
-                    self.config.download_parts_in_flight // max(1, min(self.config.file_concurrency, big)))
-
-        def fetch(f: FileEntry) -> None:  # each file hashed as its bytes land, while others download
-            target = staging / f.path
-            key = self.location.key(checkpoint_dirname(manifest.step), f.path)
-            size, digest = self._call("download", key, lambda: self._download(key, target, manifest.step, parts))
-            if size != f.size or digest != f.sha256:
-                raise ChecksumError(f"checkpoint-{manifest.step}/{f.path}: downloaded bytes do not match the manifest")
-
         try:
-            self._each(missing, fetch)
+            wanted = list(manifest.files)
+            if node is not None and (records := [f for f in wanted if is_rank_files_record(f.path)]):
+                self._fetch_all(manifest.step, [f for f in records if not (staging / f.path).exists()], staging)
+                skip = node.not_needed(wanted, {f.path: (staging / f.path).read_bytes() for f in records})
+                wanted = [f for f in wanted if f.path not in skip]
+                if skip:
+                    log.info("checkpoint-%d: %d of %d MiB are this node's (ranks %d-%d); the other ranks' "
+                             "shards stay in storage", manifest.step, sum(f.size for f in wanted) >> 20,
+                             manifest.total_bytes >> 20, node.ranks[0], node.ranks[-1])
+            self._fetch_all(manifest.step, [f for f in wanted if not (staging / f.path).exists()], staging)
         except ChecksumError:
             _rmtree(staging)
             raise
@@ -178,6 +176,22 @@ class CheckpointStore:
             _rmtree(final)
         staging.rename(final)
         return final
+
+    def _fetch_all(self, step: int, missing: list[FileEntry], staging: Path) -> None:
+        """Fetch `missing` into `staging`, each file hashed as its bytes land, while others download."""
+        # Only files at or above the multipart threshold are fetched in parts: they share the parts in flight.
+        big = sum(1 for f in missing if f.size >= self.config.multipart_threshold)
+        parts = max(self.config.max_concurrency,
+                    self.config.download_parts_in_flight // max(1, min(self.config.file_concurrency, big)))
+
+        def fetch(f: FileEntry) -> None:
+            target = staging / f.path
+            key = self.location.key(checkpoint_dirname(step), f.path)
+            size, digest = self._call("download", key, lambda: self._download(key, target, step, parts))
+            if size != f.size or digest != f.sha256:
+                raise DigestMismatchError(f"checkpoint-{step}/{f.path}: downloaded bytes do not match the manifest")
+
+        self._each(missing, fetch)
 
     def _download(self, key: str, target: Path, step: int, parts: int) -> tuple[int, str]:
         """(bytes, sha256) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""

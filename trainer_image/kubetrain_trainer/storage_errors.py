@@ -72,6 +72,10 @@ class ChecksumError(StorageError):
     """Downloaded bytes do not match the manifest: that checkpoint is not usable."""
 
 
+class DigestMismatchError(ChecksumError):
+    """A file's bytes in storage differ from its manifest entry (not merely gone: the folder is still there)."""
+
+
 def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
     """Map a boto/botocore/OS exception to a temporary or permanent StorageError with a safe message."""
     from botocore.exceptions import (

@@ -19,11 +19,15 @@ Tolerances (measured on the 2-core CPU machine, stated with margin):
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kubetrain_trainer.manifest import FileEntry
+from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_strategy_harness import (
     RunSpec,
     TinyLM,
@@ -102,9 +106,17 @@ def test_stop_restore_continue_matches_uninterrupted(case, tmp_path, request):
 
     ckpt = tmp_path / "b" / "checkpoint-3"
     first = run_distributed(train_worker, RunSpec(**common, out=str(tmp_path / "b"), stop=3, save_to=str(ckpt)))[0]
+    # Each rank resumes from its own copy holding only what the restore on its node fetches
+    # (rank_files.py): for FSDP, the other rank's shards are not there.
+    total = _tree_bytes(ckpt)
+    for rank in range(2):
+        kept = _restore_as_node(ckpt, tmp_path / "b" / f"node-{rank}", rank)
+        print(f"{case}: rank {rank} restores {kept} of {total} bytes")
+        if name == "fsdp":
+            assert kept < 0.75 * total
     # Fresh processes, other initial weights: everything must come from the checkpoint.
     resumed = run_distributed(train_worker, RunSpec(**common, out=str(tmp_path / "b"), start=3, seed=123,
-                                                    load_from=str(ckpt), export=True,
+                                                    load_from=str(tmp_path / "b" / "node-{rank}"), export=True,
                                                     then_load_full=str(tmp_path / "straight.safetensors")))[0]
 
     losses = first["losses"] + resumed["losses"]
@@ -118,6 +130,21 @@ def test_stop_restore_continue_matches_uninterrupted(case, tmp_path, request):
 
     # load_full_state_dict (load_best_model_at_end) puts exactly that model back.
     assert max_abs_diff(resumed["reloaded"], straight["full"]) == 0.0
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _restore_as_node(ckpt: Path, dest: Path, rank: int) -> int:
+    """Copy `ckpt` to `dest` without the files a restore on a node running only `rank` leaves in storage."""
+    files = [FileEntry(path=p.relative_to(ckpt).as_posix(), size=p.stat().st_size, sha256="0" * 64)
+             for p in ckpt.rglob("*") if p.is_file()]
+    records = {f.path: (ckpt / f.path).read_bytes() for f in files if is_rank_files_record(f.path)}
+    skip = NodeRanks.of(node_rank=rank, nnodes=2, world_size=2).not_needed(files, records)
+    shutil.copytree(ckpt, dest, ignore=lambda folder, names: [
+        n for n in names if (Path(folder) / n).relative_to(ckpt).as_posix() in skip])
+    return _tree_bytes(dest)
 
 
 @pytest.mark.parametrize("name, options, bf16", [

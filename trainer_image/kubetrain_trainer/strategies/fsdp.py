@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain_trainer.args import ConfigError
 from kubetrain_trainer.distributed import device_for
+from kubetrain_trainer.strategies.dcp_files import RankFilesWriter
 from kubetrain_trainer.strategies.base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
 
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -266,8 +267,10 @@ class FSDPStrategy(Strategy):
     def save_checkpoint(self, directory: Path) -> None:
         model, optimizer = self._fsdp_model(), self.optimizer
         directory = Path(directory)
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory / MODEL_DIR)
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory / OPTIMIZER_DIR)
+        # Each rank's proper shards in files of their own, so a restore fetches only its node's (dcp_files.py).
+        dcp.save({"model": get_model_state_dict(model)}, storage_writer=RankFilesWriter(directory / MODEL_DIR))
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                 storage_writer=RankFilesWriter(directory / OPTIMIZER_DIR))
         if self.scaler is not None and dist.get_rank() == 0:
             torch.save(self.scaler.state_dict(), directory / "scaler.pt")
 
@@ -279,10 +282,10 @@ class FSDPStrategy(Strategy):
             self._save_groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
         stager = self._stage.default_stager()  # ours, so its CPU copies are reused from save to save
         futures = [
-            dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=directory / MODEL_DIR,
+            dcp.async_save({"model": get_model_state_dict(model)}, storage_writer=RankFilesWriter(directory / MODEL_DIR),
                            process_group=self._save_groups[0], async_stager=stager),
             dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                           checkpoint_id=directory / OPTIMIZER_DIR, process_group=self._save_groups[1],
+                           storage_writer=RankFilesWriter(directory / OPTIMIZER_DIR), process_group=self._save_groups[1],
                            async_stager=stager),
         ]
         if self.scaler is not None and dist.get_rank() == 0:
