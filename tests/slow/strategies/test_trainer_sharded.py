@@ -15,7 +15,9 @@ import math
 import pytest
 from safetensors.torch import load_file
 
+from kubetrain_trainer.layout import RANK_FILES_NAME
 from kubetrain_trainer.models import TinyGPT, TinyGPTConfig
+from kubetrain_trainer.rank_files import RankFiles
 from kubetrain_strategy_harness import TrainerSpec, max_abs_diff, run_distributed, trainer_worker
 
 pytestmark = pytest.mark.slow
@@ -80,6 +82,9 @@ def test_async_save_written_after_training_moved_on_resumes_like_uninterrupted(s
     names = sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(("checkpoint", "tmp-")))
     assert names == ["checkpoint-3", "checkpoint-6"]
     assert (tmp_path / "b" / "checkpoint-3" / ".kubetrain-ready").is_file()
+    # The background write also records each rank's own files, so a node restores only its own (rank_files.py).
+    records = [RankFiles.from_json(p.read_bytes()) for p in (tmp_path / "b" / "checkpoint-3").rglob(RANK_FILES_NAME)]
+    assert len(records) == (2 if strategy == "fsdp" else 1) and all(r.world_size == 2 for r in records)
     resumed = run_distributed(trainer_worker, TrainerSpec(strategy, str(tmp_path / "b"), options, async_save=True,
                                                           resume=str(tmp_path / "b" / "checkpoint-3"),
                                                           init_seed=99))[0]

@@ -42,6 +42,8 @@ from torch import nn
 from kubetrain_trainer.args import ConfigError
 from kubetrain_trainer.strategies.base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
 from kubetrain_trainer.strategies.fsdp import ensure_process_group, check_complete
+from kubetrain_trainer.strategies.zero3_files import Staging as _Staging
+from kubetrain_trainer.strategies.zero3_files import write_rank_files
 
 AUTO = "auto"
 
@@ -341,6 +343,7 @@ class Zero3Strategy(Strategy):
     def save_checkpoint(self, directory: Path) -> None:
         # global_step<N>/ with per-rank optimizer partitions, and a `latest` file naming it (HF layout).
         self._engine().save_checkpoint(str(directory))
+        write_rank_files(self._engine(), Path(directory))
 
     def stage_checkpoint(self, directory: Path) -> Callable[[], None]:
         """The engine's own save, with its checkpoint engine's `save(state, path)` turned into a CPU copy;
@@ -352,7 +355,12 @@ class Zero3Strategy(Strategy):
             engine.save_checkpoint(str(directory))
         finally:
             engine.checkpoint_engine = real
-        return lambda: [real.save(state, path) for state, path in staged]  # type: ignore[func-returns-value]
+
+        def write() -> None:
+            for state, path in staged:
+                real.save(state, path)
+            write_rank_files(engine, Path(directory))
+        return write
 
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
@@ -433,16 +441,3 @@ class Zero3Strategy(Strategy):
         if self.engine is None:
             raise RuntimeError("Zero3Strategy: call prepare() first")
         return self.engine
-
-
-class _Staging:
-    """A DeepSpeed checkpoint engine that keeps a CPU copy of what it is asked to save (for `stage_checkpoint`)."""
-
-    def __init__(self, real: Any, staged: list[tuple[Any, str]], stage: CpuStager) -> None:
-        self._real, self._staged, self._stage = real, staged, stage
-
-    def save(self, state_dict: Any, path: str) -> None:
-        self._staged.append((self._stage(state_dict), path))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
