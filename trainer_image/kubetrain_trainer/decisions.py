@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Iterable, Literal, Mapping
 
-from kubetrain_trainer.layout import is_corrupt_marker, metric_key
+from kubetrain_trainer.layout import metric_key, parse_corrupt_marker
 from kubetrain_trainer.manifest import FileEntry, Manifest, ManifestError, NodePart
 
 
@@ -40,9 +40,10 @@ class RemoteCheckpoint:
 
     @property
     def complete(self) -> bool:
-        """Committed, every file there at its size, and no node found a file corrupt."""
+        """Committed, every file there at its size, and no node found a file of this commit corrupt."""
         return (self.manifest is not None and self.manifest.step == self.step
-                and not self.manifest.mismatches(self.listing) and not any(map(is_corrupt_marker, self.listing)))
+                and not self.manifest.mismatches(self.listing)
+                and self.manifest.writer not in map(parse_corrupt_marker, self.listing))
 
 
 def newest_complete(checkpoints: Iterable[RemoteCheckpoint], *, exclude: Iterable[int] = ()) -> RemoteCheckpoint | None:

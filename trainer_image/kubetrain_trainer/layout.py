@@ -9,7 +9,7 @@ layout in storage"):
     <uri>/checkpoint-<step>/<files...>
     <uri>/checkpoint-<step>/manifest.node-<r>.json   one node's part (multi-node)
     <uri>/checkpoint-<step>/manifest.json        the commit record, written last
-    <uri>/checkpoint-<step>/corrupt.node-<r>.json    node r found a file there corrupt: not restored again
+    <uri>/checkpoint-<step>/corrupt.node-<r>.<inc>-<att>.json   node r found a file of that writer's commit corrupt
     <uri>/final/...                              the finished model
     <uri>/attempts/<incarnation>-<attempt>.json  one claim per attempt
 
@@ -40,7 +40,7 @@ EVAL_PREFIX = "eval_"
 
 _CHECKPOINT_DIR = re.compile(rf"^{PREFIX}-(\d+)$")
 _NODE_PART = re.compile(r"^manifest\.node-(\d+)\.json$")
-_CORRUPT = re.compile(r"^corrupt\.node-(\d+)\.json$")
+_CORRUPT = re.compile(r"^corrupt\.node-(\d+)\.(\d+)-(\d+)\.json$")
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -68,15 +68,18 @@ def node_part_name(node_rank: int) -> str:
     return f"manifest.node-{node_rank}.json"
 
 
-def corrupt_marker_name(node_rank: int) -> str:
-    """`<uri>/checkpoint-<step>/corrupt.node-<r>.json`: node r found a file of this committed checkpoint
-    that does not match its manifest (a file only its ranks load, which node rank 0 never read), so
-    the next attempt's restore passes over it."""
-    return f"corrupt.node-{node_rank}.json"
+def corrupt_marker_name(node_rank: int, writer: tuple[int, int]) -> str:
+    """`<uri>/checkpoint-<step>/corrupt.node-<r>.<incarnation>-<attempt>.json`: node r found a file of
+    the checkpoint that writer (incarnation, attempt) committed there not matching its manifest (a file
+    only its ranks load, which node rank 0 never read), so the next attempt's restore passes over it.
+    Named after the writer: a later commit of the same step by another writer is not condemned by it."""
+    return f"corrupt.node-{node_rank}.{writer[0]}-{writer[1]}.json"
 
 
-def is_corrupt_marker(name: str) -> bool:
-    return _CORRUPT.match(name) is not None
+def parse_corrupt_marker(name: str) -> tuple[int, int] | None:
+    """The (incarnation, attempt) a corrupt marker condemns, None for any other name."""
+    m = _CORRUPT.match(name)
+    return (int(m.group(2)), int(m.group(3))) if m else None
 
 
 def is_manifest_name(name: str) -> bool:

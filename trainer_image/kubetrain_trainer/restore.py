@@ -14,11 +14,12 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from kubetrain_trainer.commit import CommittedCheckpoint
 from kubetrain_trainer.decisions import newest_complete
 from kubetrain_trainer.layout import corrupt_marker_name
-from kubetrain_trainer.manifest import AttemptClaim, rfc3339
+from kubetrain_trainer.manifest import AttemptClaim, Manifest, rfc3339
 from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.retry import Backoff, retrying
 from kubetrain_trainer.storage import CheckpointStore
@@ -53,10 +54,10 @@ class RestoreAgreementError(Exception):
     """This rank cannot restore the step node rank 0 decided for the attempt (or no decision came):
     the ranks never resume from different steps, so this pod fails and the gang restarts."""
 
-    def __init__(self, message: str, *, corrupt_step: int | None = None) -> None:
+    def __init__(self, message: str, *, corrupt: Manifest | None = None) -> None:
         super().__init__(message)
-        self.corrupt_step = corrupt_step
-        """The decided step, when one of its files here did not match its manifest."""
+        self.corrupt = corrupt
+        """The decided checkpoint's manifest, when one of its files here did not match it."""
 def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarnation: int, attempt: int,
                    deadline: float, stop: threading.Event | None = None, access_deadline: float | None = None,
                    poll: Backoff = DECISION_POLL, node: NodeRanks | None = None) -> Restored:
@@ -117,17 +118,27 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
                                   access_deadline=access_deadline, only_step=claim.restore_step, agreed=True,
                                   node=node)
     except RestoreAgreementError as e:
-        if e.corrupt_step is not None:
-            _mark_corrupt(store, e.corrupt_step, node_rank, str(e))
+        if e.corrupt is not None:
+            _mark_corrupt(store, e.corrupt, node_rank, str(e), deadline=time.monotonic() + budget,
+                          cancelled=cancelled, sleep=sleep)
         raise
     return replace(restored, claims=claims)
 
 
-def _mark_corrupt(store: CheckpointStore, step: int, node_rank: int, why: str) -> None:
-    """One try: without the mark, the next attempt decides the same step and fails here again."""
+def _mark_corrupt(store: CheckpointStore, manifest: Manifest, node_rank: int, why: str, *, deadline: float,
+                  cancelled: Callable[[], bool], sleep: Callable[[float], Any]) -> None:
+    """Mark the commit `manifest` records as corrupt, if it is still the one in storage. Without the
+    mark, the next attempt decides the same step and fails here again, so the write is retried."""
+    step = manifest.step
     try:
-        store.put_bytes(step, corrupt_marker_name(node_rank),
-                        json.dumps({"node_rank": node_rank, "reason": why, "time": rfc3339()}).encode())
+        current = retrying(lambda: store.read_manifest(step), deadline=deadline, cancelled=cancelled, sleep=sleep,
+                           what="re-reading the manifest")
+        if current is None or current.writer != manifest.writer or current.files != manifest.files:
+            log.warning("checkpoint-%d was committed again or removed since it was verified here: not marked", step)
+            return
+        record = json.dumps({"node_rank": node_rank, "reason": why, "time": rfc3339()}).encode()
+        retrying(lambda: store.put_bytes(step, corrupt_marker_name(node_rank, manifest.writer), record),
+                 deadline=deadline, cancelled=cancelled, sleep=sleep, what="marking the checkpoint corrupt")
         log.error("checkpoint-%d marked corrupt: the next attempt restores an older one", step)
     except StorageError as e:
         log.error("could not mark checkpoint-%d corrupt: %s", step, e)
@@ -169,7 +180,7 @@ def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop:
             if agreed:
                 raise RestoreAgreementError(
                     f"checkpoint-{chosen.step}, which node rank 0 restored for this attempt, failed verification "
-                    f"here: {e}", corrupt_step=chosen.step if isinstance(e, DigestMismatchError) else None) from None
+                    f"here: {e}", corrupt=manifest if isinstance(e, DigestMismatchError) else None) from None
             log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
             bad.add(chosen.step)
             continue

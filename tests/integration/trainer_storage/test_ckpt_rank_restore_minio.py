@@ -118,7 +118,43 @@ def test_a_corrupt_shard_only_its_node_reads_is_marked_and_the_next_attempt_fall
     with pytest.raises(RestoreAgreementError, match="checkpoint-20.*__1_0.distcp"):
         _restore(store, tmp_path, 1, attempt=2)
     listed = {c.step: c for c in store.list_checkpoints()}
-    assert corrupt_marker_name(1) in listed[20].listing and not listed[20].complete
+    assert corrupt_marker_name(1, (5, 1)) in listed[20].listing and not listed[20].complete
     # The gang restarts: the next attempt's decision passes over step 20, and both nodes resume from 10.
     assert _restore(store, tmp_path, 0, attempt=3).committed.step == 10
     assert _restore(store, tmp_path, 1, attempt=3).committed.step == 10
+    # Attempt 3 trains to step 20 again and commits it into the same folder: the mark named attempt 1's
+    # commit, so the new one is complete and restored.
+    _commit_two_nodes(ckpt_env, tmp_path / "again", 20, attempt=3)
+    assert {c.step: c for c in store.list_checkpoints()}[20].complete
+    assert _restore(store, tmp_path, 0, attempt=4).committed.step == 20
+    assert _restore(store, tmp_path, 1, attempt=4).committed.step == 20
+
+
+class _RemovedAfterVerify:
+    """The real store, where checkpoint-20's manifest is gone by the time the node re-reads it."""
+
+    def __init__(self, store) -> None:
+        self._store, self.verified = store, False
+
+    def download_checkpoint(self, *a, **kw):
+        try:
+            return self._store.download_checkpoint(*a, **kw)
+        finally:
+            self.verified = True
+
+    def read_manifest(self, step):
+        return None if self.verified and step == 20 else self._store.read_manifest(step)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_commit_that_changed_since_it_was_verified_is_not_marked(ckpt_env, minio, tmp_path: Path):
+    store = _store(ckpt_env)
+    _commit_two_nodes(ckpt_env, tmp_path / "s20", 20)
+    key = store.location.key("checkpoint-20", "optimizer_0/__1_0.distcp")
+    minio.client().put_object(Bucket=store.location.bucket, Key=key, Body=b"\0" * SHARD)
+    assert _restore(store, tmp_path, 0, attempt=2).committed.step == 20
+    with pytest.raises(RestoreAgreementError, match="__1_0.distcp"):
+        _restore(_RemovedAfterVerify(store), tmp_path, 1, attempt=2)
+    assert not any(name.startswith("corrupt.") for name in {c.step: c for c in store.list_checkpoints()}[20].listing)

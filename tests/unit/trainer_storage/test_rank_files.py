@@ -97,10 +97,16 @@ def test_an_unreadable_record_makes_the_node_restore_everything(caplog):
     assert "restoring every file" in caplog.text
 
 
-def test_a_corrupt_mark_makes_a_committed_checkpoint_incomplete():
+@pytest.mark.parametrize("marked_writer, complete", [
+    (None, True),
+    ((3, 2), False),  # a node found a file of this very commit corrupt
+    ((3, 1), True),  # the mark condemned an earlier commit of the same step, since re-committed
+    ((2, 2), True),
+])
+def test_a_corrupt_mark_condemns_only_the_commit_it_names(marked_writer, complete):
     files = _entries("a.bin")
-    manifest = Manifest(step=5, attempt=1, world_size=2, strategy="fsdp", files=tuple(files))
-    listing = {"a.bin": 10, "manifest.json": 300}
-    assert RemoteCheckpoint(step=5, manifest=manifest, listing=listing).complete
-    marked = {**listing, corrupt_marker_name(1): 80}
-    assert not RemoteCheckpoint(step=5, manifest=manifest, listing=marked).complete
+    manifest = Manifest(step=5, attempt=2, incarnation=3, world_size=2, strategy="fsdp", files=tuple(files))
+    listing = {"a.bin": 10, "manifest.json": 300, "corrupt.node-1.json": 80}  # an unknown name is no mark
+    if marked_writer is not None:
+        listing[corrupt_marker_name(1, marked_writer)] = 80
+    assert RemoteCheckpoint(step=5, manifest=manifest, listing=listing).complete is complete

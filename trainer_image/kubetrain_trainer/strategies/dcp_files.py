@@ -43,7 +43,14 @@ def is_private(item: WriteItem) -> bool:
 class RankFilesWriter(FileSystemWriter):
     """A `FileSystemWriter` that keeps each rank's proper shards apart from what every rank loads."""
 
+    def _splits(self) -> bool:
+        # One file per item, or a save without collectives (each rank finishes alone): DCP's own
+        # layout, and no record, so every node restores every file.
+        return self.single_file_per_rank and getattr(self, "use_collectives", True)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        if not self._splits():
+            return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix  # "__<rank>_", given by prepare_global_plan
         files: queue.Queue = queue.Queue()
         private = [i for i in plan.items if is_private(i)]
@@ -56,6 +63,8 @@ class RankFilesWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         # The coordinator, after every rank wrote: results[r] are rank r's WriteResults. The record goes
         # first, so a folder with `.metadata` always has it.
+        if not self._splits():
+            return super().finish(metadata, results)
         private: dict[int, set[str]] = {}
         for rank, written in enumerate(results):
             private[rank] = {r.storage_data.relative_path for r in written
