@@ -219,6 +219,10 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         resume = restored_folder(env) or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
+        if torch.distributed.is_initialized():
+            # Every rank is done before any tears down: gloo can abort (SIGABRT) a process whose peer
+            # leaves mid-teardown, and the launcher would count a finished run as failed.
+            torch.distributed.barrier()
     except ConfigError as exc:
         print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

@@ -368,8 +368,6 @@ class CheckpointStore:
             raise classify(e, op=op, where=f"s3://{self.location.bucket}/{key}") from None
 
 
-
-
 def _make_client(config: StorageConfig) -> Any:
     """An S3 client on boto3's default credential chain: keys from the environment, or temporary
     credentials (web identity token exchanged through STS, container or instance credentials)
