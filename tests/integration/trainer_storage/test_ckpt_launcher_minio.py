@@ -131,3 +131,48 @@ def test_two_shared_nothing_nodes_commit_one_manifest_with_both_nodes_files(ckpt
     # only node rank 0 reports
     assert json.loads((tmp_path / "termination-log-n0").read_text())["step"] == 60
     assert not (tmp_path / "termination-log-n1").exists()
+
+
+def _two_nodes(ckpt_env: dict, tmp: Path, attempt: int, args: dict, strategy: str) -> list[str]:
+    """Attempt `attempt` of a 2-node job (1 worker per node, separate local disks, one machine) to its end."""
+    procs, logs = [], []
+    for node in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
+        env.update(ckpt_env)
+        env.update(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(29660 + attempt), OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt),
+                   KUBETRAIN_JOB_INCARNATION="3", KUBETRAIN_STRATEGY=strategy, KUBETRAIN_BUILTIN_TASK="regression",
+                   KUBETRAIN_TRAINER_ARGS=json.dumps(args),
+                   KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp / f"a{attempt}-node{node}" / "ckpt"),
+                   KUBETRAIN_TERMINATION_LOG=str(tmp / f"termination-log-a{attempt}-n{node}"))
+        logs.append(tmp / f"a{attempt}-node{node}.log")
+        procs.append(subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
+                                      stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+def test_each_node_of_an_fsdp_job_restores_only_its_own_shards_and_the_job_finishes(ckpt_env, tmp_path: Path):
+    """Attempt 1 of a 2-node FSDP job commits checkpoint-40; attempt 2 (a longer run) restores it, each
+    node fetching only its own rank's shards (rank_files.py), resumes and finishes."""
+    args = dict(ARGS, max_steps=40, save_steps=20, logging_steps=20)
+    _two_nodes(ckpt_env, tmp_path, 1, args, "fsdp")
+    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
+    assert max(_committed(store)) == 40
+    texts = _two_nodes(ckpt_env, tmp_path, 2, dict(args, max_steps=60), "fsdp")
+    for node, text in enumerate(texts):
+        assert "the other ranks' shards stay in storage" in text, text[-3000:]
+        restored = tmp_path / f"a2-node{node}" / "ckpt" / "checkpoint-40"
+        for sub in ("pytorch_model_fsdp_0", "optimizer_0"):  # kept locally: save_total_limit 2 (40 and 60)
+            names = {p.name for p in (restored / sub).iterdir()}
+            assert f"__{node}_0.distcp" in names and f"__{1 - node}_0.distcp" not in names, names
+        results = [json.loads(m) for m in re.findall(r'\{"task": [^{}]*\}', text)]
+        assert results and all(r["global_step"] == 60 for r in results), text[-3000:]
+    assert max(_committed(store)) == 60
