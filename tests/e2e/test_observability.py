@@ -152,6 +152,11 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
              interval=0.5, what="the step rising between scrapes")
     assert first
 
+    def succeeded(row: dict) -> bool:
+        """the job Succeeded"""
+        return row.get("PHASE") == "Succeeded"
+    watch_table(succeeded)  # the table through attempt 2 as well, not only up to the hold
+
     out, err = waiter.communicate(timeout=900)
     assert waiter.returncode == 0, err
     assert f"trainingjob.kubetrain.io/{name} condition met" in out, out
@@ -163,7 +168,11 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
 
     steps = [int(r["STEP"].split("/")[0]) for r in seen if r.get("STEP", "<none>") not in ("", "<none>")]
     rises = sum(b > a for a, b in zip(steps, steps[1:]))
-    assert rises >= 3, seen
+    # The column moves while the job runs: before the hold, and past it in attempt 2. (Each read of /progress
+    # is 2 s apart and the demo trains 60 steps in a few seconds on a quiet machine: 3 rises before the hold
+    # were not always there to see.)
+    assert rises >= 2, seen
+    assert max(steps) > hold, seen
     assert any(r.get("STEP", "").endswith("/120") for r in seen), seen
     print(f"\n[observability] kubectl get tj saw the step rise {rises} times: "
           f"{[r.get('STEP') for r in seen]}; checkpoints {[r.get('CHECKPOINT') for r in seen]}")
