@@ -15,7 +15,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from kubetrain_trainer.contract import LOG_LEVEL
+from kubetrain_trainer.contract import (
+    ATTEMPT,
+    CHECKPOINT_COMMIT,
+    CHECKPOINT_SETTLE,
+    CHECKPOINT_URI,
+    JOB_INCARNATION,
+    JOB_NAME,
+    LOCAL_CHECKPOINT_DIR,
+    LOG_LEVEL,
+    METRICS_PORT,
+    NAMESPACE,
+    POD_NAME,
+    RESTORE_TIMEOUT,
+    S3_AUTH_RETRY,
+    STRATEGY,
+    TERMINATION_GRACE_SECONDS,
+    TERMINATION_LOG,
+    TEST_UPLOAD_RATE,
+    TRAINER_ARGS,
+    UPLOAD_TIMEOUT,
+)
 from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.metrics import DEFAULT_PORT
 from kubetrain_trainer.readiness import COMMIT_MODES, CommitMode
@@ -90,13 +110,13 @@ class LaunchConfig:
         node_rank = _int(env, "NODE_RANK", 0, minimum=0)
         if node_rank >= nnodes:
             raise ConfigError(f"NODE_RANK: {node_rank} is not below NNODES={nnodes}")
-        strategy = env.get("KUBETRAIN_STRATEGY") or "ddp"
+        strategy = env.get(STRATEGY) or "ddp"
         if strategy not in STRATEGIES:
             raise ConfigError(f"KUBETRAIN_STRATEGY: unknown value {strategy!r}; allowed: {', '.join(STRATEGIES)}")
-        uri = env.get("KUBETRAIN_CHECKPOINT_URI") or None
+        uri = env.get(CHECKPOINT_URI) or None
         if uri is not None and (not uri.startswith("s3://") or len(uri) <= len("s3://")):
             raise ConfigError(f"KUBETRAIN_CHECKPOINT_URI: must look like s3://bucket/prefix, got {uri!r}")
-        raw_args = env.get("KUBETRAIN_TRAINER_ARGS") or "{}"
+        raw_args = env.get(TRAINER_ARGS) or "{}"
         try:
             trainer_args = json.loads(raw_args)
         except ValueError as e:
@@ -111,15 +131,15 @@ class LaunchConfig:
         elif command:
             raise ConfigError(f"command: expected '-- <command...>', got {' '.join(command)!r}")
         builtin = not command
-        local_dir = Path(env.get("KUBETRAIN_LOCAL_CHECKPOINT_DIR") or "/tmp/kubetrain/checkpoints")
+        local_dir = Path(env.get(LOCAL_CHECKPOINT_DIR) or "/tmp/kubetrain/checkpoints")
         if builtin and trainer_args.get("output_dir"):
             local_dir = Path(str(trainer_args["output_dir"]))
         port = _int(env, "MASTER_PORT", 29500, minimum=1)
-        commit_mode = env.get("KUBETRAIN_CHECKPOINT_COMMIT") or "auto"
+        commit_mode = env.get(CHECKPOINT_COMMIT) or "auto"
         if commit_mode not in COMMIT_MODES:
-            raise ConfigError(f"KUBETRAIN_CHECKPOINT_COMMIT: unknown value {commit_mode!r}; allowed: auto, marker")
-        metrics_port = _int(env, "KUBETRAIN_METRICS_PORT", DEFAULT_PORT, minimum=0)
-        _int(env, "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND", 0, minimum=0)  # checked here (exit 82); storage reads it
+            raise ConfigError(f"{CHECKPOINT_COMMIT}: unknown value {commit_mode!r}; allowed: auto, marker")
+        metrics_port = _int(env, METRICS_PORT, DEFAULT_PORT, minimum=0)
+        _int(env, TEST_UPLOAD_RATE, 0, minimum=0)  # checked here (exit 82); storage reads it
         for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
             if value > 65535:
                 raise ConfigError(f"{name}: {value} is not a TCP port")
@@ -129,25 +149,25 @@ class LaunchConfig:
             nproc_per_node=_int(env, "NPROC_PER_NODE", 1, minimum=1),
             master_addr=env.get("MASTER_ADDR") or ("127.0.0.1" if nnodes == 1 else _missing("MASTER_ADDR")),
             master_port=port,
-            attempt=_int(env, "KUBETRAIN_ATTEMPT", 1, minimum=1),
-            incarnation=_int(env, "KUBETRAIN_JOB_INCARNATION", 0, minimum=0),
+            attempt=_int(env, ATTEMPT, 1, minimum=1),
+            incarnation=_int(env, JOB_INCARNATION, 0, minimum=0),
             strategy=strategy,
             checkpoint_uri=uri,
             trainer_args=trainer_args,
             local_dir=local_dir,
             command=command or BUILTIN_COMMAND,
             builtin=builtin,
-            job_name=env.get("KUBETRAIN_JOB_NAME", ""),
-            namespace=env.get("KUBETRAIN_NAMESPACE", ""),
-            pod_name=env.get("KUBETRAIN_POD_NAME", ""),
-            grace_s=_float(env, "KUBETRAIN_TERMINATION_GRACE_SECONDS", 30.0),
-            upload_wait_s=_float(env, "KUBETRAIN_UPLOAD_TIMEOUT_SECONDS", 1800.0),
-            restore_timeout_s=_float(env, "KUBETRAIN_RESTORE_TIMEOUT_SECONDS", 600.0),
-            access_retry_s=_float(env, "KUBETRAIN_S3_AUTH_RETRY_SECONDS", 120.0),
-            settle_s=_float(env, "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS", 30.0),
+            job_name=env.get(JOB_NAME, ""),
+            namespace=env.get(NAMESPACE, ""),
+            pod_name=env.get(POD_NAME, ""),
+            grace_s=_float(env, TERMINATION_GRACE_SECONDS, 30.0),
+            upload_wait_s=_float(env, UPLOAD_TIMEOUT, 1800.0),
+            restore_timeout_s=_float(env, RESTORE_TIMEOUT, 600.0),
+            access_retry_s=_float(env, S3_AUTH_RETRY, 120.0),
+            settle_s=_float(env, CHECKPOINT_SETTLE, 30.0),
             commit_mode=commit_mode,
             metrics_port=metrics_port,
-            termination_log=Path(env.get("KUBETRAIN_TERMINATION_LOG") or "/dev/termination-log"),
+            termination_log=Path(env.get(TERMINATION_LOG) or "/dev/termination-log"),
         )
 
     def retention(self) -> RetentionPolicy:

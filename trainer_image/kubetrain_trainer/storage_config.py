@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kubetrain_trainer.contract import TEST_UPLOAD_RATE
 from kubetrain_trainer.storage_errors import StoragePermanentError
 
 
@@ -77,4 +78,4 @@ class StorageConfig:
         )
 
 
-UPLOAD_RATE_ENV = "KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"
+UPLOAD_RATE_ENV = TEST_UPLOAD_RATE
