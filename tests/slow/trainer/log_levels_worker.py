@@ -7,6 +7,7 @@ step the worker logs one probe record per level through the trainer's logger and
 get_process_log_level() answered, each line prefixed with its rank.
 """
 
+import gc
 import json
 import logging
 import os
@@ -41,8 +42,11 @@ def main():
         for level in LEVELS:
             logger.log(getattr(logging, level), "probe %s", name)
         print(f"rank={rank} ASKED {name} {logging.getLevelName(asked)}", flush=True)
-    # Both ranks are done before either tears its process group down: gloo can abort a process at exit
-    # ("terminate called without an active exception", SIGABRT) when its peer went away mid-teardown.
+    # The trainers (and the DDP wrappers in them, which hold the process group and so gloo's threads) are
+    # freed while the interpreter is alive: left to its finalization, gloo could abort the process at exit
+    # ("terminate called without an active exception", SIGABRT) after all its output (CI, twice).
+    del trainer
+    gc.collect()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
