@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import gc
 import json
 import logging
 import sys
@@ -220,13 +219,10 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         resume = restored_folder(env) or True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
-        # The trainer (its DDP wrapper holds the process group, so gloo's threads) is freed now, while the
-        # interpreter is alive: left to its finalization, gloo can abort a finished process (SIGABRT,
-        # "terminate called without an active exception"), and the launcher would count the run as failed.
-        del trainer
-        gc.collect()
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # every rank done before any tears its process group down
+            # Every rank is done before any tears down: gloo can abort (SIGABRT) a process whose peer
+            # leaves mid-teardown, and the launcher would count a finished run as failed.
+            torch.distributed.barrier()
     except ConfigError as exc:
         print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
