@@ -99,53 +99,20 @@ def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(c
     assert {"model.safetensors", "config.json"} <= {f.path for f in final.files}
 
 
-def test_two_shared_nothing_nodes_commit_one_manifest_with_both_nodes_files(ckpt_env, tmp_path: Path):
-    """NNODES=2 on one machine, separate local disks: each node uploads its own files and part record;
-    node rank 0 commits one manifest holding both (here: each node's rng_state_<rank>.pth)."""
-    args = dict(ARGS, max_steps=60, save_steps=20)
+def _two_nodes(ckpt_env: dict, tmp: Path, args: dict, *, attempt: int = 1, tag: str = "", port: int = 29650,
+               **extra: str) -> list[str]:
+    """Attempt `attempt` of a 2-node job (1 worker per node, separate local disks under `tmp/<tag>node<r>`,
+    one machine) to its end, both nodes exiting 0; their logs. `extra`: more of the pods' environment."""
     procs, logs = [], []
     for node in (0, 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
         env.update(ckpt_env)
         env.update(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT="29650", OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT="1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt),
                    KUBETRAIN_BUILTIN_TASK="regression", KUBETRAIN_TRAINER_ARGS=json.dumps(args),
-                   KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp_path / f"node{node}" / "ckpt"),
-                   KUBETRAIN_TERMINATION_LOG=str(tmp_path / f"termination-log-n{node}"))
-        logs.append(tmp_path / f"node{node}.log")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
-                                      stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
-    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
-    committed = _committed(store)
-    assert 60 in committed, committed
-    paths = {f.path for f in committed[60].files}
-    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= paths
-    assert committed[60].world_size == 2
-    # only node rank 0 reports
-    assert json.loads((tmp_path / "termination-log-n0").read_text())["step"] == 60
-    assert not (tmp_path / "termination-log-n1").exists()
-
-
-def _two_nodes(ckpt_env: dict, tmp: Path, attempt: int, args: dict, strategy: str) -> list[str]:
-    """Attempt `attempt` of a 2-node job (1 worker per node, separate local disks, one machine) to its end."""
-    procs, logs = [], []
-    for node in (0, 1):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
-        env.update(ckpt_env)
-        env.update(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(29660 + attempt), OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt),
-                   KUBETRAIN_JOB_INCARNATION="3", KUBETRAIN_STRATEGY=strategy, KUBETRAIN_BUILTIN_TASK="regression",
-                   KUBETRAIN_TRAINER_ARGS=json.dumps(args),
-                   KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp / f"a{attempt}-node{node}" / "ckpt"),
-                   KUBETRAIN_TERMINATION_LOG=str(tmp / f"termination-log-a{attempt}-n{node}"))
-        logs.append(tmp / f"a{attempt}-node{node}.log")
+                   KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp / f"{tag}node{node}" / "ckpt"),
+                   KUBETRAIN_TERMINATION_LOG=str(tmp / f"termination-log-{tag}n{node}"), **extra)
+        logs.append(tmp / f"{tag}node{node}.log")
         procs.append(subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
                                       stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
     try:
@@ -159,14 +126,30 @@ def _two_nodes(ckpt_env: dict, tmp: Path, attempt: int, args: dict, strategy: st
     return texts
 
 
+def test_two_shared_nothing_nodes_commit_one_manifest_with_both_nodes_files(ckpt_env, tmp_path: Path):
+    """NNODES=2 on one machine, separate local disks: each node uploads its own files and part record;
+    node rank 0 commits one manifest holding both (here: each node's rng_state_<rank>.pth)."""
+    _two_nodes(ckpt_env, tmp_path, dict(ARGS, max_steps=60, save_steps=20))
+    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
+    committed = _committed(store)
+    assert 60 in committed, committed
+    paths = {f.path for f in committed[60].files}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= paths
+    assert committed[60].world_size == 2
+    # only node rank 0 reports
+    assert json.loads((tmp_path / "termination-log-n0").read_text())["step"] == 60
+    assert not (tmp_path / "termination-log-n1").exists()
+
+
 def test_each_node_of_an_fsdp_job_restores_only_its_own_shards_and_the_job_finishes(ckpt_env, tmp_path: Path):
     """Attempt 1 of a 2-node FSDP job commits checkpoint-40; attempt 2 (a longer run) restores it, each
     node fetching only its own rank's shards (rank_files.py), resumes and finishes."""
     args = dict(ARGS, max_steps=40, save_steps=20, logging_steps=20)
-    _two_nodes(ckpt_env, tmp_path, 1, args, "fsdp")
+    fsdp = dict(KUBETRAIN_STRATEGY="fsdp", KUBETRAIN_JOB_INCARNATION="3")
+    _two_nodes(ckpt_env, tmp_path, args, attempt=1, tag="a1-", port=29661, **fsdp)
     store = CheckpointStore(StorageConfig.from_env(ckpt_env))
     assert max(_committed(store)) == 40
-    texts = _two_nodes(ckpt_env, tmp_path, 2, dict(args, max_steps=60), "fsdp")
+    texts = _two_nodes(ckpt_env, tmp_path, dict(args, max_steps=60), attempt=2, tag="a2-", port=29662, **fsdp)
     for node, text in enumerate(texts):
         assert "the other ranks' shards stay in storage" in text, text[-3000:]
         restored = tmp_path / f"a2-node{node}" / "ckpt" / "checkpoint-40"

@@ -53,9 +53,12 @@ class RankFilesWriter(FileSystemWriter):
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix  # "__<rank>_", given by prepare_global_plan
         files: queue.Queue = queue.Queue()
-        private = [i for i in plan.items if is_private(i)]
-        shared = [i for i in plan.items if not is_private(i)]
-        for name, items in ((f"{prefix}0{DEFAULT_SUFFIX}", private), (f"{prefix}{SHARED_MARK}{DEFAULT_SUFFIX}", shared)):
+        split: dict[str, list[WriteItem]] = {f"{prefix}0{DEFAULT_SUFFIX}": [],
+                                              f"{prefix}{SHARED_MARK}{DEFAULT_SUFFIX}": []}
+        private, shared = split.values()
+        for item in plan.items:
+            (private if is_private(item) else shared).append(item)
+        for name, items in split.items():
             if items:
                 files.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, files)
