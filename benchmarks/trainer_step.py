@@ -133,10 +133,9 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int, *, contro
         return diffs[WARMUP:]
     from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments
 
-    class Pair(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 0:
-                last[0] = time.thread_time()
+    class Pair(TrainerCallback):  # no on_step_begin: the probe adds no event handler of its own to the step
+        def on_train_begin(self, args, state, control, **kwargs):
+            last[0] = time.thread_time()  # the first steps (and the loop's setup in them) are the warm-up
 
         def on_step_end(self, args, state, control, **kwargs):
             pair()

@@ -77,7 +77,7 @@ class CallbackHandler:
 
     def __init__(self, callbacks: list[TrainerCallback], **objects: Any):
         self.callbacks: list[TrainerCallback] = []
-        self._dispatch: dict[str, tuple[tuple, list]] = {}
+        self._dispatch: dict[str, tuple[list, list]] = {}
         for cb in callbacks:
             self.add_callback(cb)
         self.objects = objects  # model, optimizer, ... handed to callbacks as kwargs
@@ -100,28 +100,22 @@ class CallbackHandler:
 
     def call(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
              **kwargs: Any) -> TrainerControl:
-        handlers = self._handlers(event)
-        if handlers:
-            kwargs = {**self.objects, **kwargs}
-            for handler in handlers:
-                result = handler(args, state, control, **kwargs)
-                if result is not None:  # HF callbacks may return a control object
-                    control = result
-        return control
+        return getattr(self, event)(args, state, control, **kwargs)
 
     def _handlers(self, event: str) -> list:
         """The callbacks' methods for `event`, leaving out the base classes' empty ones (they return None).
 
-        Rebuilt when the callback list changes (compared item by item: it may be edited in place), so a
-        step pays for the callbacks that handle its events, not for every callback times every event.
+        Kept per event with a copy of the callback list, and rebuilt when the list changes (compared item
+        by item: it may be edited in place), so a step pays for the callbacks that handle its events, not
+        for every callback times every event.
         """
-        key = tuple(self.callbacks)
         cached = self._dispatch.get(event)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == self.callbacks:
             return cached[1]
-        handlers = [method for cb in key
+        callbacks = list(self.callbacks)
+        handlers = [method for cb in callbacks
                     if getattr(method := getattr(cb, event), "__func__", None) not in _empty_handlers(event)]
-        self._dispatch[event] = (key, handlers)
+        self._dispatch[event] = (callbacks, handlers)
         return handlers
 
     def save_states(self, state: TrainerState) -> None:
@@ -134,9 +128,26 @@ class CallbackHandler:
                 cb.load_state(saved)
 
 
+def _dispatcher(event: str):
+    """`CallbackHandler.<event>`: calls each callback's handler for `event` in order (they run every step)."""
+    def dispatch(self: CallbackHandler, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                 **kwargs: Any) -> TrainerControl:
+        cached = self._dispatch.get(event)  # _handlers, inlined: this runs several times every step
+        handlers = cached[1] if cached is not None and cached[0] == self.callbacks else self._handlers(event)
+        if handlers:
+            objects = {**self.objects, **kwargs} if kwargs else self.objects
+            for handler in handlers:
+                result = handler(args, state, control, **objects)
+                if result is not None:  # HF callbacks may return a control object
+                    control = result
+        return control
+
+    dispatch.__name__ = dispatch.__qualname__ = event
+    return dispatch
+
+
 for _event in _EVENTS:  # handler.on_log(args, state, control, logs=...) etc.
-    setattr(CallbackHandler, _event,
-            lambda self, args, state, control, _e=_event, **kw: self.call(_e, args, state, control, **kw))
+    setattr(CallbackHandler, _event, _dispatcher(_event))
 
 
 class DefaultFlowCallback(TrainerCallback):

@@ -14,6 +14,7 @@ fall back to skipping batches (logged).
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any, Callable, Iterator, Mapping, Sized
 
 import torch
@@ -112,13 +113,20 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
     )
 
 
+_TENSOR = frozenset((torch.Tensor,))
+_DEVICE = attrgetter("device")
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to `device`."""
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()}) if type(batch) is dict \
-            else {k: to_device(v, device) for k, v in batch.items()}
+        values = batch.values()
+        # Every step: a dict of tensors already on `device` (a CPU run's batches) is checked in C and kept.
+        if _TENSOR.issuperset(map(type, values)) and {device} == set(map(_DEVICE, values)):
+            return batch
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return type(batch)(to_device(v, device) for v in batch)
     if hasattr(batch, "to") and callable(batch.to):  # e.g. a transformers BatchEncoding

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
+from operator import itemgetter
 
 import torch
 from torch import nn
@@ -66,24 +67,27 @@ def step_groups_at_once(optimizer: torch.optim.Optimizer) -> list[dict] | None:
     without step hooks, which could observe the merged group while the step runs.
     """
     groups = optimizer.param_groups
-    if len(groups) < 2 or type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+    if (len(groups) < 2 or type(optimizer) not in _MERGEABLE or optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks):
         return None
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_step_hooks():
-        return None
+    # Runs every step: the settings are compared as whole dicts (one C-level comparison per group), and only
+    # plain numbers, flags, strings and tuples are merged (a tensor learning rate compares as a tensor).
     first = groups[0]
+    settings = {**first, "params": None}
+    if not _PLAIN_SETTINGS.issuperset(map(type, settings.values())):
+        return None
+    params = first["params"]
     for group in groups[1:]:
-        if group.keys() != first.keys():
+        other = {**group, "params": None}
+        if not _PLAIN_SETTINGS.issuperset(map(type, other.values())) or other != settings:
             return None
-        for key, value in group.items():
-            # Plain numbers and flags only (a tensor learning rate compares as a tensor: not merged).
-            if key != "params" and (isinstance(value, torch.Tensor) or isinstance(first[key], torch.Tensor)
-                                    or value != first[key]):
-                return None
-    return [{**first, "params": [p for group in groups for p in group["params"]]}]
+        params = params + group["params"]
+    return [{**first, "params": params}]
 
 
-def _global_step_hooks() -> bool:
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+_MERGEABLE = (torch.optim.AdamW, torch.optim.Adam)
+_PLAIN_SETTINGS = frozenset((float, int, bool, str, tuple, type(None)))
 
 
 def _linear(step: int, *, warmup: int, total: int) -> float:
@@ -111,7 +115,32 @@ _SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant,
               "constant_with_warmup": _constant_with_warmup}
 
 
+class SharedLambdaLR(LambdaLR):
+    """A `LambdaLR` whose parameter groups all follow one lambda (the Trainer's schedules).
+
+    Its `step` evaluates the lambda once and sets each group's learning rate to `base_lr * factor`, the
+    same expression and so the same bits as `LambdaLR.get_lr`; torch's own `step` (a context manager, a
+    list per group, the lambda per group) costs a few µs more every training step. The first steps, a
+    step to a given epoch, and tensor learning rates go through torch's `step` unchanged.
+    """
+
+    def step(self, epoch: int | None = None) -> None:
+        groups, base_lrs = self.optimizer.param_groups, self.base_lrs
+        if (epoch is not None or self._step_count <= 1 or len(groups) != len(base_lrs)
+                or torch.Tensor in map(type, base_lrs) or torch.Tensor in map(type, map(_LR, groups))):
+            return super().step(epoch)
+        self._step_count += 1
+        self.last_epoch += 1
+        factor = self.lr_lambdas[0](self.last_epoch)
+        for group, base_lr in zip(groups, base_lrs):
+            group["lr"] = base_lr * factor
+        self._last_lr = list(map(_LR, groups))
+
+
+_LR = itemgetter("lr")
+
+
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, num_training_steps: int) -> LambdaLR:
     warmup = args.warmup_for(num_training_steps)
     fn = partial(_SCHEDULES[args.lr_scheduler_type], warmup=warmup, total=num_training_steps)
-    return LambdaLR(optimizer, fn)
+    return SharedLambdaLR(optimizer, fn)

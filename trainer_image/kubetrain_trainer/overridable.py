@@ -25,6 +25,7 @@ Two HF conventions need care:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from pathlib import Path
@@ -115,8 +116,9 @@ class OverridableMixin:
     # ------------------------------------------------------------ loss and step
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
-        outputs = call_model(model, inputs)
-        loss = extract_loss(outputs)
+        # The common shapes (a dict batch; a dict or ModelOutput back) without a call: this runs every step.
+        outputs = model(**inputs) if type(inputs) is dict else call_model(model, inputs)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else extract_loss(outputs)
         if loss is None:
             raise ValueError("the model returned no loss: return a tensor, a dict with 'loss', or outputs with "
                              ".loss (or override Trainer.compute_loss)")
@@ -134,8 +136,11 @@ class OverridableMixin:
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss over the step's micro-batches, detached."""
         inputs = self._prepare_inputs(inputs)
-        with self._autocast():
+        if self._autocast is contextlib.nullcontext:  # no bf16/fp16: no context to enter and leave every step
             loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        else:
+            with self._autocast():
+                loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.current_gradient_accumulation_steps != 1:  # x / 1 is x: no op to run (and none to backprop)
             loss = loss / self.current_gradient_accumulation_steps
         self.strategy.backward(loss)

@@ -65,7 +65,7 @@ class TrainerState:
     total_flos: float = 0.0
     data_position: DataPosition = field(default_factory=DataPosition)
     loss_since_log: float = 0.0
-    """Sum of step losses since the last log (float32 value) - resumes the logging average exactly."""
+    """Sum of step losses since the last log - in the checkpoint, so a resumed run logs the same average."""
     steps_since_log: int = 0
     loss_total: float = 0.0
     """Sum of all finite step losses (for `TrainOutput.training_loss`)."""

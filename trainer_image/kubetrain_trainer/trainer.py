@@ -91,7 +91,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         self._world = 1
         self._new_best = False
         self._saves, self._save_landed = BackgroundSaver(), False  # async_save: the save in flight
-        self._loss_since_log = self._loss_total = torch.zeros(())
         main = dist_util.is_main_process()
         self.state = TrainerState(is_world_process_zero=main, is_local_process_zero=dist_util.is_local_main_process())
         self.control = TrainerControl()
@@ -151,11 +150,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         world = self._world = dist_util.world_size()
         samples_per_batch = args.per_device_train_batch_size * world
         ga = args.gradient_accumulation_steps
-        # Loss sums stay on the device between logs and saves: `.item()` would sync every step.
-        # Both in one tensor, so that a step adds its loss to them in one op; the two names are views of it.
-        self._loss_sums = torch.tensor([state.loss_since_log, state.loss_total], dtype=torch.float32,
-                                       device=self.device)
-        self._loss_since_log, self._loss_total = self._loss_sums[0], self._loss_sums[1]
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         model.train()
@@ -180,27 +174,35 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 last = len(micro) - 1
                 step_loss = None
                 for i, batch in enumerate(micro):
-                    # Gradients are synchronised on the last micro-batch only.
-                    with strategy.no_sync(i < last):
+                    if i < last:  # gradients are synchronised on the last micro-batch only
+                        with strategy.no_sync(True):
+                            loss = step_fn(model, batch)
+                    else:
                         loss = step_fn(model, batch)
-                    # The step's float32 loss sum (the first term as is: 0 + x is x, and no tensor to allocate).
-                    step_loss = loss.float() if step_loss is None else step_loss + loss
+                    # The step's loss sum, in float32 over several micro-batches (one needs no sum and no cast:
+                    # `.item()` reads a bf16 value exactly; the collective of several ranks casts it).
+                    if step_loss is None:
+                        step_loss = loss if last == 0 else loss.float()
+                    else:
+                        step_loss = step_loss + loss
                     if i < last:
                         self.control = self.callback_handler.on_substep_end(args, state, self.control)
                 # One collective and host sync per step: the mean loss over ranks, whether it is finite
-                # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch).
+                # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch). The
+                # loss comes back as a number, so the sums since the last log and in total are plain floats.
                 step_loss, finite, stop = self._reduce_step(step_loss)
                 grad_norm = None
                 if finite:
                     grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
                     strategy.optimizer_step()
-                    self._loss_sums += step_loss  # since the last log, and in total
+                    state.loss_since_log += step_loss
+                    state.loss_total += step_loss
                     state.steps_since_log += 1
                     state.loss_count += 1
                 else:
                     self._handle_non_finite(step_loss)
                     if not args.logging_nan_inf_filter:
-                        self._loss_since_log += step_loss
+                        state.loss_since_log += step_loss
                         state.steps_since_log += 1
                 self.lr_scheduler.step()
                 state.global_step += 1
@@ -209,8 +211,9 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 state.epoch = epoch + (done / plan.batches_per_epoch if plan.batches_per_epoch else 0.0)
                 state.data_position = (DataPosition(epoch + 1, 0) if epoch_done
                                        else DataPosition(epoch, done * samples_per_batch))
-                self.control = self.callback_handler.on_step_end(args, state, self.control)
-                self._maybe_log_save_evaluate(grad_norm, registry)
+                control = self.control = self.callback_handler.on_step_end(args, state, self.control)
+                if control.should_log or control.should_evaluate or control.should_save or self._save_landed:
+                    self._maybe_log_save_evaluate(grad_norm, registry)
                 if stop and state.global_step < state.max_steps:  # at the last step: just finish
                     preempted = True
                     break
@@ -226,23 +229,24 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         return self._finish(start_time, start_step)
 
     # ---------------------------------------------------------------- helpers
-    def _reduce_step(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    def _reduce_step(self, step_loss: torch.Tensor) -> tuple[float, bool, bool]:
+        """The step's loss (mean over ranks) as a number, whether it is finite everywhere, and whether to stop."""
         busy = self._saves.busy  # the same on every rank; then the flag "my background save has ended" rides along
         if self._world == 1:  # nothing to agree on: one read of the loss is the step's only host sync
             self._save_landed = busy and self._saves.finished()
-            return step_loss, math.isfinite(step_loss.item()), self._stop_requested
+            value = step_loss.item()
+            return value, math.isfinite(value), self._stop_requested
         flags = [self._stop_requested, self._saves.finished()] if busy else [self._stop_requested]
         packed = torch.stack([step_loss.float(), (~torch.isfinite(step_loss)).float(),
                               *(torch.tensor(float(f), device=self.device) for f in flags)])
         torch.distributed.all_reduce(packed)
         packed[0] /= self._world
-        non_finite, stop, *landed = packed[1:].tolist()
+        loss, non_finite, stop, *landed = packed.tolist()
         self._save_landed = busy and landed[0] == self._world
-        return packed[0], not non_finite, bool(stop)
+        return loss, not non_finite, bool(stop)
 
-    def _handle_non_finite(self, step_loss: torch.Tensor) -> None:
+    def _handle_non_finite(self, value: float) -> None:
         step = self.state.global_step + 1
-        value = step_loss.item()
         if self.args.nan_inf_policy == "stop":
             raise NonFiniteLossError(f"step {step}: the loss is {value} on at least one rank; stopping "
                                      "(nan_inf_policy: stop). Lower the learning rate or check the data.")
@@ -256,11 +260,11 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
             self._save_landed = False
             self._wait_for_save()
         if control.should_log and state.steps_since_log:
-            logs = {"loss": self._loss_since_log.item() / state.steps_since_log,
+            logs = {"loss": state.loss_since_log / state.steps_since_log,
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item()
-            self._loss_since_log.zero_()
+            state.loss_since_log = 0.0
             state.steps_since_log = 0
             self.log(logs)
         control.should_log = False
@@ -298,7 +302,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
             self.strategy.load_checkpoint(best)
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
-        train_loss = self._loss_total.item() / state.loss_count if state.loss_count else float("nan")
+        train_loss = state.loss_total / state.loss_count if state.loss_count else float("nan")
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(steps * state.train_batch_size / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
@@ -359,9 +363,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         reg.register("training_args", save=save_args, load=lambda d: None)
 
         def save_state(d: Path) -> None:
-            # float() of a float32 value is exact, so the resumed sums continue bit for bit.
-            self.state.loss_since_log = self._loss_since_log.item()
-            self.state.loss_total = self._loss_total.item()
             if main():
                 self.state.save_to_json(d / ckpt.COMPLETE_MARKER)
         reg.register("trainer_state", save=save_state, load=self._load_state)
