@@ -115,6 +115,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
 
 _TENSOR = frozenset((torch.Tensor,))
 _DEVICE = attrgetter("device")
+_IS_CPU = attrgetter("is_cpu")  # a flag, where .device makes a device object per tensor
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -124,7 +125,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         values = batch.values()
         # Every step: a dict of tensors already on `device` (a CPU run's batches) is checked in C and kept.
-        if _TENSOR.issuperset(map(type, values)) and {device} == set(map(_DEVICE, values)):
+        if _TENSOR.issuperset(map(type, values)) and (all(map(_IS_CPU, values)) if device.type == "cpu"
+                                                      else {device} == set(map(_DEVICE, values))):
             return batch
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):

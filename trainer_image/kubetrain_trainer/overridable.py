@@ -56,6 +56,8 @@ class OverridableMixin:
     """Dataloader, optimizer, loss, step, logging and process-role methods of `Trainer`."""
 
     current_gradient_accumulation_steps: int = 1
+    _step_loss = None
+    """`compute_loss` when it takes `num_items_in_batch` (checked once per train()); else `_compute_loss` is used."""
     """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
 
     def _overrides(self, name: str) -> bool:
@@ -136,11 +138,12 @@ class OverridableMixin:
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its loss over the step's micro-batches, detached."""
         inputs = self._prepare_inputs(inputs)
+        compute = self._step_loss or self._compute_loss  # the signature check is done once per train()
         if self._autocast is contextlib.nullcontext:  # no bf16/fp16: no context to enter and leave every step
-            loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = compute(model, inputs, num_items_in_batch=num_items_in_batch)
         else:
             with self._autocast():
-                loss = self._compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                loss = compute(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.current_gradient_accumulation_steps != 1:  # x / 1 is x: no op to run (and none to backprop)
             loss = loss / self.current_gradient_accumulation_steps
         self.strategy.backward(loss)
@@ -157,6 +160,7 @@ class OverridableMixin:
 
     def _training_step_caller(self, count: bool):
         """`_training_step` as a function of (model, inputs), its signature checks done once (the loop's per-step call)."""
+        self._step_loss = self.compute_loss if accepts(self.compute_loss, "num_items_in_batch") else None
         step = self.training_step
         if not accepts(step, "num_items_in_batch"):
             return step
