@@ -81,7 +81,7 @@ class OverridableMixin:
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The batch on this process's device (HF's name, which overrides often call)."""
-        return to_device(inputs, self.device)
+        return to_device(inputs, self.device)  # a dict of tensors already there comes back as it is
 
     # ------------------------------------------------------- optimizer, scheduler
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:

@@ -148,6 +148,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         args, state, strategy = self.args, self.state, self.strategy
         model = self.model_wrapped
         world = self._world = dist_util.world_size()
+        saves = self._saves
         samples_per_batch = args.per_device_train_batch_size * world
         ga = args.gradient_accumulation_steps
         start_time, start_step = time.perf_counter(), state.global_step
@@ -190,7 +191,11 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 # One collective and host sync per step: the mean loss over ranks, whether it is finite
                 # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch). The
                 # loss comes back as a number, so the sums since the last log and in total are plain floats.
-                step_loss, finite, stop = self._reduce_step(step_loss)
+                if world == 1 and saves.idle:  # nothing to agree on, no save to watch: the step's one host sync
+                    step_loss = step_loss.item()
+                    finite, stop = math.isfinite(step_loss), self._stop_requested
+                else:
+                    step_loss, finite, stop = self._reduce_step(step_loss)
                 grad_norm = None
                 if finite:
                     grad_norm = strategy.clip_grad_norm(args.max_grad_norm)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_
 
 from .. import distributed as dist_util
 from ..optim import step_groups_at_once
@@ -89,7 +90,7 @@ class DDPStrategy(Strategy):
             self._scaler.unscale_(self._optimizer)
         # max_norm <= 0 means "do not clip": an infinite bound still yields the norm for logging.
         bound = max_norm if max_norm and max_norm > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self._params, bound)  # it skips parameters without a gradient
+        return clip_grad_norm_(self._params, bound)  # it skips parameters without a gradient
 
     def optimizer_step(self) -> None:
         if self._scaler:
