@@ -124,10 +124,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         values = batch.values()
-        # Every step: a dict of tensors already on `device` (a CPU run's batches) is checked in C and kept.
+        # Every step: a dict of tensors already on `device` (a CPU run's batches) is checked and copied in C.
+        # A copy, as before: an override that pops the labels must not change a batch its loader hands out again.
         if _TENSOR.issuperset(map(type, values)) and (all(map(_IS_CPU, values)) if device.type == "cpu"
                                                       else {device} == set(map(_DEVICE, values))):
-            return batch
+            return dict(batch)
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return type(batch)(to_device(v, device) for v in batch)

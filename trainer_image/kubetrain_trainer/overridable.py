@@ -56,9 +56,9 @@ class OverridableMixin:
     """Dataloader, optimizer, loss, step, logging and process-role methods of `Trainer`."""
 
     current_gradient_accumulation_steps: int = 1
-    _step_loss = None
-    """`compute_loss` when it takes `num_items_in_batch` (checked once per train()); else `_compute_loss` is used."""
     """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
+    _step_loss = None
+    """`compute_loss` while train() runs, when it takes `num_items_in_batch` (checked once); else `_compute_loss`."""
 
     def _overrides(self, name: str) -> bool:
         """Whether this Trainer's class replaces the method `name` of this mixin."""
@@ -140,10 +140,10 @@ class OverridableMixin:
         inputs = self._prepare_inputs(inputs)
         compute = self._step_loss or self._compute_loss  # the signature check is done once per train()
         if self._autocast is contextlib.nullcontext:  # no bf16/fp16: no context to enter and leave every step
-            loss = compute(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = compute(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
         else:
             with self._autocast():
-                loss = compute(model, inputs, num_items_in_batch=num_items_in_batch)
+                loss = compute(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
         if self.current_gradient_accumulation_steps != 1:  # x / 1 is x: no op to run (and none to backprop)
             loss = loss / self.current_gradient_accumulation_steps
         self.strategy.backward(loss)

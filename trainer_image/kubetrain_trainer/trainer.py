@@ -140,6 +140,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         try:
             return self._loop(dataloader, plan, registry)
         finally:
+            self._step_loss = None  # checked per train(): a compute_loss replaced afterwards is the one called
             neftune.remove()
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)

@@ -141,10 +141,13 @@ def test_shared_lambda_schedule_with_tensor_rates_takes_torchs_step():
     assert math.isclose(float(lr_tensor), 1e-2 * 7 / 10, rel_tol=1e-6)
 
 
-def test_a_batch_already_on_the_device_is_kept_and_any_other_is_moved():
+def test_a_batch_already_on_the_device_keeps_its_tensors_and_any_other_is_moved():
     cpu = torch.device("cpu")
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3)}
-    assert to_device(batch, cpu) is batch
+    kept = to_device(batch, cpu)
+    assert kept == batch and all(kept[k] is batch[k] for k in batch)
+    kept.pop("labels")  # an override that pops the labels leaves the loader's batch whole
+    assert "labels" in batch
     mixed = {"input_ids": torch.ones(2), "meta": [torch.zeros(1), 3], "n": 4}
     moved = to_device(mixed, cpu)
     assert moved is not mixed and moved["n"] == 4 and moved["meta"][1] == 3
@@ -174,10 +177,11 @@ def test_callback_dispatch_follows_edits_of_the_callback_list_in_place():
     assert seen == [("a", ["model"]), ("a", ["model"]), ("b", ["model"]), ("b", ["extra", "model"])]
 
 
-def test_logged_losses_are_the_means_of_the_step_losses(tiny_gpt, tokens, make_args):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_logged_losses_are_the_means_of_the_step_losses(tiny_gpt, tokens, make_args, accumulation):
     steps = []
-    trainer = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(max_steps=6, logging_steps=3,
-                                                                  save_strategy="no"),
+    trainer = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(max_steps=6, logging_steps=3, save_strategy="no",
+                                                                  gradient_accumulation_steps=accumulation),
                       train_dataset=tokens(48))
     original = trainer.training_step
 
@@ -188,6 +192,10 @@ def test_logged_losses_are_the_means_of_the_step_losses(tiny_gpt, tokens, make_a
 
     trainer.training_step = recording_step
     out = trainer.train()
+    # A step's loss is the sum of its micro-batches' (each divided by their count), in float32.
+    per_step = [float(torch.tensor(steps[i:i + accumulation], dtype=torch.float32).sum())
+                for i in range(0, len(steps), accumulation)]
+    assert len(per_step) == 6
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert logged == pytest.approx([sum(steps[:3]) / 3, sum(steps[3:6]) / 3], rel=1e-12)
-    assert out.training_loss == pytest.approx(sum(steps) / 6, rel=1e-12)
+    assert logged == pytest.approx([sum(per_step[:3]) / 3, sum(per_step[3:6]) / 3], rel=1e-6)
+    assert out.training_loss == pytest.approx(sum(per_step) / 6, rel=1e-6)
