@@ -102,16 +102,13 @@ class CallbackHandler:
              **kwargs: Any) -> TrainerControl:
         return getattr(self, event)(args, state, control, **kwargs)
 
-    def _handlers(self, event: str) -> list:
+    def _rebuild_handlers(self, event: str) -> list:
         """The callbacks' methods for `event`, leaving out the base classes' empty ones (they return None).
 
-        Kept per event with a copy of the callback list, and rebuilt when the list changes (compared item
-        by item: it may be edited in place), so a step pays for the callbacks that handle its events, not
-        for every callback times every event.
+        Kept per event with a copy of the callback list; each event's dispatch rebuilds them when the list
+        changes (compared item by item: it may be edited in place), so a step pays for the callbacks that
+        handle its events, not for every callback times every event.
         """
-        cached = self._dispatch.get(event)
-        if cached is not None and cached[0] == self.callbacks:
-            return cached[1]
         callbacks = list(self.callbacks)
         handlers = [method for cb in callbacks
                     if getattr(method := getattr(cb, event), "__func__", None) not in _empty_handlers(event)]
@@ -132,8 +129,8 @@ def _dispatcher(event: str):
     """`CallbackHandler.<event>`: calls each callback's handler for `event` in order (they run every step)."""
     def dispatch(self: CallbackHandler, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                  **kwargs: Any) -> TrainerControl:
-        cached = self._dispatch.get(event)  # _handlers, inlined: this runs several times every step
-        handlers = cached[1] if cached is not None and cached[0] == self.callbacks else self._handlers(event)
+        cached = self._dispatch.get(event)  # runs several times every step
+        handlers = cached[1] if cached is not None and cached[0] == self.callbacks else self._rebuild_handlers(event)
         if handlers:
             objects = {**self.objects, **kwargs} if kwargs else self.objects
             for handler in handlers:
