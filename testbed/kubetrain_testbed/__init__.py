@@ -6,9 +6,9 @@ testbed/build.sh. `python -m kubetrain_testbed up|down|status|env` drives it;
 the pytest fixtures in tests/conftest.py use the same functions.
 """
 
-from .cluster import (
-    ComponentStatus, TestbedEnv, down, ensure_kueue, free_port, is_healthy, kubectl, load_env, remove_kueue, status, up,
-)
+from .cluster import down, up
+from .kueue_run import ensure_kueue, remove_kueue
+from .state import ComponentStatus, TestbedEnv, free_port, is_healthy, kubectl, load_env, status
 from .config import KueueSettings, NodePool, TestbedConfig
 from .nodes import fake_node
 from .procs import ComponentFailed, TestbedError

@@ -12,7 +12,8 @@ import shlex
 import sys
 import time
 
-from .cluster import down, load_env, status, up
+from .cluster import down, up
+from .state import load_env, status
 from .config import TestbedConfig
 from .procs import TestbedError
 

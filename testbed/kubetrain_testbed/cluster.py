@@ -9,171 +9,28 @@ concurrent `up`/`down` calls from several shells or pytest sessions.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import secrets
-import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
-from . import kueue, procs, realnode, sts
+from . import procs, realnode, sts
 from .components import Ports, build_components, component_kubeconfig, write_kubeconfig
-from .config import KueueSettings, TestbedConfig
+from .config import TestbedConfig
+from .kueue_run import _ensure_kueue
 from .nodes import pool_nodes
-from .pki import Pki, ensure_pki
+from .pki import ensure_pki
 from .procs import Running, TestbedError
 from .realnode_config import MINIO_POD_PORT, RealNodeLayout
 from .stages import STAGES_YAML
-
-
-@dataclass(frozen=True)
-class TestbedEnv:
-    """How clients reach a running testbed; `as_environ()` is what `.testbed/env` exports."""
-
-    __test__ = False
-
-    kubeconfig: str
-    api_server: str
-    s3_endpoint: str
-    access_key: str
-    secret_key: str
-    bucket: str
-    bin_dir: str
-    ca_file: str
-    """The cluster CA (PEM), for clients that authenticate with a ServiceAccount token."""
-    region: str = "us-east-1"
-    registry: str = ""
-    """The real node's image registry (host:port, plain HTTP); empty without the real node."""
-    pod_s3_endpoint: str = ""
-    """MinIO as pods on the real node reach it; empty without the real node."""
-
-    def as_environ(self) -> dict[str, str]:
-        return {
-            "KUBECONFIG": self.kubeconfig,
-            "AWS_ENDPOINT_URL": self.s3_endpoint,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_REGION": self.region,
-            "AWS_DEFAULT_REGION": self.region,
-            "KUBETRAIN_TEST_BUCKET": self.bucket,
-            "KUBETRAIN_TESTBED_BIN": self.bin_dir,
-            "KUBETRAIN_TESTBED_API_SERVER": self.api_server,
-            "KUBETRAIN_TESTBED_CA_FILE": self.ca_file,
-            **({"KUBETRAIN_TESTBED_REGISTRY": self.registry,
-                "KUBETRAIN_TESTBED_POD_S3_ENDPOINT": self.pod_s3_endpoint} if self.registry else {}),
-        }
-
-    def subprocess_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """`base` (default: os.environ) plus the testbed's variables and its bin folder first on PATH."""
-        env = dict(os.environ if base is None else base)
-        env.update(self.as_environ())
-        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
-        return env
-
-
-@dataclass(frozen=True)
-class ComponentStatus:
-    name: str
-    pid: int
-    alive: bool
-    healthy: bool
-    detail: str
-
-
-@contextmanager
-def _locked(cfg: TestbedConfig) -> Iterator[None]:
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    with open(cfg.lock_file, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    return _free_ports(1)[0]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _read_state(cfg: TestbedConfig) -> dict | None:
-    try:
-        return json.loads(cfg.state_file.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_state(cfg: TestbedConfig, state: dict) -> None:
-    tmp = cfg.state_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.chmod(0o600)  # it records the S3 credentials
-    tmp.replace(cfg.state_file)
-
-
-def _running(state: dict | None) -> list[Running]:
-    return [Running.from_storage(r) for r in (state or {}).get("processes", [])]
-
-
-def load_env(cfg: TestbedConfig) -> TestbedEnv:
-    state = _read_state(cfg)
-    if not state or "env" not in state:
-        raise TestbedError(f"no testbed recorded in {cfg.state_file}; run `scripts/testbed.sh up`")
-    return TestbedEnv(**state["env"])
-
-
-def kubectl(env: TestbedEnv, *args: str, input: str | None = None, timeout: float = 60.0) -> str:
-    """Run the testbed's kubectl as admin; raise TestbedError with its stderr on failure."""
-    argv = [str(Path(env.bin_dir) / "kubectl"), f"--kubeconfig={env.kubeconfig}", *args]
-    proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise TestbedError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def status(cfg: TestbedConfig) -> list[ComponentStatus]:
-    pki = Pki(cfg.pki_dir) if cfg.pki_dir.exists() else None
-    out = []
-    for r in _running(_read_state(cfg)):
-        is_alive = r.is_alive()
-        healthy, detail = procs.probe(r.health, pki) if is_alive else (False, "not running")
-        out.append(ComponentStatus(name=r.name, pid=r.pid, alive=is_alive, healthy=healthy, detail=detail))
-    return out
-
-
-STATE_FORMAT = 2
-"""Bumped when a running testbed of an older checkout lacks something tests need (2: MinIO's STS)."""
-
-
-def is_healthy(cfg: TestbedConfig) -> bool:
-    """A completely started testbed of this format whose every process answers its health probe."""
-    state = _read_state(cfg)
-    if not state or not state.get("complete") or state.get("format") != STATE_FORMAT:
-        return False
-    st = status(cfg)
-    return bool(st) and all(s.healthy for s in st)
+from .state import (
+    STATE_FORMAT, TestbedEnv, _api, _free_ports, _locked, _read_state, _running, _write_env_file, _write_state,
+    is_healthy, load_env,
+)
 
 
 def down(cfg: TestbedConfig) -> list[str]:
@@ -367,84 +224,6 @@ def _start(cfg: TestbedConfig, bin_dir: Path, say) -> TestbedEnv:
     return env
 
 
-def ensure_kueue(cfg: TestbedConfig, settings: KueueSettings | None = None, *, log=None) -> bool:
-    """Run Kueue on the running testbed with these settings (kept when it already does, restarted with
-    other settings); builds it first if needed (`build.sh --kueue`). True when this call (re)started it."""
-    say = log or (lambda msg: print(f"[testbed] {msg}", file=sys.stderr))
-    with _locked(cfg):
-        if not is_healthy(cfg):
-            raise TestbedError("no healthy testbed is running: start it first (`scripts/testbed.sh up`)")
-        return _ensure_kueue(cfg, load_env(cfg), settings or cfg.kueue_settings, say)
-
-
-def remove_kueue(cfg: TestbedConfig) -> bool:
-    """Stop Kueue on the running testbed (its CRDs and objects stay in the API server); False if none ran."""
-    with _locked(cfg):
-        state = _read_state(cfg) or {}
-        ours = [r for r in _running(state) if r.name == kueue.NAME]
-        if not ours and not state.get("kueue"):
-            return False
-        procs.stop([r.pid for r in ours if r.is_alive()])
-        state["processes"] = [r.for_storage() for r in _running(state) if r.name != kueue.NAME]
-        state.pop("kueue", None)
-        _write_state(cfg, state)
-        return True
-
-
-def _ensure_kueue(cfg: TestbedConfig, env: TestbedEnv, settings: KueueSettings, say) -> bool:
-    state = _read_state(cfg) or {}
-    wanted = asdict(settings)
-    running = [r for r in _running(state) if r.name == kueue.NAME]
-    recorded = state.get("kueue") or {}
-    if running and recorded.get("complete") and recorded.get("settings") == wanted and all(
-            procs.probe(r.health, None)[0] for r in running):
-        return False
-    bin_dir = kueue.ensure_binaries(cfg.build_script)
-    procs.stop([r.pid for r in running if r.is_alive()])
-    base = [r for r in _running(state) if r.name != kueue.NAME]
-    t0 = time.monotonic()
-    pki = Pki(cfg.pki_dir)
-    health_port, webhook_port = _free_ports(2)
-    kubeconfig, config_file = kueue.prepare_files(pki=pki, run_dir=cfg.run_dir, api_server=env.api_server,
-                                                  settings=settings, health_port=health_port,
-                                                  webhook_port=webhook_port)
-    _install_kueue_api(env, bin_dir)
-    started = procs.start(kueue.component(bin_dir=bin_dir, kubeconfig=kubeconfig, config_file=config_file,
-                                          health_port=health_port), cfg.log_file(kueue.NAME))
-    state["processes"] = [r.for_storage() for r in [*base, started]]
-    state["kueue"] = {"bin_dir": str(bin_dir), "settings": wanted, "complete": False}
-    _write_state(cfg, state)
-    try:
-        procs.wait_healthy([started], pki=pki, timeout=cfg.timeouts.kueue, log_dir=cfg.run_dir)
-    except BaseException:
-        procs.stop([started.pid])
-        state["processes"] = [r.for_storage() for r in base]
-        state.pop("kueue", None)
-        _write_state(cfg, state)
-        raise
-    state["kueue"]["complete"] = True
-    _write_state(cfg, state)
-    say(f"kueue ready after {time.monotonic() - t0:.1f} s (pods-ready timeout {settings.pods_ready_timeout})")
-    return True
-
-
-def _install_kueue_api(env: TestbedEnv, bin_dir: Path) -> None:
-    """Kueue's CRDs (server-side: the Workload CRD is too large for a client-side apply's annotation),
-    its namespace, and its RBAC."""
-    crds = kueue.crd_dir(bin_dir)
-    if not crds.is_dir():
-        raise TestbedError(f"{crds} is missing: run `testbed/build.sh --kueue`")
-    kubectl(env, "apply", "--server-side", "--force-conflicts", "--field-manager=kubetrain-testbed", "-f", str(crds),
-            timeout=180)
-    kubectl(env, "wait", "--for=condition=Established", "--timeout=120s", "-f", str(crds), timeout=180)
-    code, body = _api(env, "POST", "/api/v1/namespaces", {"metadata": {"name": kueue.NAMESPACE}})
-    if code not in (201, 409):
-        raise TestbedError(f"creating namespace {kueue.NAMESPACE} failed: HTTP {code} {body.get('message')}")
-    objects = {"apiVersion": "v1", "kind": "List", "items": kueue.rbac_objects(*kueue.manager_roles(bin_dir))}
-    kubectl(env, "apply", "--server-side", "--force-conflicts", "--field-manager=kubetrain-testbed", "-f", "-",
-            input=json.dumps(objects))
-
-
 def _create_bucket(env: TestbedEnv) -> None:
     import boto3  # the S3 client is only needed here; keep `down`/`status` import-light
 
@@ -453,22 +232,6 @@ def _create_bucket(env: TestbedEnv) -> None:
         aws_secret_access_key=env.secret_key, region_name=env.region,
     )  # fmt: skip
     s3.create_bucket(Bucket=env.bucket)
-
-
-def _api(env: TestbedEnv, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    """One request to the API server as admin, without kubectl's discovery round-trips."""
-    pki = Pki(Path(env.ca_file).parent)
-    req = urllib.request.Request(
-        env.api_server + path,
-        method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Accept": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10, context=procs.ssl_context("admin", pki)) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def _allow_anonymous_discovery(env: TestbedEnv) -> None:
@@ -518,9 +281,3 @@ def _wait_default_service_account(env: TestbedEnv, *, timeout: float, log_dir: P
         time.sleep(0.25)
 
 
-def _write_env_file(cfg: TestbedConfig, env: TestbedEnv) -> None:
-    lines = ["# Written by `scripts/testbed.sh up`; holds credentials: keep it out of logs."]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.as_environ().items()]
-    lines.append('export PATH="$KUBETRAIN_TESTBED_BIN:$PATH"')
-    cfg.env_file.write_text("\n".join(lines) + "\n")
-    cfg.env_file.chmod(0o600)

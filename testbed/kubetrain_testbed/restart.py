@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 from . import procs
-from .cluster import _locked, _read_state, _running, _write_state, load_env
+from .state import _locked, _read_state, _running, _write_state, load_env
 from .components import Component, Ports, build_components
 from .config import TestbedConfig
 from .pki import Pki
