@@ -50,7 +50,7 @@ from kubetrain_trainer.decisions import (
     merge_parts,
     plan_commit,
 )
-from kubetrain_trainer.hashing import build_manifest, scan_folder
+from kubetrain_trainer.hashing import FolderHash, LocalFile, build_manifest
 from kubetrain_trainer.layout import node_part_name
 from kubetrain_trainer.manifest import FileEntry, ManifestError, NodePart
 from kubetrain_trainer.retry import Backoff
@@ -128,6 +128,9 @@ class UploadJob:
     folder: Path
     """The hard-linked snapshot under the staging folder (owned by the uploader)."""
     files: tuple[FileEntry, ...] | None = None
+    """The snapshot's commit records, once hashed (once per job, not per try)."""
+    hashing: FolderHash | None = None
+    """The hash pass in the background while the files go out."""
     uploaded: set[str] = field(default_factory=set)
     failures: int = 0
     started: float | None = None
@@ -199,9 +202,13 @@ class CommitProtocol:
 
     def run(self, job: UploadJob) -> CommitOutcome:
         s = self.settings
-        if job.files is None:
-            job.files = scan_folder(job.folder)  # hashing once, not per retry
-        decision = plan_commit(self.store.list_checkpoints(), step=job.step, files=job.files, attempt=s.attempt,
+        remote = self.store.list_checkpoints()
+        if job.files is None and (job.hashing is None or job.hashing.failed):
+            job.hashing = FolderHash(job.folder)  # hashes in the background; the paths and sizes are known now
+        if job.files is None and any(c.step == job.step and c.manifest is not None for c in remote):
+            job.files = job.hashing.result()  # only "already committed with these files?" needs them up front
+        # Without a manifest at this step the decision never compares files: the hashes may still be coming.
+        decision = plan_commit(remote, step=job.step, files=job.files or (), attempt=s.attempt,
                                incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
                                claims=self.fence.new_claims())
         if decision.action == "fenced":
@@ -213,7 +220,7 @@ class CommitProtocol:
             self.store.uncommit(job.step)
         done = threading.Lock()
 
-        def upload(f: FileEntry) -> None:
+        def upload(f: LocalFile | FileEntry) -> None:
             # Fence re-checked before every write, not once per checkpoint: a zombie whose check
             # passed before a newer attempt claimed stops at its next file (and each file in flight
             # within one part), so what it can still overwrite under a newer commit is its in-flight
@@ -225,7 +232,10 @@ class CommitProtocol:
                 job.uploaded.add(f.path)
                 self.bytes_uploaded += f.size
 
-        self.store.each_upload([f for f in job.files if f.path not in job.uploaded], upload)
+        listed = job.files if job.files is not None else job.hashing.files  # type: ignore[union-attr]
+        self.store.each_upload([f for f in listed if f.path not in job.uploaded], upload)
+        if job.files is None:
+            job.files = job.hashing.result()  # type: ignore[union-attr]
         files = job.files
         if s.nnodes > 1:
             self.store.write_node_part(NodePart(node_rank=s.node_rank, step=job.step, attempt=s.attempt, files=files,

@@ -1,6 +1,6 @@
 """Local hashing: a checkpoint folder on this node's disk, turned into (or checked against) a commit record.
 
-Every file is read once for its sha256 (`scan_folder`) before upload; a restore
+Every file is read once for its sha256 (`scan_folder`, or `FolderHash` while it uploads); a restore
 hashes each file as its bytes land (`HashingFile`), and `verify_local` checks a
 folder already on disk; `build_manifest` adds the metrics and the best-checkpoint
 record from the folder's trainer_state.json. No network: `storage.py` uploads and
@@ -12,13 +12,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterable, Mapping
+from typing import BinaryIO, Iterable, Mapping, NamedTuple
 
 from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, _numeric_only, rfc3339
 from kubetrain_trainer.readiness import is_marker_name
+
+
+class LocalFile(NamedTuple):
+    """A file of a local checkpoint folder, by its path relative to the folder (POSIX) and its size."""
+
+    path: str
+    size: int
 
 
 def sha256_file(path: Path, *, chunk: int = 4 << 20) -> str:
@@ -104,8 +112,8 @@ HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 is time the checkpoint is not on its way (benchmarks/s3_throughput.py)."""
 
 
-def scan_folder(folder: Path) -> tuple[FileEntry, ...]:
-    """Every regular file under `folder` (commit records and ready markers excluded), hashed, sorted by path."""
+def list_folder(folder: Path) -> tuple[LocalFile, ...]:
+    """Every regular file under `folder` (commit records and ready markers excluded), sorted by path."""
     found = []
     for root, dirs, files in os.walk(folder):
         dirs.sort()
@@ -114,18 +122,62 @@ def scan_folder(folder: Path) -> tuple[FileEntry, ...]:
             rel = full.relative_to(folder).as_posix()
             if is_manifest_name(rel) or is_marker_name(name) or full.is_symlink() or not full.is_file():
                 continue
-            found.append((rel, full))
+            found.append(LocalFile(rel, full.stat().st_size))
+    return tuple(sorted(found, key=lambda f: f.path))
 
-    def entry(item: tuple[str, Path]) -> FileEntry:
-        rel, full = item
-        return FileEntry(path=rel, size=full.stat().st_size, sha256=sha256_file(full))
 
-    if HASH_THREADS > 1 and len(found) > 1:
+def hash_files(folder: Path, files: Iterable[LocalFile]) -> tuple[FileEntry, ...]:
+    """The commit records of `files` under `folder`, sorted by path; up to `HASH_THREADS` hashed at once."""
+    files = list(files)
+
+    def entry(f: LocalFile) -> FileEntry:
+        return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path))
+
+    if HASH_THREADS > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256") as pool:
-            entries = list(pool.map(entry, found))
+            entries = list(pool.map(entry, files))
     else:
-        entries = [entry(item) for item in found]
+        entries = [entry(f) for f in files]
     return tuple(sorted(entries, key=lambda f: f.path))
+
+
+def scan_folder(folder: Path) -> tuple[FileEntry, ...]:
+    """Every regular file under `folder` (commit records and ready markers excluded), hashed, sorted by path."""
+    return hash_files(folder, list_folder(folder))
+
+
+class FolderHash:
+    """`scan_folder` of an immutable snapshot in a background thread, so an upload need not wait for it.
+
+    `files` (paths and sizes) is known when this returns; `result()` waits for the hashes and raises
+    what the hashing raised. The snapshot must not change meanwhile: the commit records describe the
+    bytes read here, and the upload reads the same files.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files = list_folder(folder)
+        self._entries: tuple[FileEntry, ...] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="sha256-folder", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._entries = hash_files(self.folder, self.files)
+        except Exception as e:  # noqa: BLE001 - raised again by result(), in the thread that waits
+            self._error = e
+
+    @property
+    def failed(self) -> bool:
+        return not self._thread.is_alive() and self._error is not None
+
+    def result(self) -> tuple[FileEntry, ...]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._entries is not None
+        return self._entries
 
 
 def verify_local(folder: Path, files: Iterable[FileEntry]) -> list[str]:

@@ -1,0 +1,117 @@
+"""The sha256 pass runs beside the upload (`hashing.FolderHash`), not before it.
+
+A checkpoint step with no manifest in storage needs no hash to decide its commit, so its files go out
+while they are hashed; the manifest still carries every file's sha256, and a step that is already
+committed is still compared by hash before anything is written. The S3 boundary is the in-memory
+store of test_ckpt_sync; the real store's uploads are covered against MinIO in tests/integration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer import hashing
+from kubetrain_trainer.commit import ClaimsFence, CommitProtocol, SyncSettings, UploadJob
+from kubetrain_trainer.hashing import FolderHash, scan_folder
+from kubetrain_trainer.manifest import Manifest
+from test_ckpt_sync import FAST, MemoryStore, _local_checkpoint
+
+
+def _protocol(store: MemoryStore, attempt: int = 1) -> CommitProtocol:
+    settings = SyncSettings(attempt=attempt, world_size=1, strategy="ddp", backoff=FAST)
+    return CommitProtocol(store, settings, fence=ClaimsFence(store, settings), stopped=threading.Event(),
+                          newer_waiting=lambda: False)
+
+
+def _held_hashing(monkeypatch) -> tuple[threading.Event, list[str]]:
+    """sha256_file waits for `release`; the names it hashed are recorded."""
+    release, hashed = threading.Event(), []
+    real = hashing.sha256_file
+
+    def held(path: Path, **kw) -> str:
+        assert release.wait(10), "the hash was never released"
+        hashed.append(path.name)
+        return real(path, **kw)
+
+    monkeypatch.setattr(hashing, "sha256_file", held)
+    return release, hashed
+
+
+def test_files_go_out_while_they_are_hashed_and_the_manifest_has_every_hash(tmp_path: Path, monkeypatch):
+    folder = _local_checkpoint(tmp_path, 5)
+    expected = {f.path: f.sha256 for f in scan_folder(folder)}
+    store = MemoryStore()
+    release, hashed = _held_hashing(monkeypatch)
+    uploaded_before_hash = []
+    real_upload = store.upload_file
+
+    def upload_file(step, local, rel, *, still_allowed=None):
+        uploaded_before_hash.append((rel, not hashed))
+        real_upload(step, local, rel, still_allowed=still_allowed)
+        if len(uploaded_before_hash) == len(expected):
+            release.set()  # every file is out: now let the hashing finish
+
+    store.upload_file = upload_file
+    outcome = _protocol(store).run(UploadJob(step=5, folder=folder))
+    assert outcome.action == "committed"
+    assert uploaded_before_hash == [(rel, True) for rel in sorted(expected)]  # none waited for a hash
+    manifest = Manifest.from_json(store.objects["checkpoint-5/manifest.json"])
+    assert {f.path: f.sha256 for f in manifest.files} == expected
+    assert store.writes[-1] == "checkpoint-5/manifest.json"
+    for rel, digest in expected.items():
+        assert hashlib.sha256(store.objects[f"checkpoint-5/{rel}"]).hexdigest() == digest
+
+
+def test_a_step_already_committed_is_compared_by_hash_before_anything_is_written(tmp_path: Path):
+    folder = _local_checkpoint(tmp_path, 3)
+    store = MemoryStore()
+    assert _protocol(store).run(UploadJob(step=3, folder=folder)).action == "committed"
+    writes = len(store.writes)
+    assert _protocol(store).run(UploadJob(step=3, folder=folder)).action == "already committed"
+    assert len(store.writes) == writes  # same content: no byte written again
+
+    (folder / "model.safetensors").write_bytes(b"other weights")  # another attempt, other bytes
+    assert _protocol(store, attempt=2).run(UploadJob(step=3, folder=folder)).action == "committed"
+    manifest = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
+    assert manifest.attempt == 2
+    assert {f.path: f.sha256 for f in manifest.files}["model.safetensors"] == \
+        hashlib.sha256(b"other weights").hexdigest()
+    assert "uncommit checkpoint-3" in store.writes[writes:]
+
+
+def test_a_failed_hash_fails_the_try_and_the_next_try_hashes_again(tmp_path: Path, monkeypatch):
+    folder = _local_checkpoint(tmp_path, 4)
+    store = MemoryStore()
+    real = hashing.sha256_file
+    calls = {"n": 0}
+
+    def flaky(path: Path, **kw) -> str:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("read error on the staging disk")
+        return real(path, **kw)
+
+    monkeypatch.setattr(hashing, "sha256_file", flaky)
+    job = UploadJob(step=4, folder=folder)
+    protocol = _protocol(store)
+    with pytest.raises(OSError, match="read error"):
+        protocol.run(job)
+    assert "checkpoint-4/manifest.json" not in store.objects  # never committed without every hash
+    assert job.uploaded  # the files that went out are not sent again
+    writes = len(store.writes)
+    assert protocol.run(job).action == "committed"
+    assert store.writes[writes:] == ["checkpoint-4/manifest.json"]
+    manifest = Manifest.from_json(store.objects["checkpoint-4/manifest.json"])
+    assert {f.path: f.sha256 for f in manifest.files} == {f.path: f.sha256 for f in scan_folder(folder)}
+
+
+def test_folder_hash_is_scan_folder_in_the_background(tmp_path: Path):
+    folder = _local_checkpoint(tmp_path, 9, loss=0.5)
+    background = FolderHash(folder)
+    assert [f.path for f in background.files] == [f.path for f in scan_folder(folder)]
+    assert background.result() == scan_folder(folder)
+    assert not background.failed
