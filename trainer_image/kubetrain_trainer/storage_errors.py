@@ -47,6 +47,13 @@ _PERMANENT_CODES = _ACCESS_CODES | frozenset(
 )
 
 
+PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (
+    TypeError, AttributeError, NameError, AssertionError, NotImplementedError,
+)
+"""A bug in the caller's code (or a hook it passed), never the store's state: raised as it is, with its
+traceback, instead of being classified and retried as a storage failure."""
+
+
 class StorageError(Exception):
     """Base of storage failures. The message is safe to log."""
 
@@ -84,6 +91,8 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         ConnectionError as BotoConnectionError,
         HTTPClientError,
         NoCredentialsError,
+        NoRegionError,
+        ParamValidationError,
         PartialCredentialsError,
     )
 
@@ -100,6 +109,8 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         if code in _PERMANENT_CODES or status in (400, 405):
             return StoragePermanentError(text)
         return StorageTemporaryError(text)
+    if isinstance(exc, (ParamValidationError, NoRegionError)):  # the request can never be valid as configured
+        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
     if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
         return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
     if isinstance(exc, BotoCoreError):

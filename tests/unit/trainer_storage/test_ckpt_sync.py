@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
+from botocore.exceptions import ClientError, EndpointConnectionError, ParamValidationError
 
 from kubetrain_trainer.decisions import RemoteCheckpoint, RetentionPolicy
 from kubetrain_trainer.layout import MANIFEST_NAME, node_part_name
@@ -426,6 +426,8 @@ def _client_error(code: str, status: int, message: str = "") -> ClientError:
         (_client_error("ExpiredTokenException", 400), StorageAccessError),
         (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageTemporaryError),
         (ConnectionResetError("reset"), StorageTemporaryError),
+        # A request botocore refuses to send (a bucket name it rejects) is never valid on a retry.
+        (ParamValidationError(report="Invalid bucket name \"a b\""), StoragePermanentError),
     ],
 )
 def test_errors_are_classified_temporary_or_permanent(exc, kind):

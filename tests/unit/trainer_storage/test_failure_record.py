@@ -21,7 +21,7 @@ from botocore.exceptions import NoCredentialsError
 from kubetrain_trainer import contract, launch
 from kubetrain_trainer.failure import FailureRecord, error_code, storage_failure
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
-from kubetrain_trainer.storage_errors import StorageAccessError
+from kubetrain_trainer.storage_errors import StorageAccessError, StorageTemporaryError
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYzEXAMPLEKEY"
 
@@ -104,6 +104,19 @@ def _store_raising(exc: Exception) -> CheckpointStore:
             raise exc
 
     return CheckpointStore(StorageConfig(uri="s3://ckpt/jobs/ml/j"), client=Client())
+
+
+@pytest.mark.parametrize("bug", [TypeError("unsupported operand"), AttributeError("'NoneType' has no 'read'")])
+def test_a_bug_is_raised_as_it_is_not_retried_as_a_storage_failure(bug):
+    # The uploader logs an unexpected error with its traceback; a classified one would read as S3 trouble.
+    with pytest.raises(type(bug)) as raised:
+        _store_raising(bug).list_checkpoints()
+    assert raised.value is bug
+
+
+def test_an_os_error_is_a_temporary_storage_failure():
+    with pytest.raises(StorageTemporaryError, match="ConnectionResetError"):
+        _store_raising(ConnectionResetError("reset by peer")).list_checkpoints()
 
 
 def test_missing_credentials_are_named_as_such():
