@@ -255,9 +255,10 @@ def exit_at_once(code: int) -> typing.NoReturn:
     """Exit with `code` now, skipping the interpreter's teardown (1-2 s with torch loaded, on the path
     from SIGTERM to the next attempt). Everything else a normal exit does is kept, in its order:
     non-daemon threads are joined, then the atexit handlers run (logging, reporters,
-    multiprocessing), then stdout and stderr are flushed. Called only after `TrainingPreempted`,
-    which the Trainer raises once the emergency checkpoint is committed on disk (after any save
-    still in flight, which it waits for first)."""
+    multiprocessing), then stdout and stderr are flushed. `main`'s code is returned only once its work
+    is on disk: after `TrainingPreempted`, which the Trainer raises once the emergency checkpoint is
+    committed (after any save still in flight, which it waits for first), after `save_model`, or
+    before anything was written."""
     import atexit
     import os
     import threading
@@ -282,7 +283,9 @@ def exit_at_once(code: int) -> typing.NoReturn:
 
 
 if __name__ == "__main__":
-    code = main()
-    if code == EXIT_PREEMPTED:  # the emergency checkpoint is complete on disk: the launcher waits for this exit
-        exit_at_once(code)
-    sys.exit(code)
+    # Every returned code leaves without the interpreter's teardown: after a preemption the launcher waits
+    # for this exit (the emergency checkpoint is complete on disk), and after a finished run or a refused
+    # configuration, gloo's threads can abort the process while they are torn down ("terminate called
+    # without an active exception", SIGABRT, seen after all of a rank's output): the exit status the
+    # launcher reads would then say a failure, not the code returned here.
+    exit_at_once(main())
