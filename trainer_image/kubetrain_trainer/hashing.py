@@ -108,8 +108,7 @@ class HashingFile:
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Files hashed at once by `scan_folder` (hashlib releases the GIL): the hash pass before an upload
-is time the checkpoint is not on its way (benchmarks/s3_throughput.py)."""
+"""Files hashed at once by `scan_folder` and `FolderHash` (hashlib releases the GIL)."""
 
 
 def list_folder(folder: Path) -> tuple[LocalFile, ...]:
