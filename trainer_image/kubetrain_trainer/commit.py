@@ -66,6 +66,10 @@ class FencedError(StorageError):
     """A newer attempt owns the checkpoint location: this process must not commit."""
 
 
+class UploadStopped(Exception):
+    """The uploader is closing (its time is up): this try ends before its next file, nothing committed."""
+
+
 class SupersededError(Exception):
     """Another node skipped this checkpoint for a newer one: node rank 0 gives it up too."""
 
@@ -207,6 +211,7 @@ class CommitProtocol:
             job.hashing = FolderHash(job.folder)  # hashes in the background; the paths and sizes are known now
         if job.files is None and any(c.step == job.step and c.manifest is not None for c in remote):
             job.files = job.hashing.result()  # only "already committed with these files?" needs them up front
+            remote = self.store.list_checkpoints()  # the hash took a while: decide on a fresh listing
         # Without a manifest at this step the decision never compares files: the hashes may still be coming.
         decision = plan_commit(remote, step=job.step, files=job.files or (), attempt=s.attempt,
                                incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
@@ -225,6 +230,8 @@ class CommitProtocol:
             # passed before a newer attempt claimed stops at its next file (and each file in flight
             # within one part), so what it can still overwrite under a newer commit is its in-flight
             # requests, not a whole (retried) upload.
+            if self.stopped.is_set():  # the uploader is closing: no file starts (nor delays the exit)
+                raise UploadStopped(f"checkpoint-{job.step}: the uploader stopped before {f.path} went out")
             self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
             self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self.fence.check(
                 job.step, at_most_every_s=s.fence_check_interval_s))

@@ -29,10 +29,16 @@ class LocalFile(NamedTuple):
     size: int
 
 
-def sha256_file(path: Path, *, chunk: int = 4 << 20) -> str:
+class HashCancelled(Exception):
+    """The hash pass was stopped before it ended (`FolderHash.cancel`): its upload ended without it."""
+
+
+def sha256_file(path: Path, *, chunk: int = 4 << 20, cancelled: threading.Event | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
+            if cancelled is not None and cancelled.is_set():
+                raise HashCancelled(f"hashing {path.name} stopped")
             h.update(block)
     return h.hexdigest()
 
@@ -125,12 +131,18 @@ def list_folder(folder: Path) -> tuple[LocalFile, ...]:
     return tuple(sorted(found, key=lambda f: f.path))
 
 
-def hash_files(folder: Path, files: Iterable[LocalFile]) -> tuple[FileEntry, ...]:
-    """The commit records of `files` under `folder`, sorted by path; up to `HASH_THREADS` hashed at once."""
+def hash_files(folder: Path, files: Iterable[LocalFile], *,
+                cancelled: threading.Event | None = None) -> tuple[FileEntry, ...]:
+    """The commit records of `files` under `folder`, sorted by path; up to `HASH_THREADS` hashed at once.
+    Once `cancelled` is set, no file starts and the ones being hashed stop within a chunk (`HashCancelled`)."""
     files = list(files)
 
     def entry(f: LocalFile) -> FileEntry:
-        return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path))
+        if cancelled is None:
+            return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path))
+        if cancelled.is_set():
+            raise HashCancelled(f"hashing {f.path} not started")
+        return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path, cancelled=cancelled))
 
     if HASH_THREADS > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256") as pool:
@@ -150,7 +162,8 @@ class FolderHash:
 
     `files` (paths and sizes) is known when this returns; `result()` waits for the hashes and raises
     what the hashing raised. The snapshot must not change meanwhile: the commit records describe the
-    bytes read here, and the upload reads the same files.
+    bytes read here, and the upload reads the same files. `cancel()` stops it within a chunk per file
+    (an upload that ends without it, or a process on its way out: the pool's threads are joined at exit).
     """
 
     def __init__(self, folder: Path) -> None:
@@ -158,24 +171,30 @@ class FolderHash:
         self.files = list_folder(folder)
         self._entries: tuple[FileEntry, ...] | None = None
         self._error: BaseException | None = None
+        self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sha256-folder", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._entries = hash_files(self.folder, self.files)
+            self._entries = hash_files(self.folder, self.files, cancelled=self._cancelled)
         except Exception as e:  # noqa: BLE001 - raised again by result(), in the thread that waits
             self._error = e
 
+    def cancel(self) -> None:
+        self._cancelled.set()
+
     @property
     def failed(self) -> bool:
-        return not self._thread.is_alive() and self._error is not None
+        """Ended without the hashes (an error, or cancelled): a new pass is needed."""
+        return not self._thread.is_alive() and self._entries is None
 
     def result(self) -> tuple[FileEntry, ...]:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        assert self._entries is not None
+        if self._entries is None:  # pragma: no cover - _run sets one of the two
+            raise HashCancelled(f"hashing {self.folder.name} ended without a result")
         return self._entries
 
 

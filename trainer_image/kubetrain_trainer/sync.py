@@ -41,7 +41,9 @@ from kubetrain_trainer.commit import (
     SupersededError,
     SyncSettings,
     UploadJob,
+    UploadStopped,
 )
+from kubetrain_trainer.hashing import HashCancelled
 from kubetrain_trainer.layout import checkpoint_dirname
 from kubetrain_trainer.manifest import ManifestError, utc_now_rfc3339
 from kubetrain_trainer.retention import apply_retention
@@ -181,6 +183,8 @@ class CheckpointUploader:
             log.error("%s; giving up after %.0fs", self.status_line(), timeout_s)
         self._stop.set()
         with self._lock:
+            if self._current is not None and self._current.hashing is not None:
+                self._current.hashing.cancel()  # its files stop going out too (`UploadStopped`)
             self._lock.notify_all()
         self._thread.join(timeout=5.0)
         return done
@@ -213,6 +217,9 @@ class CheckpointUploader:
                 self.last_error = str(e)
                 log.error("checkpoint-%d can not be committed: %s", job.step, e)
                 finished = True
+            except (UploadStopped, HashCancelled) as e:
+                log.warning("checkpoint-%d not committed: %s", job.step, e)
+                finished = False  # the loop ends: `close` gave up on it
             except Exception as e:  # storage/OS errors, or a bug: retried, never a dead thread
                 finished = False
                 if not isinstance(e, (StorageError, OSError)):
@@ -224,6 +231,9 @@ class CheckpointUploader:
                 log.warning("checkpoint-%d upload failed (%s); retry %d in %.1fs", job.step, e, job.failures, delay)
                 self._maybe_status(force=True)
                 self._stop.wait(delay)
+            if finished or self._stop.is_set():
+                if job.hashing is not None:
+                    job.hashing.cancel()  # done already, or no longer needed: never a thread hashing on
             if finished:
                 shutil.rmtree(job.folder, ignore_errors=True)
                 with self._lock:

@@ -115,3 +115,64 @@ def test_folder_hash_is_scan_folder_in_the_background(tmp_path: Path):
     assert [f.path for f in background.files] == [f.path for f in scan_folder(folder)]
     assert background.result() == scan_folder(folder)
     assert not background.failed
+
+
+def test_closing_the_uploader_stops_the_hash_and_the_files_not_yet_started(tmp_path: Path, monkeypatch):
+    # A pod out of time: `close` gives up on the checkpoint. Nothing of it may keep the process busy (the
+    # hash pool and the upload pool are joined at exit, past the grace period) and nothing is committed.
+    from test_ckpt_sync import _uploader
+
+    folder = _local_checkpoint(tmp_path / "out", 6)
+    for i in range(6):
+        (folder / f"extra-{i}.bin").write_bytes(b"x" * 1000)
+    store = MemoryStore()
+
+    def endless(path: Path, *, cancelled=None, **kw) -> str:  # a huge file: checks `cancelled` per chunk
+        while not (cancelled is not None and cancelled.wait(0.01)):
+            pass
+        raise hashing.HashCancelled(f"hashing {path.name} stopped")
+
+    monkeypatch.setattr(hashing, "sha256_file", endless)
+    first_upload, let_go = threading.Event(), threading.Event()
+    real_upload = store.upload_file
+
+    def slow_upload(step, local, rel, *, still_allowed=None):
+        first_upload.set()
+        assert let_go.wait(10)
+        real_upload(step, local, rel, still_allowed=still_allowed)
+
+    store.upload_file = slow_upload
+    up = _uploader(tmp_path, store)
+    assert up.submit(folder, 6)
+    assert first_upload.wait(10)
+    threading.Timer(0.3, let_go.set).start()  # the file in flight ends after close has given up
+    assert not up.close(0.1)
+    assert up._thread.join(5) is None and not up._thread.is_alive()
+    hashers = [t for t in threading.enumerate() if t.name.startswith(("sha256", "s3-files"))]
+    for t in hashers:
+        t.join(5)
+    assert not any(t.is_alive() for t in hashers), "a hash or upload thread outlived close"
+    assert "checkpoint-6/manifest.json" not in store.objects
+    assert len([k for k in store.objects if k.startswith("checkpoint-6/")]) == 1  # only the file in flight
+
+
+def test_a_bug_in_retention_does_not_make_a_committed_checkpoint_look_failed(tmp_path: Path, caplog):
+    from kubetrain_trainer.decisions import RetentionPolicy
+    from test_ckpt_sync import _uploader
+
+    store = MemoryStore()
+
+    def buggy_delete(step):
+        raise TypeError("delete_checkpoint() got an unexpected keyword")
+
+    store.delete_checkpoint = buggy_delete
+    committed = []
+    up = _uploader(tmp_path, store, retention=RetentionPolicy(save_total_limit=1))
+    up.on_commit = committed.append
+    for step in (1, 2):
+        up.submit(_local_checkpoint(tmp_path / "out", step), step)
+        assert up.wait(10)
+    assert up.close(10)
+    assert [c.step for c in committed] == [1, 2]  # each reported once: no retry of a committed step
+    assert up.last_error is None and "in sync" in up.status_line()
+    assert "remote retention failed on an unexpected error" in caplog.text
