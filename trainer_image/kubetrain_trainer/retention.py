@@ -65,3 +65,5 @@ def apply_retention(store: CheckpointStore, settings: SyncSettings, fence: Claim
         log.warning("remote retention stopped: %s", e)
     except (StorageError, OSError) as e:
         log.warning("remote retention incomplete (%s); retried after the next commit", e)
+    except Exception:  # a bug here must not make a committed checkpoint look failed
+        log.exception("remote retention failed on an unexpected error; retried after the next commit")
