@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "testbed"), str(ROOT / "bench
 
 from kubernetes import client, config  # noqa: E402
 
-from kubetrain_testbed import EXIT_CODE_ANNOTATION, TestbedConfig, free_port, kubectl, load_env  # noqa: E402
+from kubetrain_testbed import EXIT_CODE_ANNOTATION, TestbedConfig, free_port, is_healthy, kubectl, load_env  # noqa: E402
 from kubetrain_testbed import cluster  # noqa: E402
 from operator_scale import (  # noqa: E402
     GROUP, PLURAL, VERSION, job_spec, make_nodes, remove_bench_objects, scrape_operator,
@@ -306,7 +306,7 @@ def main() -> int:
     sizes = [int(x) for x in args.jobs.split(",")]
 
     cfg = TestbedConfig.from_environ()
-    started = not cluster.is_healthy(cfg)
+    started = not is_healthy(cfg)
     if started:
         print("starting the testbed (stopped again at the end)", flush=True)
         cluster.up(cfg)

@@ -54,6 +54,7 @@ from kubernetes import client, config  # noqa: E402
 from chaos import AGENT_TAINT_KEY, GROUP, PLURAL, RUN_LABEL, VERSION, Agents, Operator, PodTimeline  # noqa: E402
 from kubetrain_testbed import TestbedConfig, free_port, kubectl, load_env  # noqa: E402
 from kubetrain_testbed import cluster  # noqa: E402
+from kubetrain_testbed import state as testbed_state  # noqa: E402
 
 REAL_NODE_LABEL = "kubetrain.io/real-node"
 STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
@@ -157,11 +158,11 @@ class Run:
 
     # ------------------------------------------------------------ setup / teardown
     def setup(self) -> None:
-        if not cluster.is_healthy(self.cfg):
+        if not testbed_state.is_healthy(self.cfg):
             self.say("starting the testbed (stopped again at the end)")
             self.started_testbed = True
         if self.a.node == "real":
-            state = cluster._read_state(self.cfg) or {}
+            state = testbed_state._read_state(self.cfg) or {}
             self.added_real_node = not (state.get("real_node") or {}).get("complete")
         if self.started_testbed or self.added_real_node:
             cluster.up(dataclasses.replace(self.cfg, real_node=self.a.node == "real"))

@@ -31,10 +31,10 @@ REAL_PLACEMENT = {
     "nodeSelector": {REAL_NODE_LABEL: "true"},
     "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
 }
-#: The operator's CPU request on the real node. The chart's default (100m) is a controller's usual
-#: request on a real cluster; here two training pods (500m each) start `import torch` on 2 shared cores
-#: next to the whole control plane, and at 100m the operator was starved long enough for its liveness
-#: probe (4 x 5 s) to fail and the kubelet to restart it mid-test (a full run, 2026-12-04).
+#: The operator's CPU request on the real node, above the chart's default (250m): here two training pods
+#: (500m each) start `import torch` on 2 shared cores next to the whole control plane, and at 100m (the
+#: chart's default then) the operator was starved long enough for its liveness probe (4 x 5 s) to fail
+#: and the kubelet to restart it mid-test (a full run, 2026-12-04).
 REAL_OPERATOR_RESOURCES = {"resources": {"requests": {"cpu": "500m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}}
 #: What PodSecurity "restricted" demands of every container.
 RESTRICTED = {
