@@ -47,19 +47,27 @@ class HashingFile:
     """The file a download writes, hashing its bytes as they land, so a restore needs no second pass.
 
     s3transfer writes each part's chunks at their offsets (`seek` + `write`, from its one IO thread)
-    in the order they arrive, many parts in flight. The sha256 follows the contiguous prefix: a chunk
-    that extends it is hashed from memory, and chunks that landed ahead of it are read back (from the
-    page cache) once the gap before them closes. Nothing is held in memory. Anything irregular (a
-    retried part rewriting bytes already hashed, chunks that never close the prefix) is not trusted:
-    `hexdigest` then hashes the whole file again.
+    in the order they arrive, many parts in flight. The IO thread only writes and records each chunk;
+    a thread of this file's own follows the contiguous prefix of recorded chunks, reading them back
+    (from the page cache) and hashing them. So the IO thread, which every byte of the download passes
+    through, is not also the hash's thread, and nothing is held in memory. Anything irregular (a
+    retried part rewriting bytes already hashed or being hashed, chunks that never close the prefix)
+    is not trusted: `hexdigest` then hashes the whole file again. `close` (or `hexdigest`) stops the
+    thread; call it before the file is closed.
     """
 
     def __init__(self, fh: BinaryIO) -> None:
-        self._fd = fh.fileno()  # opened for reading too ("w+b"): early chunks are read back
+        self._fd = fh.fileno()  # opened for reading too ("w+b"): the chunks are read back
         self._sha = hashlib.sha256()
-        self._pos = self._front = self.size = 0
+        self._pos = self.size = 0
+        self._front = 0  # the hashed prefix ends here (the hashing thread moves it)
+        self._reading = 0  # and the range being hashed ends here
         self._ahead: dict[int, int] = {}  # start -> end of chunks written past the prefix
         self._irregular = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._follow, name="sha256-download", daemon=True)
+        self._thread.start()
 
     def seekable(self) -> bool:
         return True
@@ -77,23 +85,51 @@ class HashingFile:
         start = self._pos
         self._write_all(data, start)  # never hash bytes the file did not get
         self._pos = end = start + len(data)
-        self.size = max(self.size, end)
-        if start == self._front:
-            self._sha.update(data)  # hashlib releases the GIL for large buffers
-            self._front = end
-            while self._front in self._ahead:
-                self._hash_file(self._front, self._ahead.pop(self._front))
-        elif start > self._front:
-            self._ahead[start] = end
-        else:
-            self._irregular = True  # bytes before the prefix's end written again
+        with self._cond:
+            self.size = max(self.size, end)
+            if start < max(self._front, self._reading):
+                self._irregular = True  # bytes already hashed, or being read for the hash, written again
+            else:
+                self._ahead[start] = max(end, self._ahead.get(start, end))
+                if start == self._front:
+                    self._cond.notify()
         return len(data)
 
     def hexdigest(self) -> str:
+        self.close()
         if self._irregular or self._ahead or self._front != self.size:
-            self._sha, self._front = hashlib.sha256(), 0
+            self._sha = hashlib.sha256()
             self._hash_file(0, self.size)
+            self._front, self._ahead, self._irregular = self.size, {}, False
         return self._sha.hexdigest()
+
+    def close(self) -> None:
+        """Stop the hashing thread (it ends the range it is reading first)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _follow(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._front not in self._ahead and not self._closed:
+                        self._cond.wait()
+                    if self._front not in self._ahead:
+                        return  # closed: what is left (gaps, chunks past them) is for hexdigest
+                    start = self._front
+                    end = self._ahead.pop(start)
+                    while end in self._ahead and end - start < (64 << 20):  # one read of what is there
+                        end = self._ahead.pop(end)
+                    self._reading = end
+                self._hash_file(start, end)
+                with self._cond:
+                    self._front = end
+        except Exception:  # noqa: BLE001 - an unreadable file: hexdigest hashes it again and raises there
+            with self._cond:
+                self._irregular = True
 
     def _write_all(self, data: bytes, offset: int) -> None:
         view = memoryview(data)
@@ -110,7 +146,6 @@ class HashingFile:
                 raise OSError(f"short read at {start} of a downloaded file")
             self._sha.update(block)
             start += len(block)
-        self._front = end
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))

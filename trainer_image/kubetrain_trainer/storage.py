@@ -205,8 +205,11 @@ class CheckpointStore:
         try:
             with open(target, "w+b") as fh:
                 written = HashingFile(fh)
-                self._client.download_fileobj(self.location.bucket, key, written, Config=config)
-                return written.size, written.hexdigest()
+                try:
+                    self._client.download_fileobj(self.location.bucket, key, written, Config=config)
+                    return written.size, written.hexdigest()
+                finally:
+                    written.close()  # its hashing thread reads `fh`: stopped before the file is closed
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None

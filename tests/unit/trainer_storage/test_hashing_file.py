@@ -101,3 +101,20 @@ def test_a_region_rewritten_before_the_prefix_reaches_it_is_hashed_as_finally_wr
         _write(out, data, chunks[3:] + chunks[:3])
         digest = out.hexdigest()
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
+
+
+def test_the_hash_follows_the_writes_on_its_own_thread_and_close_stops_it(tmp_path):
+    # The IO thread that s3transfer writes every chunk from only writes; the prefix is hashed beside it.
+    # A download that fails (its file closed right after) must not leave that thread reading the file.
+    import threading
+
+    data = os.urandom(8 * CHUNK)
+    chunks = _chunks(len(data))
+    with open(tmp_path / "f", "w+b") as fh:
+        out = HashingFile(fh)
+        hashers = [t for t in threading.enumerate() if t.name == "sha256-download"]
+        assert len(hashers) >= 1
+        _write(out, data, chunks[:4])
+        out.close()
+        assert not out._thread.is_alive()
+        assert out.hexdigest() == hashlib.sha256(data[:4 * CHUNK]).hexdigest()  # what the file holds
