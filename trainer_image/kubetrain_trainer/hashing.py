@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from typing import BinaryIO, Iterable, Mapping, NamedTuple
 from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, _numeric_only, rfc3339
 from kubetrain_trainer.readiness import is_marker_name
+
+logger = logging.getLogger(__name__)
 
 
 class LocalFile(NamedTuple):
@@ -46,25 +49,28 @@ def sha256_file(path: Path, *, chunk: int = 4 << 20, cancelled: threading.Event 
 class HashingFile:
     """The file a download writes, hashing its bytes as they land, so a restore needs no second pass.
 
-    s3transfer writes each part's chunks at their offsets (`seek` + `write`, from its one IO thread)
-    in the order they arrive, many parts in flight. The IO thread only writes and records each chunk;
-    a thread of this file's own follows the contiguous prefix of recorded chunks, reading them back
+    s3transfer writes each part's chunks at their offsets (`seek` + `write`), one writer at a time:
+    its one IO thread for a ranged download with many parts in flight (chunks in the order they
+    arrive), a request thread for a small object. The writer only writes and records each chunk; a
+    thread of this file's own follows the contiguous prefix of recorded chunks, reading them back
     (from the page cache) and hashing them. So the IO thread, which every byte of the download passes
     through, is not also the hash's thread, and nothing is held in memory. Anything irregular (a
     retried part rewriting bytes already hashed or being hashed, chunks that never close the prefix)
-    is not trusted: `hexdigest` then hashes the whole file again. `close` (or `hexdigest`) stops the
-    thread; call it before the file is closed.
+    is not trusted: `hexdigest` then hashes the whole file again.
+
+    It reads through its own duplicate of the file descriptor; `close` stops the thread within one
+    4 MiB block (a failed download: nothing left to hash) and releases the descriptor.
     """
 
     def __init__(self, fh: BinaryIO) -> None:
-        self._fd = fh.fileno()  # opened for reading too ("w+b"): the chunks are read back
+        self._fd = os.dup(fh.fileno())  # opened for reading too ("w+b"): the chunks are read back
         self._sha = hashlib.sha256()
         self._pos = self.size = 0
         self._front = 0  # the hashed prefix ends here (the hashing thread moves it)
         self._reading = 0  # and the range being hashed ends here
         self._ahead: dict[int, int] = {}  # start -> end of chunks written past the prefix
         self._irregular = False
-        self._closed = False
+        self._draining = self._aborted = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name="sha256-download", daemon=True)
         self._thread.start()
@@ -96,7 +102,8 @@ class HashingFile:
         return len(data)
 
     def hexdigest(self) -> str:
-        self.close()
+        """The sha256 of the bytes the file holds, once every write is done."""
+        self._stop(abort=False)  # the thread hashes what is contiguous, then ends
         if self._irregular or self._ahead or self._front != self.size:
             self._sha = hashlib.sha256()
             self._hash_file(0, self.size)
@@ -104,9 +111,16 @@ class HashingFile:
         return self._sha.hexdigest()
 
     def close(self) -> None:
-        """Stop the hashing thread (it ends the range it is reading first)."""
+        """Stop the hashing thread within one block and release the descriptor (idempotent)."""
+        self._stop(abort=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _stop(self, *, abort: bool) -> None:
         with self._cond:
-            self._closed = True
+            self._draining = True
+            self._aborted = self._aborted or abort
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join()
@@ -115,19 +129,21 @@ class HashingFile:
         try:
             while True:
                 with self._cond:
-                    while self._front not in self._ahead and not self._closed:
+                    while self._front not in self._ahead and not self._draining:
                         self._cond.wait()
-                    if self._front not in self._ahead:
-                        return  # closed: what is left (gaps, chunks past them) is for hexdigest
+                    if self._aborted or self._front not in self._ahead:
+                        return  # what is left (gaps, chunks past them) is for hexdigest
                     start = self._front
                     end = self._ahead.pop(start)
                     while end in self._ahead and end - start < (64 << 20):  # one read of what is there
                         end = self._ahead.pop(end)
                     self._reading = end
-                self._hash_file(start, end)
+                if not self._hash_file(start, end, stoppable=True):
+                    return  # aborted mid-range: the prefix stays short of the size
                 with self._cond:
                     self._front = end
-        except Exception:  # noqa: BLE001 - an unreadable file: hexdigest hashes it again and raises there
+        except Exception:  # an unreadable file: hexdigest hashes it again and raises there
+            logger.debug("hashing a download as it lands failed; it is hashed again at the end", exc_info=True)
             with self._cond:
                 self._irregular = True
 
@@ -139,13 +155,17 @@ class HashingFile:
                 raise OSError(f"no byte written at offset {offset} of a downloaded file")
             view, offset = view[n:], offset + n
 
-    def _hash_file(self, start: int, end: int) -> None:
+    def _hash_file(self, start: int, end: int, *, stoppable: bool = False) -> bool:
+        """Hash [start, end) of the file; False when `close` stopped it first (only if `stoppable`)."""
         while start < end:
+            if stoppable and self._aborted:
+                return False
             block = os.pread(self._fd, min(end - start, 4 << 20), start)
             if not block:
                 raise OSError(f"short read at {start} of a downloaded file")
             self._sha.update(block)
             start += len(block)
+        return True
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -19,8 +19,11 @@ def _land(path: Path, data: bytes, chunks: list[tuple[int, int]]) -> tuple[Hashi
     """Write `chunks` (start, end) of `data` as s3transfer's IO thread does (seek, then write)."""
     with open(path, "w+b") as fh:
         out = HashingFile(fh)
-        _write(out, data, chunks)
-        return out, out.hexdigest()
+        try:
+            _write(out, data, chunks)
+            return out, out.hexdigest()
+        finally:
+            out.close()
 
 
 def _write(out: HashingFile, data: bytes | bytearray, chunks: list[tuple[int, int]]) -> None:
@@ -103,18 +106,110 @@ def test_a_region_rewritten_before_the_prefix_reaches_it_is_hashed_as_finally_wr
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
 
 
-def test_the_hash_follows_the_writes_on_its_own_thread_and_close_stops_it(tmp_path):
-    # The IO thread that s3transfer writes every chunk from only writes; the prefix is hashed beside it.
-    # A download that fails (its file closed right after) must not leave that thread reading the file.
+def _watch_hash_reads(out: HashingFile) -> list[tuple[str, int, int]]:
+    """Record (thread name, start, end) of every read-back the file hashes."""
     import threading
 
-    data = os.urandom(8 * CHUNK)
+    seen: list[tuple[str, int, int]] = []
+    real = out._hash_file
+
+    def watched(start, end, **kw):
+        seen.append((threading.current_thread().name, start, end))
+        return real(start, end, **kw)
+
+    out._hash_file = watched
+    return seen
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "parts interleaved"])
+def test_the_hash_follows_the_prefix_on_its_own_thread_not_in_a_second_pass(tmp_path, order):
+    # The writer (s3transfer's IO thread) only writes; the prefix is hashed beside it. A regression to
+    # "hash the whole file at the end" would give the same digest: this checks who hashed what.
+    data = os.urandom(40 * CHUNK)
     chunks = _chunks(len(data))
+    if order == "shuffled":
+        random.Random(3).shuffle(chunks)
+    elif order == "parts interleaved":
+        parts = [chunks[i:i + 10] for i in range(0, len(chunks), 10)]
+        chunks = [part[i] for i in range(10) for part in parts if i < len(part)]
     with open(tmp_path / "f", "w+b") as fh:
         out = HashingFile(fh)
-        hashers = [t for t in threading.enumerate() if t.name == "sha256-download"]
-        assert len(hashers) >= 1
-        _write(out, data, chunks[:4])
+        seen = _watch_hash_reads(out)
+        _write(out, data, chunks)
+        digest = out.hexdigest()
         out.close()
-        assert not out._thread.is_alive()
-        assert out.hexdigest() == hashlib.sha256(data[:4 * CHUNK]).hexdigest()  # what the file holds
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert seen and {name for name, _, _ in seen} == {"sha256-download"}
+    assert sum(end - start for _, start, end in seen) == len(data)  # every byte once, in prefix order
+    assert [start for _, start, _ in seen] == sorted(start for _, start, _ in seen)
+
+
+def test_a_rewrite_while_its_range_is_being_read_is_hashed_again_from_the_file(tmp_path):
+    import threading
+
+    data = bytearray(os.urandom(6 * CHUNK))
+    chunks = _chunks(len(data))
+    path = tmp_path / "f"
+    reading, go = threading.Event(), threading.Event()
+    with open(path, "w+b") as fh:
+        out = HashingFile(fh)
+        real = out._hash_file
+        calls = []
+
+        def held(start, end, **kw):  # the read of the first range waits: the rewrite lands meanwhile
+            calls.append((threading.current_thread().name, start, end))
+            if threading.current_thread().name == "sha256-download" and not reading.is_set():
+                reading.set()
+                assert go.wait(10)
+            return real(start, end, **kw)
+
+        out._hash_file = held
+        _write(out, data, chunks[:4])
+        assert reading.wait(10)  # the range from 0 is being read
+        data[5] ^= 0xFF  # a retried part brings other bytes into it
+        _write(out, data, chunks[0:1])
+        go.set()
+        _write(out, data, chunks[4:])
+        digest = out.hexdigest()
+        out.close()
+    assert ("MainThread", 0, len(data)) in calls  # not trusted: hashed again from the file
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(bytes(data)).hexdigest()
+
+
+def test_an_empty_object_hashes_as_empty(tmp_path):
+    with open(tmp_path / "f", "w+b") as fh:
+        out = HashingFile(fh)
+        out.seek(0)
+        out.write(b"")
+        assert (out.size, out.hexdigest()) == (0, hashlib.sha256(b"").hexdigest())
+        out.close()
+
+
+def test_close_stops_the_hash_within_a_block_when_the_download_failed(tmp_path):
+    # A failed download: its file is closed at once, and whatever is left unhashed is of no use.
+    import threading
+    import time
+
+    data = os.urandom(64 * CHUNK)
+    with open(tmp_path / "f", "w+b") as fh:
+        out = HashingFile(fh)
+        first, go = threading.Event(), threading.Event()
+        real = out._hash_file
+        calls = []
+
+        def slow(start, end, **kw):
+            calls.append((start, end))
+            first.set()
+            assert go.wait(10)
+            return real(start, end, **kw)
+
+        out._hash_file = slow
+        _write(out, data, _chunks(CHUNK))  # the first chunk: the thread starts reading it and waits
+        assert first.wait(10)
+        _write(out, data, [(c, min(c + CHUNK, len(data))) for c in range(CHUNK, len(data), CHUNK)])
+        threading.Timer(0.2, go.set).start()
+        t0 = time.monotonic()
+        out.close()
+        assert time.monotonic() - t0 < 5
+        assert not out._thread.is_alive() and out._fd == -1
+        assert len(calls) == 1  # no further range was read after close
