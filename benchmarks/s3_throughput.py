@@ -242,9 +242,8 @@ def child_main(argv: list[str]) -> None:
 
 
 def run_child(minio: Minio, *args: str) -> dict:
-    # Every transfer starts with no writeback in flight: otherwise whichever runs first in a round pays for
-    # the dirty pages the previous one left (MinIO's files, or the downloaded copy), and the order decides
-    # the ratio (rounds at 0.35x and 1.4x, kubetrain first or second).
+    # Every transfer starts with no writeback in flight: none pays for the dirty pages the previous one left
+    # (MinIO's files, or the downloaded copy). That alone did not remove the order effect (`_balanced`).
     os.sync()
     time.sleep(0.5)
     proc = subprocess.run([sys.executable, __file__, "--child", *args], env=minio.client_env(), capture_output=True,

@@ -73,11 +73,6 @@ class BackgroundSaver:
         """A save is in flight (the same on every rank: saves start and are waited for at the same step)."""
         return self._job is not None
 
-    @property
-    def idle(self) -> bool:
-        """No save is in flight (`not busy`, read every training step)."""
-        return self._job is None
-
     def finished(self) -> bool:
         """This rank's thread of the save in flight has ended (committed or failed)."""
         return self._job is not None and self._job.done.is_set()

@@ -193,9 +193,7 @@ def hash_files(folder: Path, files: Iterable[LocalFile], *,
     files = list(files)
 
     def entry(f: LocalFile) -> FileEntry:
-        if cancelled is None:
-            return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path))
-        if cancelled.is_set():
+        if cancelled is not None and cancelled.is_set():
             raise HashCancelled(f"hashing {f.path} not started")
         return FileEntry(path=f.path, size=f.size, sha256=sha256_file(folder / f.path, cancelled=cancelled))
 

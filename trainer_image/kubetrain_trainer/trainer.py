@@ -192,7 +192,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 # One collective and host sync per step: the mean loss over ranks, whether it is finite
                 # everywhere, and whether any rank got SIGTERM (all ranks must take the same branch). The
                 # loss comes back as a number, so the sums since the last log and in total are plain floats.
-                if world == 1 and saves.idle:  # nothing to agree on, no save to watch: the step's one host sync
+                if world == 1 and not saves.busy:  # nothing to agree on, no save to watch: the step's one host sync
                     step_loss = step_loss.item()
                     finite, stop = math.isfinite(step_loss), self._stop_requested
                 else:
