@@ -76,6 +76,7 @@ class Api:
         self._urgent = 0
         self._urgent_idle = asyncio.Event()  # no pod write in flight
         self._urgent_idle.set()
+        self._last_urgent = float("-inf")  # loop time the last pod write ended
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
         """Run one blocking client call in the pool; errors come as the types of `errors.py`.
@@ -91,17 +92,32 @@ class Api:
                 return await self._call(fn, args, kwargs)
             finally:
                 self._urgent -= 1
+                self._last_urgent = asyncio.get_running_loop().time()
                 if not self._urgent:
                     self._urgent_idle.set()
-        # Bookkeeping (status, events, services) yields to pod writes: on a big launch the
-        # API server's time goes to pods first, so apply -> pods created stays short. The
-        # wait is bounded so that a long burst cannot starve the status.
-        try:
-            await asyncio.wait_for(self._urgent_idle.wait(), LOW_PRIORITY_MAX_WAIT)
-        except asyncio.TimeoutError:
-            pass
+        await self._quiet()
         async with self._low:
             return await self._call(fn, args, kwargs)
+
+    async def _quiet(self) -> None:
+        """Bookkeeping (status, events, services) yields to pod writes: on a big launch the API
+        server's time goes to pods first, so apply -> pods created stays short. It waits until no
+        pod write has been in flight for `QUIET_SECONDS` (a launch's creates come in bursts with
+        short gaps between them), at most `LOW_PRIORITY_MAX_WAIT`, so a long burst cannot starve
+        the status."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LOW_PRIORITY_MAX_WAIT
+        while (left := deadline - loop.time()) > 0:
+            if self._urgent:
+                try:
+                    await asyncio.wait_for(self._urgent_idle.wait(), left)
+                except asyncio.TimeoutError:
+                    return
+                continue
+            quiet_for = loop.time() - self._last_urgent
+            if quiet_for >= QUIET_SECONDS:
+                return
+            await asyncio.sleep(min(QUIET_SECONDS - quiet_for, left))
 
     async def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         what = getattr(fn, "__name__", "call")
@@ -234,6 +250,8 @@ _URGENT = frozenset({"create pod", "delete pod"})
 """Writes that may use every API thread; the others share a quarter of them."""
 LOW_PRIORITY_MAX_WAIT = 5.0
 """Longest a bookkeeping write waits for pod writes to pause."""
+QUIET_SECONDS = 0.1
+"""How long no pod write must have been in flight before bookkeeping writes go out."""
 
 
 async def _do(api: Api, job: Job, action: Any) -> None:
