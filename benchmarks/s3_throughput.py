@@ -340,7 +340,9 @@ def _balanced(ratios: list[float]) -> str:
     """Rounds alternate the order (kubetrain first in even rounds): each pair's geometric mean cancels an
     effect of the order that scales both of its ratios alike."""
     pairs = [math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2])]
-    return _fmt(pairs) if pairs else "needs 2+ rounds"
+    if not pairs:
+        return "needs 2+ rounds"
+    return _fmt(pairs) + (" (the last, unpaired round left out)" if len(ratios) % 2 else "")
 
 
 # ------------------------------------------------------------------ main
