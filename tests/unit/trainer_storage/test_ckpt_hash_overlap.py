@@ -176,3 +176,44 @@ def test_a_bug_in_retention_does_not_make_a_committed_checkpoint_look_failed(tmp
     assert [c.step for c in committed] == [1, 2]  # each reported once: no retry of a committed step
     assert up.last_error is None and "in sync" in up.status_line()
     assert "remote retention failed on an unexpected error" in caplog.text
+
+
+def test_a_node_part_waits_for_its_hashes_and_the_manifest_has_both_nodes_files(tmp_path: Path, monkeypatch):
+    """Two nodes: node 1's files go out while its hash is held, but its part (what node rank 0 builds
+    the manifest from) is written only once every one of its files is hashed, with those hashes."""
+    store = MemoryStore()
+    folders = {}
+    for rank in (0, 1):
+        folder = tmp_path / f"o{rank}" / "checkpoint-6"
+        folder.mkdir(parents=True)
+        (folder / f"rng_state_{rank}.pth").write_bytes(b"rank %d" % rank)
+        (folder / f"shard_{rank}.distcp").write_bytes(bytes([rank]) * 5000)
+        folders[rank] = folder
+    expected = {name: hashlib.sha256((folders[r] / name).read_bytes()).hexdigest()
+                for r in (0, 1) for name in (f"rng_state_{r}.pth", f"shard_{r}.distcp")}
+
+    def protocol(rank: int) -> CommitProtocol:
+        settings = SyncSettings(attempt=1, world_size=2, strategy="fsdp", node_rank=rank, nnodes=2, backoff=FAST,
+                                part_wait_s=10)
+        return CommitProtocol(store, settings, fence=ClaimsFence(store, settings), stopped=threading.Event(),
+                              newer_waiting=lambda: False)
+
+    release, _ = _held_hashing(monkeypatch)
+    outcome: dict[int, str] = {}
+    node1 = threading.Thread(target=lambda: outcome.__setitem__(1, protocol(1).run(
+        UploadJob(step=6, folder=folders[1])).action))
+    node1.start()
+    for _ in range(500):  # both of node 1's files in storage, their hashes still held
+        if {"checkpoint-6/rng_state_1.pth", "checkpoint-6/shard_1.distcp"} <= store.objects.keys():
+            break
+        threading.Event().wait(0.01)
+    else:
+        pytest.fail("node 1's files did not go out while their hashes were held")
+    threading.Event().wait(0.2)
+    assert not any(".node-" in key for key in store.objects), "a node part was written before its hashes"
+    release.set()
+    node1.join(10)
+    assert outcome[1] == "part uploaded"
+    assert protocol(0).run(UploadJob(step=6, folder=folders[0])).action == "committed"
+    manifest = Manifest.from_json(store.objects["checkpoint-6/manifest.json"])
+    assert {f.path: f.sha256 for f in manifest.files} == expected
