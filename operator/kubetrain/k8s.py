@@ -95,12 +95,14 @@ class Api:
                 self._last_urgent = asyncio.get_running_loop().time()
                 if not self._urgent:
                     self._urgent_idle.set()
+        if what not in _DEFERRABLE:  # reads, and writes a job's pods wait for (ConfigMap, Kueue's Workload)
+            return await self._call(fn, args, kwargs)
         await self._quiet()
         async with self._low:
             return await self._call(fn, args, kwargs)
 
     async def _quiet(self) -> None:
-        """Bookkeeping (status, events, services) yields to pod writes: on a big launch the API
+        """Bookkeeping (`_DEFERRABLE`: status, events, services) yields to pod writes: on a big launch the API
         server's time goes to pods first, so apply -> pods created stays short. It waits until no
         pod write has been in flight for `QUIET_SECONDS` (a launch's creates come in bursts with
         short gaps between them), at most `LOW_PRIORITY_MAX_WAIT`, so a long burst cannot starve
@@ -247,7 +249,10 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
 _CREATE = (CreateService, EnsureDeepSpeedConfigMap, CreatePod)
 _CREATION_ORDER = (EnsureDeepSpeedConfigMap, CreatePod, CreateService)
 _URGENT = frozenset({"create pod", "delete pod"})
-"""Writes that may use every API thread; the others share a quarter of them."""
+"""Writes that may use every API thread."""
+_DEFERRABLE = frozenset({"patch trainingjob/status", "create event", "create service"})
+"""Bookkeeping no pod waits for (the Service is needed once containers run): these yield to pod writes
+(`Api._quiet`) and share a quarter of the API threads."""
 LOW_PRIORITY_MAX_WAIT = 5.0
 """Longest a bookkeeping write waits for pod writes to pause."""
 QUIET_SECONDS = 0.1

@@ -93,3 +93,27 @@ def test_status_goes_out_at_once_when_no_pod_is_being_written() -> None:
 
     asked = asyncio.run(main())
     assert log[0][1] - asked < k8s.QUIET_SECONDS / 2
+
+
+@pytest.mark.parametrize("what", ["get trainingjob", "create configmap", "create workload"])
+def test_what_a_job_s_pods_wait_for_is_not_held_back_by_other_jobs_pod_creates(what: str) -> None:
+    """A read, the DeepSpeed ConfigMap (mounted by the pods) and Kueue's Workload (admission comes first)
+    go out during a launch's burst: holding them would hold that job's own pod creates."""
+    log: list[tuple[str, float, float]] = []
+
+    async def main() -> float:
+        api = Api(client.ApiClient(), threads=4)
+        try:
+            burst = asyncio.ensure_future(_burst(api, log, 10, 0.03, 0.0))
+            await asyncio.sleep(0.01)
+            asked = time.monotonic()
+            await api.call(what, _recorder(log, "other", 0.0), "ns", {}, write=not what.startswith("get"))
+            await burst
+            return asked
+        finally:
+            api.close()
+
+    asked = asyncio.run(main())
+    other_start = next(start for name, start, _ in log if name == "other")
+    assert other_start - asked < 0.25, f"{what} waited {other_start - asked:.2f}s for other jobs' pod creates"
+    assert other_start < max(end for name, _, end in log if name.startswith("pod"))
