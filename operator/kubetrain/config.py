@@ -41,7 +41,8 @@ class Settings:
     mostly waits for API calls, which KUBETRAIN_API_THREADS bounds; a low cap here queues jobs
     behind others' status writes (with 128, the last of 200 jobs applied at once waited 4.5 s)."""
     api_threads: int = 32
-    """KUBETRAIN_API_THREADS: threads (and HTTP connections) for API writes (1..256)."""
+    """KUBETRAIN_API_THREADS: threads (and HTTP connections) for API calls (1..256); pod writes may use
+    all of them, every other call a quarter."""
     resync_seconds: float = 60.0
     """KUBETRAIN_RESYNC_SECONDS: every job is re-planned at least this often (1..3600)."""
     leader_election: bool = False

@@ -78,8 +78,13 @@ class Api:
         self._urgent_idle.set()
         self._last_urgent = float("-inf")  # loop time the last pod write ended
 
-    async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True, **kwargs: Any) -> Any:
+    async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True,
+                   defer: bool | None = None, **kwargs: Any) -> Any:
         """Run one blocking client call in the pool; errors come as the types of `errors.py`.
+
+        Pod writes (`_URGENT`) may use every thread. Every other call shares a quarter of them, and
+        bookkeeping (`_DEFERRABLE`, or `defer=True`) first yields to pod writes (`_quiet`); `defer=False`
+        sends a bookkeeping write at once (a status written as the intent of the deletes after it).
 
         Responses are returned as parsed JSON dicts: the client's model classes cost
         more CPU than everything else the operator does."""
@@ -95,9 +100,8 @@ class Api:
                 self._last_urgent = asyncio.get_running_loop().time()
                 if not self._urgent:
                     self._urgent_idle.set()
-        if what not in _DEFERRABLE:  # reads, and writes a job's pods wait for (ConfigMap, Kueue's Workload)
-            return await self._call(fn, args, kwargs)
-        await self._quiet()
+        if what in _DEFERRABLE if defer is None else defer:
+            await self._quiet()
         async with self._low:
             return await self._call(fn, args, kwargs)
 
@@ -231,7 +235,10 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
             continue
         action = actions[i]
         if isinstance(action, PatchStatus):
-            written = await patch_status(api, job, resource_version, action)
+            # A status that comes before pod or Workload writes is their intent (Restarting, then the
+            # deletes; Failed, then the deletes; Kueue's eviction): what follows it must not wait.
+            intent = any(isinstance(a, _NOT_BOOKKEEPING) for a in actions[i + 1:])
+            written = await patch_status(api, job, resource_version, action, defer=not intent)
             if written is None:
                 return None  # the job is gone
         elif isinstance(action, DeleteJob):
@@ -252,9 +259,12 @@ _URGENT = frozenset({"create pod", "delete pod"})
 """Writes that may use every API thread."""
 _DEFERRABLE = frozenset({"patch trainingjob/status", "create event", "create service"})
 """Bookkeeping no pod waits for (the Service is needed once containers run): these yield to pod writes
-(`Api._quiet`) and share a quarter of the API threads."""
+(`Api._quiet`). Reads and the other writes (the DeepSpeed ConfigMap a job's pods mount, Kueue's
+Workload, a job's deletion) do not wait; all of them share a quarter of the API threads."""
+_NOT_BOOKKEEPING = (CreatePod, DeletePod, CreateWorkload, PatchWorkload, DeleteJob)
 LOW_PRIORITY_MAX_WAIT = 5.0
-"""Longest a bookkeeping write waits for pod writes to pause."""
+"""Longest a bookkeeping write waits for pod writes to pause (each write on its own: an apply's Service
+and then its status can wait this long each)."""
 QUIET_SECONDS = 0.1
 """How long no pod write must have been in flight before bookkeeping writes go out."""
 
@@ -276,11 +286,13 @@ async def _post_events(api: Api, job: Job, events: tuple[Event, ...]) -> None:
         await post_event(api, job, event)
 
 
-async def patch_status(api: Api, job: Job, resource_version: str, action: PatchStatus) -> dict[str, Any] | None:
+async def patch_status(api: Api, job: Job, resource_version: str, action: PatchStatus, *,
+                       defer: bool = True) -> dict[str, Any] | None:
     body = {"metadata": {"resourceVersion": resource_version}, "status": action.status.for_storage()}
     try:
         return await api.call("patch trainingjob/status", api.custom.patch_namespaced_custom_object_status,
-                              GROUP, VERSION, job.namespace, PLURAL, job.name, body, _content_type=MERGE_PATCH)
+                              GROUP, VERSION, job.namespace, PLURAL, job.name, body, _content_type=MERGE_PATCH,
+                              defer=defer)
     except ConflictError as exc:
         raise ConflictError(f"trainingjob {job.namespace}/{job.name} changed since it was read",
                             status=exc.status, http_reason=exc.http_reason, api_message=exc.api_message) from None
