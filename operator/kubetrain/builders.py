@@ -165,7 +165,6 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "env": get_env(job=job, attempt=attempt, rank=rank),
         "ports": [{"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"},
@@ -175,6 +174,8 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                             "readOnlyRootFilesystem": True},
     }
+    if spec.image_pull_policy:  # unset: Kubernetes' default (Always for :latest or no tag, else IfNotPresent)
+        container["imagePullPolicy"] = spec.image_pull_policy
     if spec.env_from:
         container["envFrom"] = [dict(e) for e in spec.env_from]
     if spec.resources:

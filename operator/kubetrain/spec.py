@@ -119,7 +119,8 @@ class Spec:
     """A TrainingJob's spec, with defaults applied."""
 
     image: str
-    image_pull_policy: str = "IfNotPresent"
+    image_pull_policy: str | None = None
+    """None: the pod leaves it out and Kubernetes decides (Always for :latest or no tag, else IfNotPresent)."""
     nodes: int = 1
     procs_per_node: int = 1
     master_port: int = 29500
@@ -147,11 +148,11 @@ class Spec:
                                           "/progress there (KUBETRAIN_METRICS_PORT)")
         return cls(
             image=str(image),
-            image_pull_policy=str(spec.get("imagePullPolicy") or "IfNotPresent"),
+            image_pull_policy=str(spec["imagePullPolicy"]) if spec.get("imagePullPolicy") else None,
             nodes=_int(spec, "nodes", 1, minimum=1),
             procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
-            shm_size=str(spec.get("shmSize") or "1Gi"),
+            shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else "1Gi",
             resources=_resources(spec.get("resources")),
             trainer=_trainer(spec.get("trainer")),
             env=_env(spec.get("env")),
@@ -238,18 +239,24 @@ def _checkpoint(raw: Any, pod_template: Any = None) -> Checkpoint | None:
                       region=raw.get("region") or "us-east-1")
 
 
+INT32_MAX = 2**31 - 1
+"""The largest activeDeadlineSeconds and ttlSecondsAfterFinished (about 68 years; the CRD says the same)."""
+
+
 def _run_policy(raw: Any) -> RunPolicy:
     raw = dict(raw or {})
     p = "runPolicy."
     return RunPolicy(
-        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0),
-        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0),
-        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0),
-        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1),
-        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0),
+        # The CRD's bounds again: a number of seconds past them would overflow the planner's datetimes.
+        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0, maximum=1000),
+        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0, maximum=3600),
+        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0, maximum=100000),
+        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1, maximum=INT32_MAX),
+        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0, maximum=INT32_MAX),
         suspend=bool(raw.get("suspend") or False),
-        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0),
-        startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0),
+        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0, maximum=86400),
+        startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0,
+                                   maximum=86400),
         termination_grace_period_seconds=_int(
             raw, "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_SECONDS, path=p,
             minimum=MIN_TERMINATION_GRACE_SECONDS, maximum=86400),
@@ -299,6 +306,10 @@ def _is_extended(name: str) -> bool:
     return "/" in name and "kubernetes.io/" not in name
 
 
+_BYTES = ("memory", "ephemeral-storage")
+"""Resources counted in bytes (hugepages too, by prefix): a fraction of a byte is a typo such as 100m."""
+
+
 def _resources(raw: Any) -> dict[str, Any]:
     raw = dict(raw or {})
     parsed: dict[str, dict[str, Fraction]] = {}
@@ -316,6 +327,9 @@ def _resources(raw: Any) -> dict[str, Any]:
             number = parsed[which][name] = _quantity(value, path)
             if _is_extended(name) and number.denominator != 1:
                 raise SpecError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
+            if (name in _BYTES or name.startswith("hugepages-")) and number.denominator != 1:
+                raise SpecError(path, f"must be a whole number of bytes such as 512Mi or 16Gi, got {value!r} "
+                                      f"({'m is a thousandth, not mega: use M or Mi' if str(value).endswith('m') else 'a fraction of a byte'})")
     requests, limits = parsed["requests"], parsed["limits"]
     for name, number in requests.items():
         if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:

@@ -442,3 +442,22 @@ def test_free_form_fields_keep_their_content(submit):
     assert s["trainer"]["builtin"]["args"]["nested"] == {"a": [1]}
     assert s["strategy"]["deepspeed"]["config"] == {"zero_optimization": {"stage": 3}}
     assert s["podTemplate"]["volumes"][0]["persistentVolumeClaim"] == {"claimName": "d"}
+
+
+def test_the_checkpoint_location_cannot_change_once_set(kube_api, submit, api_namespace):
+    """A new checkpoint.uri would resume nothing: the next attempt would start from step 0 without a word."""
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(kube_api)
+    name = "job-keeps-its-storage"
+    submit(merged(BASE, {"metadata": {"name": name}}), dry_run=False)
+    try:
+        with pytest.raises(client.ApiException) as err:
+            custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
+                                                  {"spec": {"checkpoint": {"uri": "s3://kubetrain-test/elsewhere"}}})
+        assert err.value.status == 422 and "spec.checkpoint.uri cannot change once set" in err.value.body
+        # Other fields stay editable (they take effect at the next attempt).
+        custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
+                                              {"spec": {"runPolicy": {"backoffLimit": 5}}})
+    finally:
+        custom.delete_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name)
