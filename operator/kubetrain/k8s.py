@@ -35,7 +35,7 @@ from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
     classify, classify_forbidden,
 )
-from kubetrain.api import GROUP, PLURAL, VERSION, Job
+from kubetrain.api import GROUP, KIND, PLURAL, VERSION, Job
 from kubetrain.values import format_time
 from kubetrain.actions import (
     CreatePod, CreateService, CreateWorkload, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, Event, PatchStatus,
@@ -273,8 +273,9 @@ async def _do(api: Api, job: Job, action: Any) -> None:
     if isinstance(action, CreatePod):
         await _create_pod(api, job, action)
     elif isinstance(action, CreateService):
-        await _create(api, "create service", api.core.create_namespaced_service, job.namespace,
-                      builders.get_service(job=job))
+        service = builders.get_service(job=job)
+        if not await _create(api, "create service", api.core.create_namespaced_service, job.namespace, service):
+            await _check_owner(api, job, "service", service["metadata"]["name"], api.core.read_namespaced_service)
     elif isinstance(action, EnsureDeepSpeedConfigMap):
         await _ensure_configmap(api, job)
     elif isinstance(action, DeletePod):
@@ -303,11 +304,13 @@ async def patch_status(api: Api, job: Job, resource_version: str, action: PatchS
             from None
 
 
-async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, body: dict[str, Any]) -> None:
+async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, body: dict[str, Any]) -> bool:
+    """Create `body`; False when it already exists (deterministic names make creation idempotent)."""
     try:
         await api.call(what, fn, namespace, body)
+        return True
     except ConflictError:
-        return  # AlreadyExists: deterministic names make creation idempotent
+        return False
     except InvalidError as exc:
         raise PermanentError("InvalidPodTemplate", f"{what} {body['metadata']['name']}: {exc.api_message}") from None
     except ForbiddenError as exc:
@@ -373,13 +376,37 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
         raise TemporaryError(f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
 
 
+async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[..., Any]) -> None:
+    """An object of this job's name already exists: carry on if it is this job's; wait while it belongs to an
+    earlier TrainingJob of the same name (deleted and applied again: the garbage collector removes it soon),
+    since adopting it would lose it moments later; refuse one that is not a TrainingJob's at all."""
+    try:
+        body = await api.call(f"get {kind}", read, name, job.namespace, write=False)
+    except NotFoundError:
+        raise TemporaryError(f"{kind} {job.namespace}/{name} was being deleted; creating it again") from None
+    except RefusedError as exc:
+        raise TemporaryError(f"get {kind} {job.namespace}/{name}: HTTP {exc.status}") from None
+    owner = next((o for o in (body or {}).get("metadata", {}).get("ownerReferences") or () if o.get("controller")),
+                 None)
+    if owner is not None and owner.get("uid") == job.uid:
+        return
+    if owner is not None and owner.get("kind") == KIND and owner.get("name") == job.name:
+        raise TemporaryError(f"{kind} {job.namespace}/{name} still belongs to an earlier TrainingJob {job.name} "
+                             "(deleted and created again); waiting for it to be deleted", delay=5.0)
+    raise PermanentError("NameConflict", f"{kind} {job.namespace}/{name} already exists and does not belong to "
+                                         f"this TrainingJob: delete it, or give the TrainingJob another name")
+
+
 async def _ensure_configmap(api: Api, job: Job) -> None:
     body = builders.get_deepspeed_configmap(job=job)
+    name = body["metadata"]["name"]
     try:
         await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body)
         return
-    except ConflictError:
-        pass  # it exists: bring its data up to date
+    except ConflictError:  # it exists: if it is ours, bring its data up to date
+        await _check_owner(api, job, "configmap", name, api.core.read_namespaced_config_map)
+    except InvalidError as exc:  # e.g. an inline config over the 1 MiB an object may hold: retrying cannot help
+        raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
     except RefusedError as exc:
         raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
     await api.call("patch configmap", api.core.patch_namespaced_config_map, body["metadata"]["name"],
