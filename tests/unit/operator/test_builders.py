@@ -160,6 +160,10 @@ def test_built_pod_parses_back_into_a_view() -> None:
     ({"checkpoint": {"uri": "s3://bucket", "credentialsSecret": {}}}, "spec.checkpoint.credentialsSecret.name"),
     ({"runPolicy": {"backoffLimit": -1}}, "spec.runPolicy.backoffLimit"),
     ({"trainer": {"builtin": {"task": "x"}, "command": ["a"]}}, "spec.trainer"),
+    ({"resources": {"limits": {"memory": "100m"}}}, "spec.resources.limits.memory"),
+    ({"resources": {"requests": {"ephemeral-storage": "0.5"}}}, "spec.resources.requests.ephemeral-storage"),
+    ({"runPolicy": {"activeDeadlineSeconds": 10**12}}, "spec.runPolicy.activeDeadlineSeconds"),
+    ({"runPolicy": {"backoffSeconds": 3601}}, "spec.runPolicy.backoffSeconds"),
 ])
 def test_unusable_spec_names_the_field(spec: dict, field: str) -> None:
     base = {"image": "i", "trainer": {"builtin": {"task": "regression"}}, **spec}
@@ -267,3 +271,13 @@ def test_training_pods_get_an_api_token_only_when_the_job_asks(template: dict, m
     spec = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["spec"]
     assert spec["automountServiceAccountToken"] is mounted
     assert spec.get("serviceAccountName") == account
+
+
+@pytest.mark.parametrize("policy", [None, "Always", "IfNotPresent", "Never"])
+def test_image_pull_policy_is_the_job_s_or_left_to_kubernetes(policy: str | None) -> None:
+    """Unset, the pod leaves it out and Kubernetes decides (Always for :latest), as the CRD documents."""
+    body = json.loads(json.dumps(BODY))
+    if policy:
+        body["spec"]["imagePullPolicy"] = policy
+    container = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["spec"]["containers"][0]
+    assert container.get("imagePullPolicy") == policy
