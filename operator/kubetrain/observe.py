@@ -54,6 +54,8 @@ class PodView:
     pod_ip: str | None = None
     metrics_port: int | None = None
     """The trainer container's port named `metrics` (its /progress endpoint), if it has one."""
+    unschedulable: str = ""
+    """The scheduler's message while it cannot place the pod (PodScheduled False, reason Unschedulable)."""
 
     @property
     def terminating(self) -> bool:
@@ -76,12 +78,14 @@ class PodView:
         status = body.get("status") or {}
         disruption = ready_changed = None
         starting_since = parse_time_or_none(meta.get("creationTimestamp"))
-        ready = False
+        ready, unschedulable = False, ""
         for cond in status.get("conditions") or ():
             if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
                 disruption = cond.get("reason") or "DisruptionTarget"
             elif cond.get("type") == "PodScheduled" and cond.get("status") == "True":
                 starting_since = parse_time_or_none(cond.get("lastTransitionTime")) or starting_since
+            elif cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                unschedulable = str(cond.get("message") or "no node fits it")
             elif cond.get("type") == "Ready":
                 ready = cond.get("status") == "True"
                 ready_changed = parse_time_or_none(cond.get("lastTransitionTime"))
@@ -112,7 +116,7 @@ class PodView:
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
-            pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body),
+            pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body), unschedulable=unschedulable,
         )
 
 

@@ -102,6 +102,7 @@ def supervise(d: Draft, observed: Observed) -> None:
     delete_pods(d, observed, stale)
     _startup_condition(d, blocked)
     pods = [current[r] for r in range(total)]
+    _scheduling_condition(d, pods)
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
     polled = lagging_message(d.status.progress)  # None: no reading to go by (unreachable, not polled)
     if lagging or polled:
@@ -203,6 +204,26 @@ def _startup_condition(d: Draft, blocked: tuple[str, str, dt.datetime] | None) -
         d.cond("StartupDelayed", "True", reason, text)
         d.update(message=f"attempt {d.status.attempt}: {message} (retrying)")
     d.wake_at(deadline)
+
+
+def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
+    """Condition Unschedulable (and a Warning event when it begins) while the scheduler cannot place a pod
+    of the gang, with its message (insufficient nvidia.com/gpu, a node selector no node matches, a missing
+    PersistentVolumeClaim). Not a failure: a cluster autoscaler or a finishing job may make room."""
+    current = d.status.condition("Unschedulable")
+    stuck = next((p for p in pods if p.unschedulable and p.phase == "Pending" and not p.node_name), None)
+    if stuck is None:
+        if current is not None and current.status == "True":
+            d.cond("Unschedulable", "False", "PodsScheduled", "every pod of the gang is scheduled")
+            if d.status.phase == "Pending":
+                d.update(message=f"attempt {d.status.attempt}: {len(pods)} pod(s) scheduled, waiting for them to run")
+        return
+    text = f"pod {stuck.name} cannot be scheduled: {excerpt(stuck.unschedulable)}"
+    if current is None or current.status != "True":
+        d.event("Warning", "Unschedulable", text)
+    if current is None or current.status != "True" or current.message != text:
+        d.cond("Unschedulable", "True", "Unschedulable", text)
+        d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
 
 
 def _family(reason: str) -> str:

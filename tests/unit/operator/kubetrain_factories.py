@@ -42,7 +42,8 @@ def pod_body(*, name: str = "tj", attempt: int = 1, rank: int = 0, phase: str = 
              disruption: str | None = None, deleting: bool | str = False, node: str | None = "kwok-0",
              ready: bool | None = None, ready_since: str | None = None, reason: str = "",
              annotations: dict[str, str] | None = None, status_message: str = "",
-             waiting_message: str = "details", scheduled: str | None = None) -> dict[str, Any]:
+             waiting_message: str = "details", scheduled: str | None = None,
+             unschedulable: str | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {}
     if exit_code is not None:
         state["terminated"] = {"exitCode": exit_code, "message": message}
@@ -56,6 +57,9 @@ def pod_body(*, name: str = "tj", attempt: int = 1, rank: int = 0, phase: str = 
         conds.append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
     if scheduled:
         conds.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled})
+    if unschedulable:  # what kube-scheduler writes on a pod it cannot place
+        conds.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable})
+        node = None
     meta: dict[str, Any] = {"name": f"{name}-a{attempt}-n{rank}", "labels": {
         "kubetrain.io/job-name": name, "kubetrain.io/attempt": str(attempt), "kubetrain.io/node-rank": str(rank)}}
     if deleting:

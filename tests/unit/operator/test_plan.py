@@ -24,6 +24,9 @@ def record(step: int, *, uri: str | None = None, time: str | None = None) -> str
     return json.dumps(body)
 
 
+NO_GPU = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available."
+UNSCHEDULABLE = {"type": "Unschedulable", "status": "True", "reason": "Unschedulable", "lastTransitionTime": iso(0),
+                 "message": f"pod tj-a1-n0 cannot be scheduled: {NO_GPU}"}
 CKPT = {"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}
 
 
@@ -300,6 +303,15 @@ CASES = [
     Case("ContainerCreating is not fatal", job(status=started(phase="Pending")),
          observed(pod(rank=0, phase="Pending", waiting="ContainerCreating"), pod(rank=1, phase="Pending")),
          phase=None),
+    Case("a pod the scheduler cannot place -> condition Unschedulable with its message, one Warning",
+         job(status=started(phase="Pending")),
+         observed(pod(rank=0, phase="Pending", unschedulable=NO_GPU), pod(rank=1, phase="Pending")),
+         phase="Pending", events=["Unschedulable"], reason=("Unschedulable", "Unschedulable"),
+         message="waiting for the gang to be scheduled: pod tj-a1-n0 cannot be scheduled: 0/4 nodes are available"),
+    Case("the scheduler placed it -> Unschedulable False, no event",
+         job(status=started(phase="Pending", conditions=[UNSCHEDULABLE])),
+         observed(pod(rank=0, phase="Pending"), pod(rank=1, phase="Pending")),
+         phase="Pending", events=[], reason=("Unschedulable", "PodsScheduled"), message="scheduled, waiting for them"),
     Case("spec the operator cannot use -> Failed naming the field",
          job(spec={"nodes": "many"}), observed(), phase="Failed", reason=("Failed", "InvalidSpec"),
          message="spec.nodes"),
@@ -574,3 +586,12 @@ def test_the_kubelet_flipping_between_pull_error_and_backoff_posts_no_new_warnin
     flipped = plan(tj, observed(pod(rank=0, phase="Pending", waiting="ImagePullBackOff", scheduled=iso(0)),
                                 pod(rank=1, phase="Pending")), at(20))
     assert flipped.events == ()
+
+
+def test_a_gang_still_unschedulable_for_the_same_reason_writes_nothing_again() -> None:
+    """The scheduler retries the pod; as long as it says the same, the job's status and events stay as they are."""
+    still = job(status=started(phase="Pending", conditions=[UNSCHEDULABLE],
+                               message=f"attempt 1: waiting for the gang to be scheduled: {UNSCHEDULABLE['message']}"))
+    result = plan(still, observed(pod(rank=0, phase="Pending", unschedulable=NO_GPU), pod(rank=1, phase="Pending")),
+                  at(30))
+    assert result.status is None and result.events == ()
