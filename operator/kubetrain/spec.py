@@ -205,7 +205,8 @@ def _strategy(raw: Any) -> Strategy:
     deepspeed = dict(raw.get("deepspeed") or {})
     ref = dict(deepspeed.get("configMapRef") or {})
     if kind == "zero3" and not deepspeed.get("config") and not ref.get("name"):
-        raise SpecError("strategy.deepspeed", "zero3 needs config or configMapRef")
+        raise SpecError("strategy.deepspeed", "zero3 needs a DeepSpeed config: a non-empty config (with "
+                                              "zero_optimization.stage 3) or configMapRef.name")
     return Strategy(
         type=kind,
         fsdp=dict(raw["fsdp"]) if kind == "fsdp" and raw.get("fsdp") is not None else ({} if kind == "fsdp" else None),
