@@ -21,7 +21,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{- define "kubetrain.serviceAccountName" -}}
+{{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) -}}
+{{- fail "serviceAccount.create=false needs serviceAccount.name: set it to the existing ServiceAccount the operator runs as (or set serviceAccount.create=true)" -}}
+{{- end -}}
 {{- default (include "kubetrain.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- /* The operator image: repository@digest when image.digest is set (the tag is then ignored), else repository:tag. */ -}}
+{{- define "kubetrain.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
 {{- end -}}
 
 {{- /*

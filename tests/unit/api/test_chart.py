@@ -48,10 +48,12 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def render(*sets: str, include_crds: bool = False) -> list[dict]:
+def render(*sets: str, include_crds: bool = False, api_versions: tuple[str, ...] = ()) -> list[dict]:
     args = ["template", "kt", str(CHART), "--namespace", "kubetrain-system"]
     if include_crds:
         args.append("--include-crds")
+    for v in api_versions:
+        args += ["--api-versions", v]
     for s in sets:
         args += ["--set-json", s]
     return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
@@ -278,3 +280,145 @@ def test_values_schema_rejects_bad_values(value, named):
     assert proc.returncode != 0, f"{value} was accepted"
     assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
     assert named in proc.stderr, proc.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("value, named", [
+    ('image={"repository":"x","digest":"sha256:abc"}', "digest"),
+    ('image={"repository":"x","digest":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}', "digest"),
+    ('metrics={"port":80}', "port"),
+    ('podSecurityContext="restricted"', "podSecurityContext"),
+    ('securityContext=[]', "securityContext"),
+])
+def test_values_schema_rejects_bad_image_ports_and_security_contexts(value, named):
+    proc = helm("template", "kt", str(CHART), "--set-json", value, check=False)
+    assert proc.returncode != 0, f"{value} was accepted"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert named in proc.stderr, proc.stderr
+
+
+# A cluster's discovery lists kinds; `helm template` without one lists group/versions only.
+CLUSTER_1_29 = ("apps/v1/Deployment", "admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration")
+CLUSTER_1_30 = (*CLUSTER_1_29, "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy")
+
+
+@needs_helm
+@pytest.mark.parametrize("api_versions, shipped", [((), True), (CLUSTER_1_29, False), (CLUSTER_1_30, True)],
+                         ids=["helm template without a cluster", "Kubernetes 1.29", "Kubernetes 1.30"])
+def test_kueue_admission_policy_only_where_the_cluster_serves_it(api_versions, shipped):
+    """ValidatingAdmissionPolicy is GA (admissionregistration.k8s.io/v1) from 1.30; the chart supports 1.28."""
+    docs = render(api_versions=api_versions)
+    kinds = {d["kind"] for d in docs}
+    assert ({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= kinds) is shipped
+    assert "Deployment" in kinds
+    assert not {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} & {
+        d["kind"] for d in render("kueue={\"admissionPolicy\":false}", api_versions=api_versions)}
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, env, message", [
+    (('leaderElection={"leaseDurationSeconds":10}',), {"KUBETRAIN_LEASE_DURATION_SECONDS": "10"},
+     "leaderElection.renewDeadlineSeconds (10) must be below leaderElection.leaseDurationSeconds (10)"),
+    (('leaderElection={"leaseDurationSeconds":20,"renewDeadlineSeconds":25}',),
+     {"KUBETRAIN_LEASE_DURATION_SECONDS": "20", "KUBETRAIN_RENEW_DEADLINE_SECONDS": "25"},
+     "leaderElection.renewDeadlineSeconds (25) must be below leaderElection.leaseDurationSeconds (20)"),
+    (('leaderElection={"retryPeriodSeconds":10}',), {"KUBETRAIN_RETRY_PERIOD_SECONDS": "10"},
+     "leaderElection.retryPeriodSeconds (10) must be below leaderElection.renewDeadlineSeconds (10)"),
+    (('progress={"timeoutSeconds":16}',), {"KUBETRAIN_PROGRESS_TIMEOUT_SECONDS": "16"},
+     "progress.timeoutSeconds (16) must be at most half of progress.intervalSeconds (30)"),
+    (('progress={"intervalSeconds":5,"timeoutSeconds":2.6}',),
+     {"KUBETRAIN_PROGRESS_INTERVAL_SECONDS": "5", "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS": "2.6"},
+     "progress.timeoutSeconds (2.6) must be at most half of progress.intervalSeconds (5)"),
+], ids=["renew = lease", "renew > lease", "retry = renew", "timeout > interval/2 (default interval)",
+        "timeout > interval/2"])
+def test_settings_the_operator_refuses_at_start_are_refused_at_install(sets, env, message):
+    """The operator's start-up checks (kubetrain/config.py) that the schema cannot express: refused by
+    the chart, naming the values, instead of a pod that crash-loops."""
+    from kubetrain.config import ConfigError, Settings
+
+    with pytest.raises(ConfigError):
+        Settings.from_env({"KUBETRAIN_LEADER_ELECTION": "true", **env})
+    proc = helm("template", "kt", str(CHART), *[a for s in sets for a in ("--set-json", s)], check=False)
+    assert proc.returncode != 0, f"{sets} was accepted"
+    assert message in proc.stderr, proc.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", [
+    ('leaderElection={"leaseDurationSeconds":2.5,"renewDeadlineSeconds":2,"retryPeriodSeconds":0.5}',),
+    ('leaderElection={"enabled":false,"leaseDurationSeconds":10}',),  # not used without leader election
+    ('progress={"intervalSeconds":6,"timeoutSeconds":3}',),  # exactly half
+    ('progress={"intervalSeconds":0,"timeoutSeconds":60}',),  # reading off: the timeout is unused
+], ids=["fractions", "leader election off", "timeout = interval/2", "progress off"])
+def test_settings_at_the_limits_render_and_the_operator_accepts_them(sets):
+    from kubetrain.config import Settings
+
+    (dep,) = by_kind(render(*sets), "Deployment")
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+    Settings.from_env(env)
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, message", [
+    (("metrics={\"port\":8080}",), "metrics.port and healthPort are both 8080"),
+    (("healthPort=9400",), "metrics.port and healthPort are both 9400"),
+    (('serviceAccount={"create":false}',), "serviceAccount.create=false needs serviceAccount.name"),
+], ids=["metrics.port = healthPort", "healthPort = metrics.port", "no ServiceAccount to run as"])
+def test_values_that_cannot_run_are_refused(sets, message):
+    proc = helm("template", "kt", str(CHART), *[a for s in sets for a in ("--set-json", s)], check=False)
+    assert proc.returncode != 0, f"{sets} was accepted"
+    assert message in proc.stderr, proc.stderr
+
+
+@needs_helm
+def test_an_existing_serviceaccount_is_used_and_not_created():
+    docs = render('serviceAccount={"create":false,"name":"ops"}')
+    assert not by_kind(docs, "ServiceAccount")
+    (dep,) = by_kind(docs, "Deployment")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    subjects = [s for b in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding") for s in b["subjects"]]
+    assert subjects and all(s["name"] == "ops" for s in subjects)
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+@needs_helm
+def test_image_digest_pins_the_image_and_replaces_the_tag():
+    (dep,) = by_kind(render(f'image={{"repository":"reg.local/op","tag":"9","digest":"{DIGEST}"}}'), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == f"reg.local/op@{DIGEST}"
+    (dep,) = by_kind(render('image={"repository":"reg.local/op","tag":"9"}'), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "reg.local/op:9"
+
+
+@needs_helm
+def test_security_contexts_default_to_restricted_and_can_be_overridden():
+    (dep,) = by_kind(render(), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                       "capabilities": {"drop": ["ALL"]}}
+    # Values merge into the defaults; null drops a key.
+    (dep,) = by_kind(render('podSecurityContext={"runAsUser":1000,"runAsGroup":null,"fsGroup":2000}',
+                            'securityContext={"readOnlyRootFilesystem":false}'), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 2000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
+                                                       "capabilities": {"drop": ["ALL"]}}
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, ns", [((), RELEASE_NS), (('namespaces=["ml","research"]',), "ml"),
+                                      (("clusterWide=true",), "<namespace>")])
+def test_notes_watch_the_namespace_the_example_went_to(tmp_path, sets, ns):
+    """NOTES.txt is not rendered by `helm template`: render it from a copy of the chart as a comment."""
+    chart = tmp_path / "kubetrain"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("crds"))
+    (chart / "templates" / "notes-as-comment.yaml").write_text(
+        '{{ include "kubetrain/templates/NOTES.txt" . | replace "\\n" "\\n# " | printf "# %s" }}\n')
+    args = ["template", "kt", str(chart), "--namespace", RELEASE_NS, "--show-only", "templates/notes-as-comment.yaml"]
+    notes = helm(*args, *[a for s in sets for a in ("--set-json", s)]).stdout
+    assert f"kubectl apply -n {ns} -f examples/trainingjob.yaml" in notes
+    assert f"kubectl get trainingjobs -n {ns} -w" in notes
