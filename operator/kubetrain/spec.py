@@ -165,7 +165,9 @@ class Spec:
 
 
 def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "",
-         minimum: int | None = None, maximum: int | None = None) -> int | None:
+         minimum: int | None = None, maximum: int | None = None, ceiling: int | None = None) -> int | None:
+    """The integer at `key` (or `default`); below `minimum` or above `maximum` is an error naming the field,
+    above `ceiling` is read as `ceiling`."""
     value = obj.get(key)
     name = f"{path}{key}"
     if value is None:
@@ -176,7 +178,7 @@ def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "
         raise SpecError(name, f"must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise SpecError(name, f"must be <= {maximum}, got {value}")
-    return value
+    return min(value, ceiling) if ceiling is not None else value
 
 
 def _trainer(raw: Any) -> Trainer:
@@ -205,8 +207,8 @@ def _strategy(raw: Any) -> Strategy:
     deepspeed = dict(raw.get("deepspeed") or {})
     ref = dict(deepspeed.get("configMapRef") or {})
     if kind == "zero3" and not deepspeed.get("config") and not ref.get("name"):
-        raise SpecError("strategy.deepspeed", "zero3 needs a DeepSpeed config: a non-empty config (with "
-                                              "zero_optimization.stage 3) or configMapRef.name")
+        raise SpecError("strategy.deepspeed", "zero3 needs a DeepSpeed config: a non-empty config or "
+                                              "configMapRef.name")
     return Strategy(
         type=kind,
         fsdp=dict(raw["fsdp"]) if kind == "fsdp" and raw.get("fsdp") is not None else ({} if kind == "fsdp" else None),
@@ -248,16 +250,17 @@ def _run_policy(raw: Any) -> RunPolicy:
     raw = dict(raw or {})
     p = "runPolicy."
     return RunPolicy(
-        # The CRD's bounds again: a number of seconds past them would overflow the planner's datetimes.
-        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0, maximum=1000),
-        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0, maximum=3600),
-        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0, maximum=100000),
-        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1, maximum=INT32_MAX),
-        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0, maximum=INT32_MAX),
+        # The CRD's bounds, applied as a ceiling to a value stored before a bound existed (failing a running
+        # job over a number that worked would be worse): past them the planner's datetimes would overflow.
+        backoff_limit=_int(raw, "backoffLimit", 3, path=p, minimum=0, ceiling=1000),
+        backoff_seconds=_int(raw, "backoffSeconds", 10, path=p, minimum=0, ceiling=3600),
+        max_preemptions=_int(raw, "maxPreemptions", DEFAULT_MAX_PREEMPTIONS, path=p, minimum=0, ceiling=100000),
+        active_deadline_seconds=_int(raw, "activeDeadlineSeconds", None, path=p, minimum=1, ceiling=INT32_MAX),
+        ttl_seconds_after_finished=_int(raw, "ttlSecondsAfterFinished", None, path=p, minimum=0, ceiling=INT32_MAX),
         suspend=bool(raw.get("suspend") or False),
-        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0, maximum=86400),
+        node_lost_grace_seconds=_int(raw, "nodeLostGraceSeconds", 60, path=p, minimum=0, ceiling=86400),
         startup_grace_seconds=_int(raw, "startupGraceSeconds", DEFAULT_STARTUP_GRACE_SECONDS, path=p, minimum=0,
-                                   maximum=86400),
+                                   ceiling=86400),
         termination_grace_period_seconds=_int(
             raw, "terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_SECONDS, path=p,
             minimum=MIN_TERMINATION_GRACE_SECONDS, maximum=86400),
@@ -308,7 +311,9 @@ def _is_extended(name: str) -> bool:
 
 
 _BYTES = ("memory", "ephemeral-storage")
-"""Resources counted in bytes (hugepages too, by prefix): a fraction of a byte is a typo such as 100m."""
+"""Resources counted in bytes (hugepages too, by prefix): a milli-byte or less than a byte is a typo
+(memory: 100m); a fraction such as 1.2Gi is fine (the kubelet rounds it up)."""
+_SUB_UNIT = re.compile(r"[0-9.](m|u|n)$")
 
 
 def _resources(raw: Any) -> dict[str, Any]:
@@ -328,9 +333,10 @@ def _resources(raw: Any) -> dict[str, Any]:
             number = parsed[which][name] = _quantity(value, path)
             if _is_extended(name) and number.denominator != 1:
                 raise SpecError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
-            if (name in _BYTES or name.startswith("hugepages-")) and number.denominator != 1:
-                raise SpecError(path, f"must be a whole number of bytes such as 512Mi or 16Gi, got {value!r} "
-                                      f"({'m is a thousandth, not mega: use M or Mi' if str(value).endswith('m') else 'a fraction of a byte'})")
+            if (name in _BYTES or name.startswith("hugepages-")) and (0 < number < 1 or _SUB_UNIT.search(str(value))):
+                raise SpecError(path, f"must be a size in bytes such as 512Mi or 16Gi, got {value!r}"
+                                      + (": m is a thousandth, not mega (use M or Mi)" if str(value).endswith("m")
+                                         else ": less than one byte"))
     requests, limits = parsed["requests"], parsed["limits"]
     for name, number in requests.items():
         if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:

@@ -162,8 +162,7 @@ def test_built_pod_parses_back_into_a_view() -> None:
     ({"trainer": {"builtin": {"task": "x"}, "command": ["a"]}}, "spec.trainer"),
     ({"resources": {"limits": {"memory": "100m"}}}, "spec.resources.limits.memory"),
     ({"resources": {"requests": {"ephemeral-storage": "0.5"}}}, "spec.resources.requests.ephemeral-storage"),
-    ({"runPolicy": {"activeDeadlineSeconds": 10**12}}, "spec.runPolicy.activeDeadlineSeconds"),
-    ({"runPolicy": {"backoffSeconds": 3601}}, "spec.runPolicy.backoffSeconds"),
+    ({"resources": {"limits": {"hugepages-2Mi": "1500m"}}}, "spec.resources.limits.hugepages-2Mi"),
 ])
 def test_unusable_spec_names_the_field(spec: dict, field: str) -> None:
     base = {"image": "i", "trainer": {"builtin": {"task": "regression"}}, **spec}
@@ -281,3 +280,13 @@ def test_image_pull_policy_is_the_job_s_or_left_to_kubernetes(policy: str | None
         body["spec"]["imagePullPolicy"] = policy
     container = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["spec"]["containers"][0]
     assert container.get("imagePullPolicy") == policy
+
+
+def test_sizes_with_a_fraction_of_a_unit_are_fine_and_runpolicy_values_past_the_crd_bounds_are_capped() -> None:
+    """1.2Gi is a size the kubelet rounds up; a stored runPolicy value from before a CRD bound existed is read as the
+    bound, so an operator upgrade never fails a job that was running."""
+    spec = Spec.from_storage({"image": "i", "trainer": {"builtin": {"task": "regression"}},
+                              "resources": {"limits": {"memory": "1.2Gi"}},
+                              "runPolicy": {"activeDeadlineSeconds": 10**12, "backoffSeconds": 3601}})
+    assert spec.resources == {"limits": {"memory": "1.2Gi"}}
+    assert (spec.run_policy.active_deadline_seconds, spec.run_policy.backoff_seconds) == (2**31 - 1, 3600)
