@@ -58,13 +58,29 @@ class Draft:
     def build(self) -> Plan:
         status = self.status
         if status != self.job.status:  # Ready follows what changed (and costs no write of its own)
-            status = ready_condition(status, self.now)
+            status = attempt_conditions(ready_condition(status, self.now), self.now)
         if status != self.job.status or (status.phase and status.observed_generation != self.job.generation):
             status = replace(status, observed_generation=self.job.generation, conditions=tuple(
                 replace(c, observed_generation=self.job.generation) for c in status.conditions))
         patch = (PatchStatus(status),) if status != self.job.status else ()
         return Plan(actions=tuple(self.before) + patch + tuple(self.after),
                     events=tuple(self.events), requeue_after=self.requeue)
+
+
+ATTEMPT_CONDITIONS = ("StartupDelayed", "Unschedulable")
+"""Conditions about the pods of the running attempt: False once it ends (Failed, Succeeded, Suspended,
+Restarting, back in a queue), so a finished job does not say its pods cannot start."""
+
+
+def attempt_conditions(status: Status, now: dt.datetime) -> Status:
+    if status.phase in ("Pending", "Running"):
+        return status
+    for type_ in ATTEMPT_CONDITIONS:
+        current = status.condition(type_)
+        if current is not None and current.status == "True":
+            status = status.with_condition(type_, "False", reason="AttemptEnded", message=f"the job is {status.phase}",
+                                           now=now)
+    return status
 
 
 def ready_condition(status: Status, now: dt.datetime) -> Status:

@@ -213,17 +213,25 @@ def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
     current = d.status.condition("Unschedulable")
     stuck = next((p for p in pods if p.unschedulable and p.phase == "Pending" and not p.node_name), None)
     if stuck is None:
-        if current is not None and current.status == "True":
+        # False only once every pod is on a node: a pod the scheduler has not looked at yet proves nothing.
+        if current is not None and current.status == "True" and all(p.node_name for p in pods):
             d.cond("Unschedulable", "False", "PodsScheduled", "every pod of the gang is scheduled")
-            if d.status.phase == "Pending":
+            if d.status.phase == "Pending" and d.status.message.startswith(f"attempt {d.status.attempt}: waiting "
+                                                                            "for the gang to be scheduled"):
                 d.update(message=f"attempt {d.status.attempt}: {len(pods)} pod(s) scheduled, waiting for them to run")
         return
     text = f"pod {stuck.name} cannot be scheduled: {excerpt(stuck.unschedulable)}"
     if current is None or current.status != "True":
         d.event("Warning", "Unschedulable", text)
-    if current is None or current.status != "True" or current.message != text:
+    # Rewritten when the reasons change, not when only a count does ("0/8 nodes are available: 3 Insufficient
+    # nvidia.com/gpu" moves with every node an autoscaler adds): one status write per change of reason.
+    if current is None or current.status != "True" or _shape(current.message) != _shape(text):
         d.cond("Unschedulable", "True", "Unschedulable", text)
         d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
+
+
+def _shape(message: str) -> str:
+    return re.sub(r"[0-9]+", "#", message)
 
 
 def _family(reason: str) -> str:

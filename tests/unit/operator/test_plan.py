@@ -27,6 +27,7 @@ def record(step: int, *, uri: str | None = None, time: str | None = None) -> str
 NO_GPU = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available."
 UNSCHEDULABLE = {"type": "Unschedulable", "status": "True", "reason": "Unschedulable", "lastTransitionTime": iso(0),
                  "message": f"pod tj-a1-n0 cannot be scheduled: {NO_GPU}"}
+WAITING = f"attempt 1: waiting for the gang to be scheduled: {UNSCHEDULABLE['message']}"
 CKPT = {"checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s3"}}}
 
 
@@ -309,9 +310,18 @@ CASES = [
          phase="Pending", events=["Unschedulable"], reason=("Unschedulable", "Unschedulable"),
          message="waiting for the gang to be scheduled: pod tj-a1-n0 cannot be scheduled: 0/4 nodes are available"),
     Case("the scheduler placed it -> Unschedulable False, no event",
-         job(status=started(phase="Pending", conditions=[UNSCHEDULABLE])),
+         job(status=started(phase="Pending", conditions=[UNSCHEDULABLE], message=WAITING)),
          observed(pod(rank=0, phase="Pending"), pod(rank=1, phase="Pending")),
          phase="Pending", events=[], reason=("Unschedulable", "PodsScheduled"), message="scheduled, waiting for them"),
+    Case("a new attempt's pods not yet looked at by the scheduler: Unschedulable stays as it is",
+         job(status=started(phase="Pending", conditions=[UNSCHEDULABLE], message=WAITING)),
+         observed(pod(rank=0, phase="Pending", node=None), pod(rank=1, phase="Pending", node=None)),
+         phase=None, events=[], reason=("Unschedulable", "Unschedulable")),
+    Case("the deadline passes while unschedulable -> Failed, and Unschedulable False (the attempt ended)",
+         job(status=started(phase="Pending", conditions=[UNSCHEDULABLE], message=WAITING),
+             run_policy={"activeDeadlineSeconds": 60}),
+         observed(pod(rank=0, phase="Pending", unschedulable=NO_GPU), pod(rank=1, phase="Pending")), now=61,
+         phase="Failed", reason=("Unschedulable", "AttemptEnded")),
     Case("spec the operator cannot use -> Failed naming the field",
          job(spec={"nodes": "many"}), observed(), phase="Failed", reason=("Failed", "InvalidSpec"),
          message="spec.nodes"),
@@ -367,13 +377,12 @@ CASES = [
     Case("the largest ttlSecondsAfterFinished: the job still Succeeds",
          job(status=started(nodesReady=2), run_policy={"ttlSecondsAfterFinished": 2**31 - 1}),
          observed(*gang(phase="Succeeded", exit_code=0)), phase="Succeeded"),
-    Case("an activeDeadlineSeconds past the CRD's bound (stored before it) -> Failed naming the field",
+    Case("an activeDeadlineSeconds past the CRD's bound (stored before it) is read as the bound: still running",
          job(status=started(nodesReady=2), run_policy={"activeDeadlineSeconds": 10**12}), observed(*gang()),
-         phase="Failed", reason=("Failed", "InvalidSpec"), message="spec.runPolicy.activeDeadlineSeconds"),
-    Case("a ttlSecondsAfterFinished past the CRD's bound -> Failed naming the field",
+         now=20, phase=None, requeue=2**31 - 1 - 20),
+    Case("a ttlSecondsAfterFinished past the CRD's bound is read as the bound: the job still Succeeds",
          job(status=started(nodesReady=2), run_policy={"ttlSecondsAfterFinished": 10**12}),
-         observed(*gang(phase="Succeeded", exit_code=0)), phase="Failed", reason=("Failed", "InvalidSpec"),
-         message="spec.runPolicy.ttlSecondsAfterFinished"),
+         observed(*gang(phase="Succeeded", exit_code=0)), phase="Succeeded"),
     Case("job being deleted -> nothing (owner references do the rest)", job(deleting=True), observed(*gang()),
          phase=None, creates=None, deletes=None),
     Case("failed job still has a running pod -> it is deleted", job(status={**started(phase="Failed"), "completionTime": iso(0)}),
@@ -588,10 +597,20 @@ def test_the_kubelet_flipping_between_pull_error_and_backoff_posts_no_new_warnin
     assert flipped.events == ()
 
 
-def test_a_gang_still_unschedulable_for_the_same_reason_writes_nothing_again() -> None:
-    """The scheduler retries the pod; as long as it says the same, the job's status and events stay as they are."""
-    still = job(status=started(phase="Pending", conditions=[UNSCHEDULABLE],
-                               message=f"attempt 1: waiting for the gang to be scheduled: {UNSCHEDULABLE['message']}"))
-    result = plan(still, observed(pod(rank=0, phase="Pending", unschedulable=NO_GPU), pod(rank=1, phase="Pending")),
+@pytest.mark.parametrize("said", [NO_GPU, NO_GPU.replace("0/4", "0/6").replace("4 Insufficient", "6 Insufficient")],
+                         ids=["the same", "only the counts changed (an autoscaler added nodes)"])
+def test_a_gang_still_unschedulable_for_the_same_reason_writes_nothing_again(said: str) -> None:
+    """The scheduler retries the pod; as long as its reasons stay, the job's status and events stay as they are."""
+    still = job(status=started(phase="Pending", conditions=[UNSCHEDULABLE], message=WAITING))
+    result = plan(still, observed(pod(rank=0, phase="Pending", unschedulable=said), pod(rank=1, phase="Pending")),
                   at(30))
     assert result.status is None and result.events == ()
+
+
+def test_a_new_reason_is_written() -> None:
+    still = job(status=started(phase="Pending", conditions=[UNSCHEDULABLE], message=WAITING))
+    other = "0/4 nodes are available: 4 node(s) didn't match Pod's node affinity/selector."
+    result = plan(still, observed(pod(rank=0, phase="Pending", unschedulable=other), pod(rank=1, phase="Pending")),
+                  at(30))
+    assert result.status is not None and "didn't match Pod's node affinity" in result.status.message
+    assert result.events == ()  # still the same episode: one Warning when it began
