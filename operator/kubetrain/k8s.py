@@ -326,7 +326,8 @@ async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
             pod = kueue_admission.merge_into_pod(pod, action.admission)
         except kueue.KueueError as exc:
             raise PermanentError("KueueAdmissionConflict", str(exc)) from None
-    await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod)
+    if not await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod):
+        await _check_owner(api, job, "pod", pod["metadata"]["name"], api.core.read_namespaced_pod)
 
 
 async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
@@ -377,7 +378,7 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
 
 
 async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[..., Any]) -> None:
-    """An object of this job's name already exists: carry on if it is this job's; wait while it belongs to an
+    """An object of this job's name (a pod, the Service, the DeepSpeed ConfigMap) already exists: carry on if it is this job's; wait while it belongs to an
     earlier TrainingJob of the same name (deleted and applied again: the garbage collector removes it soon),
     since adopting it would lose it moments later; refuse one that is not a TrainingJob's at all."""
     try:
@@ -390,7 +391,8 @@ async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[
                  None)
     if owner is not None and owner.get("uid") == job.uid:
         return
-    if owner is not None and owner.get("kind") == KIND and owner.get("name") == job.name:
+    if (owner is not None and owner.get("kind") == KIND and owner.get("name") == job.name
+            and str(owner.get("apiVersion") or "").startswith(f"{GROUP}/")):
         raise TemporaryError(f"{kind} {job.namespace}/{name} still belongs to an earlier TrainingJob {job.name} "
                              "(deleted and created again); waiting for it to be deleted", delay=5.0)
     raise PermanentError("NameConflict", f"{kind} {job.namespace}/{name} already exists and does not belong to "
@@ -409,8 +411,11 @@ async def _ensure_configmap(api: Api, job: Job) -> None:
         raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
     except RefusedError as exc:
         raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
-    await api.call("patch configmap", api.core.patch_namespaced_config_map, body["metadata"]["name"],
-                   job.namespace, {"data": body["data"]})
+    try:
+        await api.call("patch configmap", api.core.patch_namespaced_config_map, name, job.namespace,
+                       {"data": body["data"]})
+    except InvalidError as exc:  # the inline config grew past what an object may hold
+        raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
 
 
 async def _delete_pod(api: Api, job: Job, action: DeletePod) -> None:

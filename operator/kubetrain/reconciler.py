@@ -362,7 +362,10 @@ class Reconciler:
             except PermanentError as exc:
                 metrics.ERRORS.labels("permanent").inc()
                 log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
-                failed = fail_plan(job, observed, now, reason=exc.reason, message=str(exc))
+                # The plan may have created pods before the refusal (a Service that is not ours is found after
+                # them): seen again with them, the Failed plan deletes them too.
+                self._remember(key, result, now, creates_only=True)
+                failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:
                     written = await k8s.apply(self.api, job, rv, failed)
                 except ApiError:
@@ -385,6 +388,7 @@ class Reconciler:
                 return
             except TemporaryError as exc:
                 metrics.ERRORS.labels("temporary").inc()
+                self._remember(key, result, now, creates_only=True)  # what it created before the error exists
                 log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
                 self.enqueue(key, exc.delay)
                 return
@@ -407,11 +411,13 @@ class Reconciler:
             return
         self.enqueue(key, 1.0)
 
-    def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime) -> None:
+    def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime, *, creates_only: bool = False) -> None:
+        """Expect the plan's writes in the informer's view (`creates_only`: the plan stopped at an error, and
+        only its creations, which come first, may have happened; a pod never created drops out after the TTL)."""
         exp = self.expectations.setdefault(key, Expectations())
         for action in result.actions:
             if isinstance(action, CreatePod):
                 name = pod_name(key[1], action.attempt, action.rank)
                 exp.created[name] = (now, PodView(name=name, attempt=action.attempt, rank=action.rank))
-            elif isinstance(action, DeletePod):
+            elif isinstance(action, DeletePod) and not creates_only:
                 exp.deleted[action.name] = now

@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kubetrain import k8s
-from kubetrain.actions import CreateService
+from kubetrain.actions import CreatePod, CreateService
 from kubetrain.api import Job
 from kubetrain.errors import PermanentError, TemporaryError
 from kubetrain.k8s import Api
@@ -65,9 +65,10 @@ def _run(coro_fn) -> None:
     asyncio.run(main())
 
 
-OURS = {"kind": "TrainingJob", "name": "train", "uid": "uid-now"}
-EARLIER = {"kind": "TrainingJob", "name": "train", "uid": "uid-before"}
-SOMEONE = {"kind": "Deployment", "name": "redis", "uid": "uid-other"}
+OURS = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob", "name": "train", "uid": "uid-now"}
+EARLIER = {**OURS, "uid": "uid-before"}
+SOMEONE = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "redis", "uid": "uid-other"}
+ANOTHER_GROUP = {"apiVersion": "sagemaker.example.com/v1", "kind": "TrainingJob", "name": "train", "uid": "uid-x"}
 
 
 def _service(owner: dict | None, calls: list[str]):
@@ -89,7 +90,8 @@ def test_a_service_of_an_earlier_job_of_the_same_name_is_waited_for_not_adopted(
         _run(_service(EARLIER, []))
 
 
-@pytest.mark.parametrize("owner", [SOMEONE, None], ids=["owned by a Deployment", "no owner"])
+@pytest.mark.parametrize("owner", [SOMEONE, None, ANOTHER_GROUP],
+                         ids=["owned by a Deployment", "no owner", "a TrainingJob of another API group"])
 def test_someone_else_s_service_fails_the_job_naming_it(owner: dict | None) -> None:
     with pytest.raises(PermanentError) as err:
         _run(_service(owner, []))
@@ -136,3 +138,74 @@ def test_an_inline_config_the_api_server_refuses_fails_the_job_instead_of_retryi
     with pytest.raises(PermanentError) as err:
         _run(_configmap(OURS, [], create=refuse))
     assert err.value.reason == "InvalidDeepSpeedConfig" and "at most 1048576 bytes" in str(err.value)
+
+
+def _pod(owner: dict | None, calls: list[str]):
+    async def go(api: Api) -> None:
+        api.core = SimpleNamespace(create_namespaced_pod=_refuse(409, 'pods "train-a1-n0" already exists'),
+                                   read_namespaced_pod=_existing(owner, calls, "train-a1-n0"))
+        await k8s._do(api, Job.from_storage(copy.deepcopy(BODY)), CreatePod(attempt=1, rank=0))
+    return go
+
+
+def test_a_pod_of_the_same_name_left_by_an_earlier_job_is_waited_for() -> None:
+    """Deleted and applied again at once: the earlier job's pods terminate for up to their grace period. Counted as
+    this job's, they would vanish and read as a preemption; the create waits for them to be gone instead."""
+    calls: list[str] = []
+    _run(_pod(OURS, calls))  # our own (the informer had not delivered it yet): fine
+    assert calls == ["get train-a1-n0"]
+    with pytest.raises(TemporaryError, match="earlier TrainingJob train"):
+        _run(_pod(EARLIER, []))
+    with pytest.raises(PermanentError, match="pod ml/train-a1-n0 already exists and does not belong"):
+        _run(_pod(SOMEONE, []))
+
+
+def test_a_read_that_finds_nothing_means_it_was_just_deleted_and_is_tried_again() -> None:
+    async def go(api: Api) -> None:
+        api.core = SimpleNamespace(create_namespaced_service=_refuse(409, 'services "train" already exists'),
+                                   read_namespaced_service=_refuse(404, 'services "train" not found'))
+        await k8s._do(api, Job.from_storage(copy.deepcopy(BODY)), CreateService())
+
+    with pytest.raises(TemporaryError, match="was being deleted"):
+        _run(go)
+
+
+def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_deletes_them() -> None:
+    """The Service goes out after the pods (they are what a big launch waits for): when it turns out to be someone
+    else's, the job fails as NameConflict, and the pods it had just created are deleted, not left holding GPUs."""
+    from kubetrain.config import Settings
+    from kubetrain.reconciler import Reconciler
+
+    calls: list[str] = []
+    body = copy.deepcopy(BODY)
+    body["spec"]["strategy"] = {"type": "ddp"}
+
+    def record(what: str, answer: Any = None):
+        def call(*args: Any, **__: Any) -> _Response:
+            calls.append(f"{what} {args[0] if what.startswith('delete') else ''}".strip())
+            return _Response(answer if answer is not None else {})
+        return call
+
+    async def main() -> None:
+        api = Api(client.ApiClient(), threads=4)
+        api.core = SimpleNamespace(
+            create_namespaced_pod=record("create pod"),
+            create_namespaced_service=_refuse(409, 'services "train" already exists'),
+            read_namespaced_service=_existing(SOMEONE, calls, "train"),
+            delete_namespaced_pod=record("delete"),
+            create_namespaced_event=record("event"))
+        api.custom = SimpleNamespace(patch_namespaced_custom_object_status=record("status", {
+            **body, "metadata": {**body["metadata"], "resourceVersion": "8"}}))
+        rec = Reconciler(api=api, settings=Settings())
+        rec.pods_synced.set()
+        rec.jobs[("ml", "train")] = body
+        try:
+            await rec.reconcile(("ml", "train"))
+            await asyncio.sleep(0.2)  # the events go out in the background
+        finally:
+            api.close()
+
+    asyncio.run(main())
+    assert calls.count("create pod") == 2
+    assert "status" in calls
+    assert sorted(c for c in calls if c.startswith("delete")) == ["delete train-a1-n0", "delete train-a1-n1"]
