@@ -455,7 +455,11 @@ def test_the_checkpoint_location_cannot_change_once_set(kube_api, submit, api_na
         with pytest.raises(client.ApiException) as err:
             custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
                                                   {"spec": {"checkpoint": {"uri": "s3://kubetrain-test/elsewhere"}}})
-        assert err.value.status == 422 and "spec.checkpoint.uri cannot change once set" in err.value.body
+        assert err.value.status == 422 and "spec.checkpoint.uri cannot change or be removed" in err.value.body
+        with pytest.raises(client.ApiException) as err:  # removing it (to add another one later) is the same
+            custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
+                                                  {"spec": {"checkpoint": None}})
+        assert err.value.status == 422 and "spec.checkpoint.uri cannot change or be removed" in err.value.body
         # Other fields stay editable (they take effect at the next attempt).
         custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
                                               {"spec": {"runPolicy": {"backoffLimit": 5}}})
