@@ -444,8 +444,9 @@ def test_free_form_fields_keep_their_content(submit):
     assert s["podTemplate"]["volumes"][0]["persistentVolumeClaim"] == {"claimName": "d"}
 
 
-def test_the_checkpoint_location_cannot_change_once_set(kube_api, submit, api_namespace):
-    """A new checkpoint.uri would resume nothing: the next attempt would start from step 0 without a word."""
+def test_the_checkpoint_location_and_the_strategy_cannot_change_once_set(kube_api, submit, api_namespace):
+    """A new checkpoint.uri would resume nothing: the next attempt would start from step 0 without a word; another
+    strategy could not read the checkpoints' layout."""
     from kubernetes import client
 
     custom = client.CustomObjectsApi(kube_api)
@@ -460,6 +461,10 @@ def test_the_checkpoint_location_cannot_change_once_set(kube_api, submit, api_na
             custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
                                                   {"spec": {"checkpoint": None}})
         assert err.value.status == 422 and "spec.checkpoint.uri cannot change or be removed" in err.value.body
+        with pytest.raises(client.ApiException) as err:  # the checkpoints are in the strategy's layout
+            custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
+                                                  {"spec": {"strategy": {"type": "fsdp"}}})
+        assert err.value.status == 422 and "spec.strategy.type cannot change once set" in err.value.body
         # Other fields stay editable (they take effect at the next attempt).
         custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
                                               {"spec": {"runPolicy": {"backoffLimit": 5}}})
