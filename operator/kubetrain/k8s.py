@@ -32,8 +32,8 @@ from kubernetes.client.rest import ApiException
 
 from kubetrain import builders, kueue, kueue_admission
 from kubetrain.errors import (
-    ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, TemporaryError,
-    classify, classify_forbidden,
+    ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError,
+    TemporaryError, classify, classify_forbidden,
 )
 from kubetrain.api import GROUP, KIND, PLURAL, VERSION, Job
 from kubetrain.values import format_time
@@ -393,8 +393,8 @@ async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[
         return
     if (owner is not None and owner.get("kind") == KIND and owner.get("name") == job.name
             and str(owner.get("apiVersion") or "").startswith(f"{GROUP}/")):
-        raise TemporaryError(f"{kind} {job.namespace}/{name} still belongs to an earlier TrainingJob {job.name} "
-                             "(deleted and created again); waiting for it to be deleted", delay=5.0)
+        raise RejectedError("NameInUse", f"{kind} {job.namespace}/{name} still belongs to an earlier TrainingJob "
+                                         f"{job.name} (deleted and created again); waiting for it to be deleted")
     raise PermanentError("NameConflict", f"{kind} {job.namespace}/{name} already exists and does not belong to "
                                          f"this TrainingJob: delete it, or give the TrainingJob another name")
 

@@ -170,11 +170,13 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
     d = Draft(job, now)
     text = excerpt(message)
     current = d.status.condition("Created")
+    earlier = reason == "NameInUse"  # a pod or Service of the same name, left by an earlier job being deleted
     if current is None or current.status != "False" or current.reason != reason or current.message != text:
-        d.event("Warning", reason, f"attempt {job.status.attempt + 1}: the API server refused a pod: {text}; "
-                                   "retrying with backoff")
+        d.event("Warning", reason, f"attempt {job.status.attempt + 1}: "
+                                   f"{'' if earlier else 'the API server refused a pod: '}{text}; retrying with backoff")
         d.cond("Created", "False", reason, text)
-    what = "waiting for quota" if reason == "QuotaExceeded" else "waiting for the API server to accept the pods"
+    what = ("waiting for quota" if reason == "QuotaExceeded" else "waiting for an earlier job of this name to be "
+            "cleaned up" if earlier else "waiting for the API server to accept the pods")
     # Pending only before the first attempt: with attempt >= 1, Pending would mean "attempt N's pods all
     # exist" (a resumed or restarting job whose next pods are refused stays Restarting).
     d.update(phase="Pending" if job.status.attempt == 0 else "Restarting",

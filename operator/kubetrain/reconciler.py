@@ -373,6 +373,7 @@ class Reconciler:
                     return
             except RejectedError as exc:
                 metrics.ERRORS.labels("rejected").inc()
+                self._remember(key, result, now, creates_only=True)  # what it created before the refusal exists
                 count = self.rejections[key] = self.rejections.get(key, 0) + 1
                 delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
                 log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,

@@ -18,7 +18,7 @@ from kubernetes.client.rest import ApiException
 from kubetrain import k8s
 from kubetrain.actions import CreatePod, CreateService
 from kubetrain.api import Job
-from kubetrain.errors import PermanentError, TemporaryError
+from kubetrain.errors import PermanentError, RejectedError, TemporaryError
 from kubetrain.k8s import Api
 
 BODY = {
@@ -86,8 +86,9 @@ def test_the_job_s_own_service_is_fine() -> None:
 
 
 def test_a_service_of_an_earlier_job_of_the_same_name_is_waited_for_not_adopted() -> None:
-    with pytest.raises(TemporaryError, match="earlier TrainingJob train"):
+    with pytest.raises(RejectedError, match="earlier TrainingJob train") as err:
         _run(_service(EARLIER, []))
+    assert err.value.reason == "NameInUse"  # shown on the job while it waits (reconciler: rejected_plan)
 
 
 @pytest.mark.parametrize("owner", [SOMEONE, None, ANOTHER_GROUP],
@@ -154,7 +155,7 @@ def test_a_pod_of_the_same_name_left_by_an_earlier_job_is_waited_for() -> None:
     calls: list[str] = []
     _run(_pod(OURS, calls))  # our own (the informer had not delivered it yet): fine
     assert calls == ["get train-a1-n0"]
-    with pytest.raises(TemporaryError, match="earlier TrainingJob train"):
+    with pytest.raises(RejectedError, match="earlier TrainingJob train"):
         _run(_pod(EARLIER, []))
     with pytest.raises(PermanentError, match="pod ml/train-a1-n0 already exists and does not belong"):
         _run(_pod(SOMEONE, []))

@@ -614,3 +614,18 @@ def test_a_new_reason_is_written() -> None:
                   at(30))
     assert result.status is not None and "didn't match Pod's node affinity" in result.status.message
     assert result.events == ()  # still the same episode: one Warning when it began
+
+
+def test_waiting_for_an_earlier_job_of_the_same_name_shows_on_the_job() -> None:
+    """Deleted and applied again at once: the earlier job's pods are still terminating under the same names. The
+    new job says why it waits (it had no status at all before) and starts once they are gone."""
+    from kubetrain.plan import rejected_plan
+    why = "pod ns/tj-a1-n0 still belongs to an earlier TrainingJob tj (deleted and created again); waiting for it"
+    result = rejected_plan(job(), at(0), reason="NameInUse", message=why)
+    st = result.status
+    assert st is not None and st.phase == "Pending" and st.attempt == 0
+    assert "waiting for an earlier job of this name to be cleaned up: pod ns/tj-a1-n0" in st.message
+    cond = st.condition("Created")
+    assert cond is not None and (cond.status, cond.reason) == ("False", "NameInUse")
+    assert [(e.type, e.reason) for e in result.events] == [("Warning", "NameInUse")]
+    assert "refused" not in result.events[0].message
