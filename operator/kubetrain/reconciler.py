@@ -363,7 +363,9 @@ class Reconciler:
                 metrics.ERRORS.labels("permanent").inc()
                 log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
                 # The plan may have created pods before the refusal (a Service that is not ours is found after
-                # them): seen again with them, the Failed plan deletes them too.
+                # them): seen again with them, the Failed plan deletes them too (one whose create failed is
+                # deleted for nothing: NotFound). Not on a refusal that can pass: a pod expected but never
+                # created would read as deleted by someone else once its expectation expires.
                 self._remember(key, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:
@@ -373,7 +375,6 @@ class Reconciler:
                     return
             except RejectedError as exc:
                 metrics.ERRORS.labels("rejected").inc()
-                self._remember(key, result, now, creates_only=True)  # what it created before the refusal exists
                 count = self.rejections[key] = self.rejections.get(key, 0) + 1
                 delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
                 log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,
@@ -389,7 +390,6 @@ class Reconciler:
                 return
             except TemporaryError as exc:
                 metrics.ERRORS.labels("temporary").inc()
-                self._remember(key, result, now, creates_only=True)  # what it created before the error exists
                 log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
                 self.enqueue(key, exc.delay)
                 return
@@ -413,8 +413,8 @@ class Reconciler:
         self.enqueue(key, 1.0)
 
     def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime, *, creates_only: bool = False) -> None:
-        """Expect the plan's writes in the informer's view (`creates_only`: the plan stopped at an error, and
-        only its creations, which come first, may have happened; a pod never created drops out after the TTL)."""
+        """Expect the plan's writes in the informer's view (`creates_only`: the plan stopped at a permanent
+        error, and only its creations, which come first, may have happened)."""
         exp = self.expectations.setdefault(key, Expectations())
         for action in result.actions:
             if isinstance(action, CreatePod):
