@@ -273,9 +273,8 @@ async def _do(api: Api, job: Job, action: Any) -> None:
     if isinstance(action, CreatePod):
         await _create_pod(api, job, action)
     elif isinstance(action, CreateService):
-        service = builders.get_service(job=job)
-        if not await _create(api, "create service", api.core.create_namespaced_service, job.namespace, service):
-            await _check_owner(api, job, "service", service["metadata"]["name"], api.core.read_namespaced_service)
+        await _create(api, job, "create service", api.core.create_namespaced_service, builders.get_service(job=job),
+                      api.core.read_namespaced_service)
     elif isinstance(action, EnsureDeepSpeedConfigMap):
         await _ensure_configmap(api, job)
     elif isinstance(action, DeletePod):
@@ -304,13 +303,14 @@ async def patch_status(api: Api, job: Job, resource_version: str, action: PatchS
             from None
 
 
-async def _create(api: Api, what: str, fn: Callable[..., Any], namespace: str, body: dict[str, Any]) -> bool:
-    """Create `body`; False when it already exists (deterministic names make creation idempotent)."""
+async def _create(api: Api, job: Job, what: str, fn: Callable[..., Any], body: dict[str, Any],
+                  read: Callable[..., Any]) -> None:
+    """Create `body` ("create <kind>"); one of that name that already exists is fine if it is this job's
+    (`_check_owner`): deterministic names make creation idempotent."""
     try:
-        await api.call(what, fn, namespace, body)
-        return True
+        await api.call(what, fn, job.namespace, body)
     except ConflictError:
-        return False
+        await _check_owner(api, job, what.split()[-1], body["metadata"]["name"], read)
     except InvalidError as exc:
         raise PermanentError("InvalidPodTemplate", f"{what} {body['metadata']['name']}: {exc.api_message}") from None
     except ForbiddenError as exc:
@@ -326,8 +326,7 @@ async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
             pod = kueue_admission.merge_into_pod(pod, action.admission)
         except kueue.KueueError as exc:
             raise PermanentError("KueueAdmissionConflict", str(exc)) from None
-    if not await _create(api, "create pod", api.core.create_namespaced_pod, job.namespace, pod):
-        await _check_owner(api, job, "pod", pod["metadata"]["name"], api.core.read_namespaced_pod)
+    await _create(api, job, "create pod", api.core.create_namespaced_pod, pod, api.core.read_namespaced_pod)
 
 
 async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
@@ -378,9 +377,10 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
 
 
 async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[..., Any]) -> None:
-    """An object of this job's name (a pod, the Service, the DeepSpeed ConfigMap) already exists: carry on if it is this job's; wait while it belongs to an
-    earlier TrainingJob of the same name (deleted and applied again: the garbage collector removes it soon),
-    since adopting it would lose it moments later; refuse one that is not a TrainingJob's at all."""
+    """An object of this job's name (a pod, the Service, the DeepSpeed ConfigMap) already exists: carry on if
+    it is this job's; wait while it belongs to an earlier TrainingJob of the same name (deleted and applied
+    again: the garbage collector removes it soon), since adopting it would lose it moments later; refuse one
+    that is not a TrainingJob's at all."""
     try:
         body = await api.call(f"get {kind}", read, name, job.namespace, write=False)
     except NotFoundError:

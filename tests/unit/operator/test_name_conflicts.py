@@ -190,7 +190,7 @@ def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_del
     async def main() -> None:
         api = Api(client.ApiClient(), threads=4)
         api.core = SimpleNamespace(
-            create_namespaced_pod=record("create pod"),
+            create_namespaced_pod=record("create pod"), read_namespaced_pod=_refuse(500, "never asked"),
             create_namespaced_service=_refuse(409, 'services "train" already exists'),
             read_namespaced_service=_existing(SOMEONE, calls, "train"),
             delete_namespaced_pod=record("delete"),
