@@ -22,7 +22,7 @@ What it measures (each "must be 0" is a promise of docs/contract.md or the desig
 - jobs finished / total, and whether each finished one has its final model;
 - restores of incomplete or mismatched checkpoints (must be 0): every "restored
   checkpoint-N (attempt A)" line of a trainer log is checked at once against the
-  restored folder (every file's sha256 against the manifest it restored, every
+  restored folder (every file's digest against the manifest it restored, every
   file a checkpoint of that world size needs, trainer_state.json at step N) and
   against the manifest an S3 auditor saw and verified in MinIO;
 - overlapping attempts (must be 0): in the pod watch stream, a pod of attempt N+1
@@ -431,12 +431,20 @@ class LogTailer:
             return {(log.pod, log.uid8): log for log in self.logs.values()}
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _digest(entry: dict[str, Any]) -> tuple[str, str]:
+    return ("xxh128", entry["xxh128"]) if "xxh128" in entry else ("sha256", entry.get("sha256", ""))
+
+
+def digest_matches(data: bytes, entry: dict[str, Any]) -> bool:
+    """Whether `data` has the digest the manifest's file entry records (docs/contract.md: `xxh128`, or
+    `sha256` in manifests written before it), computed here from the definition, not by the trainer."""
+    import xxhash
+
+    if "xxh128" in entry:
+        part = 8 << 20
+        tree = b"".join(xxhash.xxh3_128_digest(data[i:i + part]) for i in range(0, len(data), part))
+        return xxhash.xxh3_128_hexdigest(tree) == entry["xxh128"]
+    return hashlib.sha256(data).hexdigest() == entry.get("sha256")
 
 
 def required_files(world_size: int) -> set[str]:
@@ -454,7 +462,7 @@ def completeness_problems(files: dict[str, dict], world_size: int) -> list[str]:
 class S3Auditor:
     """Sees every manifest committed under the run's prefix and checks it against the bytes in MinIO.
 
-    A manifest is verified when first seen (every file there, its size and sha256 as listed). A failure
+    A manifest is verified when first seen (every file there, its size and digest as listed). A failure
     only counts when the manifest is still the same afterwards: retention deletes a manifest before its
     files, so a checkpoint deleted while being verified is "superseded", not broken."""
 
@@ -484,7 +492,7 @@ class S3Auditor:
             except self.s3.exceptions.NoSuchKey:
                 problems.append(f"{f['path']} missing")
                 continue
-            if len(body) != f["size"] or hashlib.sha256(body).hexdigest() != f["sha256"]:
+            if len(body) != f["size"] or not digest_matches(body, f):
                 problems.append(f"{f['path']} differs")
         return ("bad", "; ".join(problems)) if problems else ("ok", "")
 
@@ -585,7 +593,7 @@ class RestoreVerifier:
             for name, f in local_files.items():
                 p = path / name
                 try:
-                    if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+                    if p.stat().st_size != f["size"] or not digest_matches(p.read_bytes(), f):
                         problems.append(f"{name} differs from the manifest")
                 except FileNotFoundError:
                     problems.append(f"{name} not restored")
@@ -615,7 +623,7 @@ class RestoreVerifier:
         if bad:
             return result("incomplete", f"manifest in S3: {bad[0]['detail'] or bad[0]['incomplete']}")
         if local_files is not None:
-            same = any({k: v["sha256"] for k, v in r["files"].items()} == {k: v["sha256"] for k, v in local_files.items()}
+            same = any({k: _digest(v) for k, v in r["files"].items()} == {k: _digest(v) for k, v in local_files.items()}
                        for r in records)
             if not same:
                 return result("mismatched", "restored manifest differs from the one committed in S3")

@@ -9,9 +9,9 @@ of `--size` bytes (default 1 GiB):
 
 Each direction is timed twice on the same bytes in the same run:
 
-- kubetrain: upload = the commit protocol (`commit.CommitProtocol.run`: sha256 of every file,
+- kubetrain: upload = the commit protocol (`commit.CommitProtocol.run`: the xxh128 digest of every file,
   list, per-file upload with the claims fence, manifest last), download = `restore.restore_newest`
-  (list, manifest, download with every file's sha256 computed as its parts land in order, rename into
+  (list, manifest, download with every file's xxh128 computed part by part as its bytes land, rename into
   place): what the launcher does;
 - raw: one `s3transfer` TransferManager (boto3's own) with a tuned TransferConfig
   (max_concurrency 16, 32 MiB parts, a 16-connection pool), every file submitted at once, no hashing.

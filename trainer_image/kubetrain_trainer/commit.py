@@ -22,7 +22,7 @@ Fencing is check-then-write (plain S3 has no compare-and-swap across objects,
 and boto3's managed transfers take no If-None-Match): a zombie (an attempt
 still running after its pod was force-deleted) stops at its next request, so
 what it can overwrite under a newer commit is bounded by its in-flight requests
-(one per file in flight, each cut within one part), which restore's sha256
+(one per file in flight, each cut within one part), which restore's digest
 check then catches. In time the bound is `fence_check_interval_s` plus one
 part after the claim, while a newer attempt must first restore and train
 before it writes the same step.

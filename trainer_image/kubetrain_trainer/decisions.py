@@ -264,7 +264,7 @@ def merge_parts(parts: Iterable[NodePart], *, step: int, attempt: int, nnodes: i
     for rank in sorted(by_rank):
         for f in by_rank[rank].files:
             other = merged.get(f.path)
-            if other is not None and other.sha256 != f.sha256:
+            if other is not None and (other.algorithm, other.digest) != (f.algorithm, f.digest):
                 raise ManifestError(f"{f.path}: written with different content by several nodes")
             merged[f.path] = f
     return tuple(sorted(merged.values(), key=lambda f: f.path))

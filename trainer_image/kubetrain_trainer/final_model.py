@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from kubetrain_trainer.commit import SyncSettings
-from kubetrain_trainer.hashing import scan_folder, sha256_file
+from kubetrain_trainer.hashing import file_digest, scan_folder
 from kubetrain_trainer.layout import FINAL_FOLDER, MANIFEST_NAME, TMP_PREFIX, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import FileEntry, Manifest, utc_now_rfc3339
 from kubetrain_trainer.retry import retrying
@@ -36,9 +36,9 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
         if name.startswith((".", f"{TMP_PREFIX}-")) or parse_checkpoint_dirname(name) is not None:
             continue  # checkpoints have their own folders; hidden ones are staging
         if entry.is_file() and not entry.is_symlink():
-            found.append(FileEntry(path=name, size=entry.stat().st_size, sha256=sha256_file(entry)))
+            found.append(FileEntry(path=name, size=entry.stat().st_size, digest=file_digest(entry)))
         elif entry.is_dir() and not entry.is_symlink():
-            found.extend(FileEntry(f"{name}/{f.path}", f.size, f.sha256) for f in scan_folder(entry))
+            found.extend(FileEntry(f"{name}/{f.path}", f.size, f.digest, f.algorithm) for f in scan_folder(entry))
     files = tuple(found)
     if not files:
         return None

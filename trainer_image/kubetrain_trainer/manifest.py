@@ -38,31 +38,46 @@ def utc_now_rfc3339() -> str:
     return rfc3339()
 
 
+XXH128 = "xxh128"
+SHA256 = "sha256"
+DIGESTS = {XXH128: 32, SHA256: 64}
+"""The digests a file's entry may carry, by their key in the entry and their length in hex digits.
+New records carry `xxh128` (its definition: `hashing.py`); `sha256` is what records written before it
+carry, still read and checked."""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint, relative to the checkpoint folder (POSIX separators)."""
 
     path: str
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = XXH128
 
     def for_storage(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+        return {"path": self.path, "size": self.size, self.algorithm: self.digest}
 
     @classmethod
     def from_storage(cls, raw: Any) -> "FileEntry":
         if not isinstance(raw, Mapping):
             raise ManifestError(f"files: entry must be an object, got {type(raw).__name__}")
-        path, size, digest = raw.get("path"), raw.get("size"), raw.get("sha256")
+        path, size = raw.get("path"), raw.get("size")
         if not isinstance(path, str) or not is_safe_relpath(path):
             raise ManifestError(f"files: unsafe or missing path {path!r}")
         if is_manifest_name(path):
             raise ManifestError(f"files: {path!r} is a commit record, not a checkpoint file")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ManifestError(f"files[{path}]: size must be a non-negative integer")
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise ManifestError(f"files[{path}]: sha256 must be 64 lowercase hex digits")
-        return cls(path=path, size=size, sha256=digest)
+        named = [a for a in DIGESTS if a in raw]
+        if len(named) != 1:
+            raise ManifestError(f"files[{path}]: needs exactly one digest, xxh128 or sha256; got "
+                                f"{', '.join(named) or 'none'}")
+        algorithm = named[0]
+        digest = raw[algorithm]
+        if not isinstance(digest, str) or not re.fullmatch(f"[0-9a-f]{{{DIGESTS[algorithm]}}}", digest):
+            raise ManifestError(f"files[{path}]: {algorithm} must be {DIGESTS[algorithm]} lowercase hex digits")
+        return cls(path=path, size=size, digest=digest, algorithm=algorithm)
 
 
 def is_safe_relpath(path: str) -> bool:
@@ -318,8 +333,11 @@ def _numeric_only(raw: Mapping[str, Any]) -> dict[str, float]:
 
 
 __all__ = [
+    "DIGESTS",
     "FORMAT",
     "MANIFEST_NAME",
+    "SHA256",
+    "XXH128",
     "AttemptClaim",
     "BestCheckpoint",
     "FileEntry",

@@ -3,7 +3,7 @@
 Node rank 0 decides which step the attempt resumes from and records it in the attempt's claim
 (`manifest.AttemptClaim`); the other ranks restore exactly that step or fail, so the ranks
 never resume from different steps (docs/contract.md, "Writers, fencing and restore agreement").
-Every file is checked against its sha256; a corrupt checkpoint falls back to an older one.
+Every file is checked against its digest; a corrupt checkpoint falls back to an older one.
 """
 
 from __future__ import annotations

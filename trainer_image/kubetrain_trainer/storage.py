@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
-from kubetrain_trainer.hashing import HashingFile, sha256_file
+from kubetrain_trainer.hashing import file_digest
+from kubetrain_trainer.landing import landing_file
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -138,7 +139,7 @@ class CheckpointStore:
         """Download the files of a committed checkpoint into `dest/checkpoint-<step>`, each one verified.
 
         Files land in a sibling `.restoring` folder that is renamed into place
-        only after every sha256 matched, so a crash never leaves a half
+        only after every digest matched, so a crash never leaves a half
         restored folder under the final name. Files already present locally
         with the right digest are not fetched again. With `node`, the files that
         only other nodes' ranks load stay in storage (`rank_files.py`): the
@@ -154,7 +155,7 @@ class CheckpointStore:
             target = staging / f.path
             target.parent.mkdir(parents=True, exist_ok=True)
             existing = final / f.path
-            if existing.is_file() and existing.stat().st_size == f.size and sha256_file(existing) == f.sha256:
+            if existing.is_file() and existing.stat().st_size == f.size and file_digest(existing, f.algorithm) == f.digest:
                 if _same_fs(existing, staging):
                     os.link(existing, target)
                 else:
@@ -189,14 +190,14 @@ class CheckpointStore:
         def fetch(f: FileEntry) -> None:
             target = staging / f.path
             key = self.location.key(checkpoint_dirname(step), f.path)
-            size, digest = self._call("download", key, lambda: self._download(key, target, step, parts))
-            if size != f.size or digest != f.sha256:
+            size, digest = self._call("download", key, lambda: self._download(key, target, step, parts, f.algorithm))
+            if size != f.size or digest != f.digest:
                 raise DigestMismatchError(f"checkpoint-{step}/{f.path}: downloaded bytes do not match the manifest")
 
         self._each(missing, fetch)
 
-    def _download(self, key: str, target: Path, step: int, parts: int) -> tuple[int, str]:
-        """(bytes, sha256) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""
+    def _download(self, key: str, target: Path, step: int, parts: int, algorithm: str) -> tuple[int, str]:
+        """(bytes, `algorithm` digest) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=self.config.multipart_threshold,
@@ -204,12 +205,12 @@ class CheckpointStore:
                                 use_threads=parts > 1)
         try:
             with open(target, "w+b") as fh:
-                written = HashingFile(fh)
+                written = landing_file(fh, algorithm)
                 try:
                     self._client.download_fileobj(self.location.bucket, key, written, Config=config)
                     return written.size, written.hexdigest()
                 finally:
-                    written.close()  # its hashing thread reads `fh`: stopped before the file is closed
+                    written.close()  # a sha256 one's thread reads `fh`: stopped before the file is closed
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None

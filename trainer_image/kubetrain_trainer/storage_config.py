@@ -55,7 +55,8 @@ class StorageConfig:
     download_parts_in_flight: int = 16
     """Parts in flight on a restore, shared by the checkpoint's files large enough to be fetched in parts
     (`multipart_threshold`; at least `max_concurrency` each): one large file beside small ones gets them all.
-    Each file is hashed as its bytes land (`hashing.HashingFile`)."""
+    Each file is hashed as its bytes land (`landing.py`); keep `download_chunksize` a multiple of
+    `hashing.DIGEST_PART` (8 MiB) so each ranged GET holds whole digest parts."""
     download_chunksize: int = 32 << 20
     upload_file_concurrency: int = 4
     """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -76,11 +77,13 @@ def test_commit_and_restore_round_trip_is_byte_exact_with_multipart(ckpt_env, mi
     _same_tree(src, restored.path)
 
 
+@pytest.mark.parametrize("chunk_mib", [8, 5], ids=["GETs of whole digest parts", "GETs across digest parts"])
 def test_a_large_file_restores_byte_exact_with_its_parts_in_flight_and_a_changed_part_is_caught(
-        ckpt_env, minio, tmp_path: Path):
-    # One 23 MiB file in 5 MiB ranged GETs, 8 in flight: parts land out of order, and the file and its
-    # sha256 (computed as the bytes land, no second read) must still be the object's, in order.
-    store = _store(ckpt_env, download_chunksize=5 * MiB, download_parts_in_flight=8)
+        ckpt_env, minio, tmp_path: Path, chunk_mib):
+    # One 23 MiB file in ranged GETs, 8 in flight: parts land out of order, and the file and its xxh128
+    # must still be the object's. 8 MiB GETs are hashed part by part in memory; 5 MiB ones straddle the
+    # digest's 8 MiB parts, so the file is hashed again once it is whole.
+    store = _store(ckpt_env, download_chunksize=chunk_mib * MiB, download_parts_in_flight=8)
     src = _checkpoint(tmp_path / "out", 40, big=23 * MiB + 12345)
     up = _uploader(store, tmp_path)
     assert up.submit(src, 40)
@@ -98,6 +101,34 @@ def test_a_large_file_restores_byte_exact_with_its_parts_in_flight_and_a_changed
     assert not (tmp_path / "again" / "checkpoint-40").exists()
 
 
+def test_a_checkpoint_committed_with_sha256_digests_by_an_earlier_image_restores_and_is_verified(
+        ckpt_env, minio, tmp_path: Path):
+    # Buckets hold checkpoints whose manifests carry "sha256" (written before xxh128): the upgraded
+    # trainer must resume from them, checking those digests (whole-file, as they were written).
+    store = _store(ckpt_env, download_chunksize=8 * MiB, download_parts_in_flight=8)
+    src = _checkpoint(tmp_path / "out", 60, big=19 * MiB + 3)
+    up = _uploader(store, tmp_path)
+    assert up.submit(src, 60)
+    assert up.close(240), up.status_line()
+    s3, bucket = minio.client(), store.location.bucket
+    key = store.location.key("checkpoint-60", "manifest.json")
+    raw = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    for f in raw["files"]:
+        del f["xxh128"]
+        f["sha256"] = hashlib.sha256((src / f["path"]).read_bytes()).hexdigest()
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(raw).encode())
+    restored = restore_newest(store, tmp_path / "restore", deadline=time.monotonic() + 120)
+    assert restored.committed.step == 60
+    _same_tree(src, restored.path)
+    kept = json.loads((restored.path / "manifest.json").read_bytes())  # the restored folder's record
+    assert kept["files"] == raw["files"]
+    data = bytearray((src / "big.bin").read_bytes())
+    data[11 * MiB] ^= 0xFF  # same size, one byte changed in the second GET
+    s3.put_object(Bucket=bucket, Key=store.location.key("checkpoint-60", "big.bin"), Body=bytes(data))
+    with pytest.raises(ChecksumError, match="big.bin"):
+        store.download_checkpoint(store.read_manifest(60), tmp_path / "again")
+
+
 def test_torn_and_mismatching_checkpoints_are_never_restored_and_torn_ones_are_cleaned(ckpt_env, minio, tmp_path):
     store = _store(ckpt_env)
     up = _uploader(store, tmp_path)
@@ -108,7 +139,7 @@ def test_torn_and_mismatching_checkpoints_are_never_restored_and_torn_ones_are_c
     # torn: files without a manifest (an upload killed mid-way), below and above the newest commit
     for step in (20, 50):
         s3.put_object(Bucket=bucket, Key=store.location.key(f"checkpoint-{step}", "model.safetensors"), Body=b"x")
-    # a committed folder whose file was later replaced by different bytes (same size): sha256 catches it
+    # a committed folder whose file was later replaced by different bytes (same size): its digest catches it
     key30 = store.location.key("checkpoint-30", "model.safetensors")
     size30 = s3.head_object(Bucket=bucket, Key=key30)["ContentLength"]
     s3.put_object(Bucket=bucket, Key=key30, Body=b"\0" * size30)

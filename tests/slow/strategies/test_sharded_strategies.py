@@ -137,7 +137,7 @@ def _tree_bytes(folder: Path) -> int:
 
 def _restore_as_node(ckpt: Path, dest: Path, rank: int) -> int:
     """Copy `ckpt` to `dest` without the files a restore on a node running only `rank` leaves in storage."""
-    files = [FileEntry(path=p.relative_to(ckpt).as_posix(), size=p.stat().st_size, sha256="0" * 64)
+    files = [FileEntry(path=p.relative_to(ckpt).as_posix(), size=p.stat().st_size, digest="0" * 32)
              for p in ckpt.rglob("*") if p.is_file()]
     records = {f.path: (ckpt / f.path).read_bytes() for f in files if is_rank_files_record(f.path)}
     skip = NodeRanks.of(node_rank=rank, nnodes=2, world_size=2).not_needed(files, records)

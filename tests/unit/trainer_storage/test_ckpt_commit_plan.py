@@ -11,9 +11,9 @@ from kubetrain_trainer.decisions import RemoteCheckpoint, plan_commit
 from kubetrain_trainer.layout import MANIFEST_NAME
 from kubetrain_trainer.manifest import FileEntry, Manifest
 
-A = FileEntry("model.safetensors", 3, "a" * 64)
-B = FileEntry("rng_state_1.pth", 1, "b" * 64)
-A2 = FileEntry("model.safetensors", 3, "c" * 64)  # same path, other content
+A = FileEntry("model.safetensors", 3, "a" * 32)
+B = FileEntry("rng_state_1.pth", 1, "b" * 32)
+A2 = FileEntry("model.safetensors", 3, "c" * 32)  # same path, other content
 
 
 def committed(step: int, *files: FileEntry, attempt: int = 2, incarnation: int = 0,

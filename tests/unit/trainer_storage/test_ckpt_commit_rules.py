@@ -9,9 +9,9 @@ import pytest
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint, is_already_committed, stale_multipart_uploads
 from kubetrain_trainer.manifest import FileEntry, Manifest
 
-A = FileEntry("rng_state_0.pth", 1, "a" * 64)
-B = FileEntry("rng_state_1.pth", 1, "b" * 64)
-A2 = FileEntry("rng_state_0.pth", 1, "c" * 64)  # same path, other content
+A = FileEntry("rng_state_0.pth", 1, "a" * 32)
+B = FileEntry("rng_state_1.pth", 1, "b" * 32)
+A2 = FileEntry("rng_state_0.pth", 1, "c" * 32)  # same path, other content
 
 
 def _remote(files, *, attempt=2, listed=None) -> RemoteCheckpoint:

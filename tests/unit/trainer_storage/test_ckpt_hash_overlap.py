@@ -1,19 +1,19 @@
-"""The sha256 pass runs beside the upload (`hashing.FolderHash`), not before it.
+"""The digest pass runs beside the upload (`hashing.FolderHash`), not before it.
 
 A checkpoint step with no manifest in storage needs no hash to decide its commit, so its files go out
-while they are hashed; the manifest still carries every file's sha256, and a step that is already
+while they are hashed; the manifest still carries every file's digest, and a step that is already
 committed is still compared by hash before anything is written. The S3 boundary is the in-memory
 store of test_ckpt_sync; the real store's uploads are covered against MinIO in tests/integration.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
 import pytest
 
+from kubetrain_digest import xxh128_of
 from kubetrain_trainer import hashing
 from kubetrain_trainer.commit import ClaimsFence, CommitProtocol, SyncSettings, UploadJob
 from kubetrain_trainer.hashing import FolderHash, scan_folder
@@ -28,22 +28,22 @@ def _protocol(store: MemoryStore, attempt: int = 1) -> CommitProtocol:
 
 
 def _held_hashing(monkeypatch) -> tuple[threading.Event, list[str]]:
-    """sha256_file waits for `release`; the names it hashed are recorded."""
+    """file_digest waits for `release`; the names it hashed are recorded."""
     release, hashed = threading.Event(), []
-    real = hashing.sha256_file
+    real = hashing.file_digest
 
     def held(path: Path, **kw) -> str:
         assert release.wait(10), "the hash was never released"
         hashed.append(path.name)
         return real(path, **kw)
 
-    monkeypatch.setattr(hashing, "sha256_file", held)
+    monkeypatch.setattr(hashing, "file_digest", held)
     return release, hashed
 
 
 def test_files_go_out_while_they_are_hashed_and_the_manifest_has_every_hash(tmp_path: Path, monkeypatch):
     folder = _local_checkpoint(tmp_path, 5)
-    expected = {f.path: f.sha256 for f in scan_folder(folder)}
+    expected = {f.path: f.digest for f in scan_folder(folder)}
     store = MemoryStore()
     release, hashed = _held_hashing(monkeypatch)
     uploaded_before_hash = []
@@ -60,10 +60,10 @@ def test_files_go_out_while_they_are_hashed_and_the_manifest_has_every_hash(tmp_
     assert outcome.action == "committed"
     assert uploaded_before_hash == [(rel, True) for rel in sorted(expected)]  # none waited for a hash
     manifest = Manifest.from_json(store.objects["checkpoint-5/manifest.json"])
-    assert {f.path: f.sha256 for f in manifest.files} == expected
+    assert {f.path: f.digest for f in manifest.files} == expected
     assert store.writes[-1] == "checkpoint-5/manifest.json"
     for rel, digest in expected.items():
-        assert hashlib.sha256(store.objects[f"checkpoint-5/{rel}"]).hexdigest() == digest
+        assert xxh128_of(store.objects[f"checkpoint-5/{rel}"]) == digest
 
 
 def test_a_step_already_committed_is_compared_by_hash_before_anything_is_written(tmp_path: Path):
@@ -78,15 +78,15 @@ def test_a_step_already_committed_is_compared_by_hash_before_anything_is_written
     assert _protocol(store, attempt=2).run(UploadJob(step=3, folder=folder)).action == "committed"
     manifest = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
     assert manifest.attempt == 2
-    assert {f.path: f.sha256 for f in manifest.files}["model.safetensors"] == \
-        hashlib.sha256(b"other weights").hexdigest()
+    assert {f.path: f.digest for f in manifest.files}["model.safetensors"] == \
+        xxh128_of(b"other weights")
     assert "uncommit checkpoint-3" in store.writes[writes:]
 
 
 def test_a_failed_hash_fails_the_try_and_the_next_try_hashes_again(tmp_path: Path, monkeypatch):
     folder = _local_checkpoint(tmp_path, 4)
     store = MemoryStore()
-    real = hashing.sha256_file
+    real = hashing.file_digest
     calls = {"n": 0}
 
     def flaky(path: Path, **kw) -> str:
@@ -95,7 +95,7 @@ def test_a_failed_hash_fails_the_try_and_the_next_try_hashes_again(tmp_path: Pat
             raise OSError("read error on the staging disk")
         return real(path, **kw)
 
-    monkeypatch.setattr(hashing, "sha256_file", flaky)
+    monkeypatch.setattr(hashing, "file_digest", flaky)
     job = UploadJob(step=4, folder=folder)
     protocol = _protocol(store)
     with pytest.raises(OSError, match="read error"):
@@ -106,7 +106,7 @@ def test_a_failed_hash_fails_the_try_and_the_next_try_hashes_again(tmp_path: Pat
     assert protocol.run(job).action == "committed"
     assert store.writes[writes:] == ["checkpoint-4/manifest.json"]
     manifest = Manifest.from_json(store.objects["checkpoint-4/manifest.json"])
-    assert {f.path: f.sha256 for f in manifest.files} == {f.path: f.sha256 for f in scan_folder(folder)}
+    assert {f.path: f.digest for f in manifest.files} == {f.path: f.digest for f in scan_folder(folder)}
 
 
 def test_folder_hash_is_scan_folder_in_the_background(tmp_path: Path):
@@ -132,7 +132,7 @@ def test_closing_the_uploader_stops_the_hash_and_the_files_not_yet_started(tmp_p
             pass
         raise hashing.HashCancelled(f"hashing {path.name} stopped")
 
-    monkeypatch.setattr(hashing, "sha256_file", endless)
+    monkeypatch.setattr(hashing, "file_digest", endless)
     first_upload, let_go = threading.Event(), threading.Event()
     real_upload = store.upload_file
 
@@ -148,7 +148,7 @@ def test_closing_the_uploader_stops_the_hash_and_the_files_not_yet_started(tmp_p
     threading.Timer(0.3, let_go.set).start()  # the file in flight ends after close has given up
     assert not up.close(0.1)
     assert up._thread.join(5) is None and not up._thread.is_alive()
-    hashers = [t for t in threading.enumerate() if t.name.startswith(("sha256", "s3-files"))]
+    hashers = [t for t in threading.enumerate() if t.name.startswith(("digest", "s3-files"))]
     for t in hashers:
         t.join(5)
     assert not any(t.is_alive() for t in hashers), "a hash or upload thread outlived close"
@@ -189,7 +189,7 @@ def test_a_node_part_waits_for_its_hashes_and_the_manifest_has_both_nodes_files(
         (folder / f"rng_state_{rank}.pth").write_bytes(b"rank %d" % rank)
         (folder / f"shard_{rank}.distcp").write_bytes(bytes([rank]) * 5000)
         folders[rank] = folder
-    expected = {name: hashlib.sha256((folders[r] / name).read_bytes()).hexdigest()
+    expected = {name: xxh128_of((folders[r] / name).read_bytes())
                 for r in (0, 1) for name in (f"rng_state_{r}.pth", f"shard_{r}.distcp")}
 
     def protocol(rank: int) -> CommitProtocol:
@@ -216,4 +216,4 @@ def test_a_node_part_waits_for_its_hashes_and_the_manifest_has_both_nodes_files(
     assert outcome[1] == "part uploaded"
     assert protocol(0).run(UploadJob(step=6, folder=folders[0])).action == "committed"
     manifest = Manifest.from_json(store.objects["checkpoint-6/manifest.json"])
-    assert {f.path: f.sha256 for f in manifest.files} == expected
+    assert {f.path: f.digest for f in manifest.files} == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,11 @@ from kubetrain_trainer.decisions import (
     newest_complete,
     plan_retention,
 )
-from kubetrain_trainer.hashing import build_manifest, verify_local
+from kubetrain_digest import PART, xxh128_of
+from kubetrain_trainer.hashing import build_manifest, file_digest, verify_local
 from kubetrain_trainer.manifest import BestCheckpoint, FileEntry, Manifest, ManifestError, NodePart
 
-SHA = "a" * 64
+DIGEST = "a" * 32
 
 
 def _m(step: int, *, attempt: int = 1, metrics=None, best=None, files=None, incarnation: int = 0) -> Manifest:
@@ -31,7 +33,7 @@ def _m(step: int, *, attempt: int = 1, metrics=None, best=None, files=None, inca
         incarnation=incarnation,
         world_size=2,
         strategy="ddp",
-        files=files if files is not None else (FileEntry("model.safetensors", 10, SHA),),
+        files=files if files is not None else (FileEntry("model.safetensors", 10, DIGEST),),
         metrics=metrics or {},
         created="2026-01-01T00:00:00Z",
         best=best,
@@ -63,7 +65,7 @@ def test_build_manifest_hashes_every_file_and_reads_trainer_state(tmp_path: Path
     assert [f.path for f in m.files] == ["model.safetensors", "sub/shard_0.pt", "trainer_state.json"]
     by_path = {f.path: f for f in m.files}
     assert by_path["sub/shard_0.pt"].size == 1000
-    assert by_path["model.safetensors"].sha256 == hashlib.sha256(b"weights").hexdigest()
+    assert (by_path["model.safetensors"].algorithm, by_path["model.safetensors"].digest) == ("xxh128", xxh128_of(b"weights"))
     assert m.metrics == {"loss": 1.5, "eval_loss": 1.25}
     assert m.best == BestCheckpoint(metric=None, value=1.25, step=20)
     assert (m.step, m.attempt, m.world_size, m.strategy) == (20, 3, 4, "fsdp")
@@ -93,7 +95,10 @@ def test_manifest_round_trips_through_json():
         (lambda r: r["files"][0].update(path="/abs"), "unsafe"),
         (lambda r: r["files"][0].update(path="manifest.json"), "commit record"),
         (lambda r: r["files"][0].update(size=-1), "size"),
-        (lambda r: r["files"][0].update(sha256="XYZ"), "sha256"),
+        (lambda r: r["files"][0].update(xxh128="XYZ"), "xxh128 must be 32 lowercase hex"),
+        (lambda r: r["files"][0].update(xxh128="a" * 64), "xxh128 must be 32 lowercase hex"),
+        (lambda r: r["files"][0].update(sha256="a" * 64), "exactly one digest, xxh128 or sha256; got xxh128, sha256"),
+        (lambda r: r["files"][0].pop("xxh128"), "exactly one digest, xxh128 or sha256; got none"),
         (lambda r: r.update(metrics=[1]), "metrics"),
     ],
 )
@@ -110,7 +115,7 @@ def test_not_json_is_a_manifest_error():
 
 
 def test_completeness_needs_every_listed_file_with_its_size():
-    m = _m(5, files=(FileEntry("a", 3, SHA), FileEntry("b/c", 4, SHA)))
+    m = _m(5, files=(FileEntry("a", 3, DIGEST), FileEntry("b/c", 4, DIGEST)))
     assert RemoteCheckpoint(5, m, {"a": 3, "b/c": 4, "stale-extra": 9}).complete
     assert not RemoteCheckpoint(5, m, {"a": 3}).complete
     assert not RemoteCheckpoint(5, m, {"a": 3, "b/c": 5}).complete
@@ -217,9 +222,9 @@ def test_no_limit_keeps_every_complete_checkpoint():
 
 
 def test_merge_parts_needs_every_node_of_this_attempt():
-    a = FileEntry("rng_state_0.pth", 1, "0" * 64)
-    b = FileEntry("rng_state_1.pth", 1, "1" * 64)
-    shared = FileEntry("trainer_state.json", 5, "2" * 64)
+    a = FileEntry("rng_state_0.pth", 1, "0" * 32)
+    b = FileEntry("rng_state_1.pth", 1, "1" * 32)
+    shared = FileEntry("trainer_state.json", 5, "2" * 32)
     parts = [NodePart(0, 10, 2, (a, shared)), NodePart(1, 10, 2, (b, shared))]
     assert [f.path for f in merge_parts(parts, step=10, attempt=2, nnodes=2)] == [
         "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
@@ -230,15 +235,15 @@ def test_merge_parts_needs_every_node_of_this_attempt():
         merge_parts([], step=10, attempt=2, nnodes=3)
     assert missing.value.ranks == (0, 1, 2)
     with pytest.raises(ManifestError, match="different content") as conflict:
-        merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 64),))],
+        merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 32),))],
                     step=10, attempt=2, nnodes=2)
     assert not isinstance(conflict.value, MissingPartsError)  # waiting cannot fix it: the step stays torn
     assert NodePart.from_json(parts[1].to_json()) == parts[1]
 
 
 def test_merge_parts_ignores_a_part_of_the_same_attempt_from_another_incarnation():
-    a = FileEntry("rng_state_0.pth", 1, "0" * 64)
-    b = FileEntry("rng_state_1.pth", 1, "1" * 64)
+    a = FileEntry("rng_state_0.pth", 1, "0" * 32)
+    b = FileEntry("rng_state_1.pth", 1, "1" * 32)
     ours = [NodePart(0, 10, 1, (a,), incarnation=200), NodePart(1, 10, 1, (b,), incarnation=200)]
     assert len(merge_parts(ours, step=10, attempt=1, nnodes=2, incarnation=200)) == 2
     old_job = NodePart(1, 10, 1, (b,), incarnation=100)
@@ -256,8 +261,29 @@ def test_manifest_records_its_incarnation_and_reads_old_manifests_without_one():
 
 def test_verify_local_detects_size_and_content_changes(tmp_path: Path):
     (tmp_path / "a").write_bytes(b"abc")
-    good = FileEntry("a", 3, hashlib.sha256(b"abc").hexdigest())
+    good = FileEntry("a", 3, xxh128_of(b"abc"))
     assert verify_local(tmp_path, [good]) == []
-    assert verify_local(tmp_path, [FileEntry("a", 3, SHA)]) == ["a: sha256 mismatch"]
-    assert verify_local(tmp_path, [FileEntry("a", 4, SHA)]) == ["a: size 3 != 4"]
-    assert verify_local(tmp_path, [FileEntry("b", 1, SHA)]) == ["b: missing"]
+    assert verify_local(tmp_path, [FileEntry("a", 3, DIGEST)]) == ["a: xxh128 mismatch"]
+    assert verify_local(tmp_path, [FileEntry("a", 4, DIGEST)]) == ["a: size 3 != 4"]
+    assert verify_local(tmp_path, [FileEntry("b", 1, DIGEST)]) == ["b: missing"]
+    legacy = FileEntry("a", 3, hashlib.sha256(b"abc").hexdigest(), "sha256")
+    assert verify_local(tmp_path, [legacy]) == []
+    assert verify_local(tmp_path, [FileEntry("a", 3, "b" * 64, "sha256")]) == ["a: sha256 mismatch"]
+
+
+def test_a_manifest_written_before_xxh128_is_read_and_written_back_with_its_sha256():
+    raw = json.loads(_m(5).to_json())
+    raw["files"] = [{"path": "model.safetensors", "size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}]
+    legacy = Manifest.from_json(json.dumps(raw))
+    entry = legacy.files[0]
+    assert (entry.algorithm, entry.digest) == ("sha256", hashlib.sha256(b"weights").hexdigest())
+    assert json.loads(legacy.to_json())["files"] == raw["files"]  # kept as it was, for a re-commit to compare
+    assert json.loads(_m(5).to_json())["files"] == [{"path": "model.safetensors", "size": 10, "xxh128": DIGEST}]
+
+
+@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 12345])
+def test_the_xxh128_of_a_file_is_the_documented_tree_of_8_mib_parts(tmp_path: Path, size):
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    assert file_digest(tmp_path / "f") == xxh128_of(data)
+    assert file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()

@@ -41,11 +41,11 @@ def test_manifest_and_layout_match_the_contract():
     layout = _section("Checkpoint layout in storage")
     assert f"/{checkpoint_dirname(0).replace('0', '<step>')}/{MANIFEST_NAME}" in layout
     keys_doc = re.search(r"`manifest.json`: `(\{.*?\})`", layout, re.S).group(1)
-    documented = set(re.findall(r'"(\w+)"', keys_doc)) - {"path", "size", "sha256"}
-    m = Manifest(step=1, attempt=1, world_size=1, strategy="ddp", files=(FileEntry("a", 1, "0" * 64),))
+    documented = set(re.findall(r'"(\w+)"', keys_doc)) - {"path", "size", "xxh128"}
+    m = Manifest(step=1, attempt=1, world_size=1, strategy="ddp", files=(FileEntry("a", 1, "0" * 32),))
     written = json.loads(m.to_json())
     assert documented == set(written) and written["format"] == 1
-    assert set(written["files"][0]) == {"path", "size", "sha256"}
+    assert set(written["files"][0]) == {"path", "size", "xxh128"}
 
 
 def test_last_checkpoint_report_matches_the_contract():

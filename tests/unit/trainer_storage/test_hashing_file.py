@@ -1,4 +1,5 @@
-"""HashingFile: the file a restore downloads into, its sha256 following the bytes as they land."""
+"""HashingFile: the file a restore of a sha256 record (written before xxh128) downloads into, its sha256
+following the bytes as they land."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from s3transfer.compat import seekable
 
-from kubetrain_trainer.hashing import HashingFile
+from kubetrain_trainer.landing import HashingFile
 
 CHUNK = 1000
 

@@ -20,7 +20,7 @@ MODEL, OPTIM = "pytorch_model_fsdp_0", "optimizer_0"
 
 
 def _entries(*paths: str) -> list[FileEntry]:
-    return [FileEntry(path=p, size=10, sha256="0" * 64) for p in paths]
+    return [FileEntry(path=p, size=10, digest="0" * 32) for p in paths]
 
 
 def _fsdp_checkpoint(world: int) -> tuple[list[FileEntry], dict[str, RankFiles]]:
