@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Mapping, NamedTuple
 
-from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
 import xxhash
 
+from kubetrain_trainer.layout import TRAINER_STATE, is_manifest_name, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import SHA256, XXH128, BestCheckpoint, FileEntry, Manifest, _numeric_only, rfc3339
 from kubetrain_trainer.readiness import is_marker_name
 

@@ -281,7 +281,7 @@ def test_a_manifest_written_before_xxh128_is_read_and_written_back_with_its_sha2
     assert json.loads(_m(5).to_json())["files"] == [{"path": "model.safetensors", "size": 10, "xxh128": DIGEST}]
 
 
-@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 3 * PART + 12345])
+@pytest.mark.parametrize("size", [0, 1, PART - 1, PART, PART + 1, 2 * PART, 3 * PART + 12345])
 def test_the_xxh128_of_a_file_is_the_documented_tree_of_8_mib_parts(tmp_path: Path, size):
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)

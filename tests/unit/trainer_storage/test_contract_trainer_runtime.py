@@ -37,6 +37,23 @@ def test_command_and_local_folder_match_the_contract():
     assert env["KUBETRAIN_RESUME_FROM"] == str(cfg.local_dir / "checkpoint-3")
 
 
+def test_the_documented_xxh128_snippet_gives_the_trainers_digest(tmp_path):
+    # Whoever verifies a checkpoint outside kubetrain copies this line: it must agree with the trainer.
+    import os
+
+    import xxhash
+
+    from kubetrain_trainer.hashing import file_digest
+
+    snippet = re.search(r"`(xxh3_128_hexdigest\(.*?\))`", _section("Checkpoint layout in storage")).group(1)
+    for size in (0, 5, 8 << 20, (8 << 20) + 1, 3 * (8 << 20) + 77):
+        data = os.urandom(size)
+        (tmp_path / "f").write_bytes(data)
+        namespace = {"xxh3_128_hexdigest": xxhash.xxh3_128_hexdigest, "xxh3_128_digest": xxhash.xxh3_128_digest,
+                     "data": data}
+        assert eval(snippet, namespace) == file_digest(tmp_path / "f"), size  # noqa: S307 - our own doc
+
+
 def test_manifest_and_layout_match_the_contract():
     layout = _section("Checkpoint layout in storage")
     assert f"/{checkpoint_dirname(0).replace('0', '<step>')}/{MANIFEST_NAME}" in layout

@@ -88,7 +88,8 @@ def test_a_retried_get_rewriting_its_range_from_the_start_is_hashed_as_finally_w
     with open(path, "w+b") as fh:
         out = PartHashingFile(fh)
         _write(out, data, first[: len(first) * 3 // 4])  # the GET fails past its first part
-        data[PART + 7] ^= 0xFF  # and its retry brings other bytes (the object changed under us)
+        data[7] ^= 0xFF  # and its retry brings other bytes (the object changed under us): in the part
+        data[PART + 7] ^= 0xFF  # the first try hashed whole, and in the one it hashed halfway
         _write(out, data, first + second)
         digest = out.hexdigest()
     assert digest == xxh128_of(path.read_bytes()) == xxh128_of(bytes(data))
@@ -166,3 +167,74 @@ def test_each_record_digest_gets_its_file_and_an_unknown_one_is_refused(tmp_path
         legacy.close()
         with pytest.raises(ValueError, match="md5"):
             landing_file(fh, "md5")
+
+
+class _Body:
+    """A GET's streaming body that breaks once, `fail_after` bytes in (a connection reset mid-stream)."""
+
+    def __init__(self, data: bytes, fail_after: int | None) -> None:
+        self._data, self._pos, self._fail_after = data, 0, fail_after
+
+    def read(self, n: int = -1) -> bytes:
+        if self._fail_after is not None and self._pos >= self._fail_after:
+            from botocore.exceptions import IncompleteReadError
+
+            raise IncompleteReadError(actual_bytes=self._pos, expected_bytes=len(self._data))
+        end = len(self._data) if n is None or n < 0 else min(len(self._data), self._pos + n)
+        out, self._pos = self._data[self._pos:end], end
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _FlakyS3:
+    """The two calls s3transfer's download makes (HEAD, ranged GETs) over one object in memory; the GET of
+    each range in `breaks` breaks once, partway, and its retry serves `retry_data` when given."""
+
+    def __init__(self, data: bytes, breaks: set[int], retry_data: bytes | None = None) -> None:
+        from types import SimpleNamespace
+
+        self.data, self.retry_data, self.breaks, self.gets = data, retry_data, set(breaks), []
+        events = SimpleNamespace(register_first=lambda *a, **k: None, register_last=lambda *a, **k: None,
+                                 unregister=lambda *a, **k: None)
+        self.meta = SimpleNamespace(events=events, config=SimpleNamespace(
+            response_checksum_validation="when_supported", request_checksum_calculation="when_supported"))
+
+    def head_object(self, **kw):
+        return {"ContentLength": len(self.data), "ETag": '"e"'}
+
+    def get_object(self, Bucket, Key, Range=None, **kw):
+        first, last = Range[len("bytes="):].split("-")
+        start, end = int(first), int(last) if last else len(self.data) - 1  # the last range is open-ended
+        retried = start in {s for s, _ in self.gets}
+        self.gets.append((start, retried))
+        data = self.retry_data if retried and self.retry_data is not None else self.data
+        body = data[start:end + 1]
+        fail = len(body) * 3 // 4 if start in self.breaks and not retried else None
+        return {"Body": _Body(body, fail), "ContentLength": len(body),
+                "ContentRange": f"bytes {start}-{end}/{len(data)}", "ETag": '"e"'}
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["same bytes again", "other bytes on the retry"])
+def test_through_s3transfer_a_get_broken_mid_stream_is_retried_and_hashed_in_memory(tmp_path, read_backs, changed):
+    # The real s3transfer (its request threads, its one IO thread, its retry from the range's start),
+    # over a client that breaks two of the ranged GETs three quarters in: what landing.py assumes of it.
+    from s3transfer.manager import TransferConfig, TransferManager
+
+    data = os.urandom(6 * PART + 4321)
+    again = bytearray(data)
+    again[5] ^= 0xFF  # in part 0, which the first try of its GET had hashed whole
+    again[4 * PART + PART + 9] ^= 0xFF  # in the other broken GET's second part, hashed halfway
+    client = _FlakyS3(data, breaks={0, 4 * PART}, retry_data=bytes(again) if changed else None)
+    config = TransferConfig(multipart_threshold=2 * PART, multipart_chunksize=2 * PART, max_request_concurrency=4)
+    with open(tmp_path / "f", "w+b") as fh:
+        out = PartHashingFile(fh)
+        with TransferManager(client, config) as manager:
+            manager.download("b", "k", out).result()
+        digest = out.hexdigest()
+    on_disk = (tmp_path / "f").read_bytes()
+    expected = bytes(again) if changed else data
+    assert on_disk == expected and digest == xxh128_of(expected)
+    assert sorted(s for s, retried in client.gets if retried) == [0, 4 * PART]  # both broke, both retried
+    assert read_backs == []
