@@ -54,7 +54,7 @@ from kubetrain_trainer.hashing import FolderHash, LocalFile, build_manifest
 from kubetrain_trainer.layout import node_part_name
 from kubetrain_trainer.manifest import FileEntry, ManifestError, NodePart
 from kubetrain_trainer.retry import Backoff
-from kubetrain_trainer.storage_errors import StorageError
+from kubetrain_trainer.storage_errors import StorageError, TransferStopped
 
 if TYPE_CHECKING:
     from kubetrain_trainer.storage import CheckpointStore
@@ -66,8 +66,9 @@ class FencedError(StorageError):
     """A newer attempt owns the checkpoint location: this process must not commit."""
 
 
-class UploadStopped(Exception):
-    """The uploader is closing (its time is up): this try ends before its next file, nothing committed."""
+class UploadStopped(TransferStopped):
+    """The uploader is closing (its time is up): this try ends before its next file, or within its current
+    one's next part, nothing committed."""
 
 
 class SupersededError(Exception):
@@ -233,8 +234,8 @@ class CommitProtocol:
             if self.stopped.is_set():  # the uploader is closing: no file starts (nor delays the exit)
                 raise UploadStopped(f"checkpoint-{job.step}: the uploader stopped before {f.path} went out")
             self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
-            self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self.fence.check(
-                job.step, at_most_every_s=s.fence_check_interval_s))
+            self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self._still_allowed(
+                job.step, f.path))
             with done:
                 job.uploaded.add(f.path)
                 self.bytes_uploaded += f.size
@@ -296,3 +297,11 @@ class CommitProtocol:
             if seen == missing:
                 return missing
         return set()
+
+    def _still_allowed(self, step: int, path: str) -> None:
+        """Called as a file's bytes go out: the transfer stops (its multipart upload aborted, a single PUT
+        cut off) once the uploader is closing, its time up (a preempted pod must exit within its grace
+        period, not when its largest file is out), or once a newer attempt has claimed."""
+        if self.stopped.is_set():
+            raise UploadStopped(f"checkpoint-{step}: the uploader stopped while {path} went out")
+        self.fence.check(step, at_most_every_s=self.settings.fence_check_interval_s)

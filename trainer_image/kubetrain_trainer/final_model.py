@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from kubetrain_trainer.commit import SyncSettings
 from kubetrain_trainer.hashing import file_digest, scan_folder
@@ -22,13 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncSettings, *, step: int,
-                       deadline: float) -> str | None:
+                       deadline: float, still_allowed: Callable[[], None] | None = None,
+                       cancelled: Callable[[], bool] = lambda: False) -> str | None:
     """Upload the finished run's top-level outputs (the `from_pretrained` layout) to `<uri>/final/`.
 
     Everything directly produced in `output_dir` except checkpoint folders and
     hidden staging folders; `manifest.json` is written last, as for checkpoints,
     so a torn final upload is recognisable. Returns the folder's URI, or None
-    when there was nothing to upload.
+    when there was nothing to upload. `still_allowed` is called before each file and the manifest and
+    as bytes go out; what it raises (out of time, a newer attempt's claim) stops the upload; `cancelled()`
+    true: no retry.
     """
     found: list[FileEntry] = []
     for entry in sorted(output_dir.iterdir()):
@@ -43,12 +47,17 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     if not files:
         return None
     for f in files:
-        retrying(lambda: store.upload_file(step, output_dir / f.path, f.path, folder=FINAL_FOLDER),
-                 deadline=deadline, backoff=settings.backoff, what=f"final/{f.path}")
+        if still_allowed is not None:
+            still_allowed()
+        retrying(lambda: store.upload_file(step, output_dir / f.path, f.path, folder=FINAL_FOLDER,
+                                           still_allowed=still_allowed),
+                 deadline=deadline, backoff=settings.backoff, what=f"final/{f.path}", cancelled=cancelled)
     manifest = Manifest(step=step, attempt=settings.attempt, world_size=settings.world_size,
                         strategy=settings.strategy, files=files, created=utc_now_rfc3339(),
                         incarnation=settings.incarnation)
+    if still_allowed is not None:
+        still_allowed()
     retrying(lambda: store.put_bytes(step, MANIFEST_NAME, manifest.to_json(), folder=FINAL_FOLDER),
-             deadline=deadline, backoff=settings.backoff, what="final/manifest.json")
+             deadline=deadline, backoff=settings.backoff, what="final/manifest.json", cancelled=cancelled)
     log.info("final model uploaded to %s (%d files)", store.folder_uri(FINAL_FOLDER), len(files))
     return store.folder_uri(FINAL_FOLDER)

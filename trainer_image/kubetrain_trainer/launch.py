@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -244,8 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID_CONFIG
 
     stop = threading.Event()
+    stopped_at: list[float] = []  # when the first SIGTERM came (monotonic): the grace period runs from there
 
     def on_signal(signum, _frame):
+        if not stopped_at:
+            stopped_at.append(time.monotonic())
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -295,21 +299,60 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if session is not None:
         # Workers that stopped on their own terms wrote their last folder completely; dead ones may not have.
-        session.finish_watching(writers_clean=workers.exited_cleanly, keep_only_newest=signalled_at is not None)
-        if signalled_at is not None:
-            budget = max(1.0, signalled_at + cfg.grace_s - split_grace(cfg.grace_s).margin_s - time.monotonic())
-        elif code == EXIT_OK:
-            budget = cfg.upload_wait_s
-        else:
-            # The run failed anyway: save what we can, but do not hold up the retry for long.
-            budget = min(cfg.upload_wait_s, 120.0)
-        synced = session.close(budget)
-        if code == EXIT_OK and cfg.node_rank == 0 and not session.fenced:
-            synced = session.upload_final(wait_s=cfg.upload_wait_s) and synced
-        if not synced and code == EXIT_OK:
+        # A gang preempted elsewhere (83 here too) needs this node's newest checkpoint first as well.
+        session.finish_watching(writers_clean=workers.exited_cleanly,
+                                keep_only_newest=stop.is_set() or code == EXIT_PREEMPTED)
+        # A finished run waits for its uploads; a failed one saves what it can without holding up the retry for
+        # long. A SIGTERM (before or after the workers ended) cuts either wait to its grace period (`_drain`).
+        budget = cfg.upload_wait_s if code == EXIT_OK else min(cfg.upload_wait_s, 120.0)
+        synced = _drain(session, budget, stop, lambda: _grace_end(stopped_at, cfg),
+                        join_after_sigterm_s=split_grace(cfg.grace_s).margin_s / 2)
+        final_needed = code == EXIT_OK and cfg.node_rank == 0 and not session.fenced
+
+        def out_of_time() -> bool:
+            end = _grace_end(stopped_at, cfg)
+            return end is not None and time.monotonic() >= end
+
+        final_ok = not final_needed or (not out_of_time() and session.upload_final(wait_s=cfg.upload_wait_s,
+                                                                                   give_up=out_of_time))
+        if code == EXIT_OK and stop.is_set() and not (synced and final_ok):
+            # The run finished, its outputs are not all stored and the pod is going: the next attempt resumes
+            # from the newest checkpoint and stores them. Not a storage failure (it spends no backoffLimit).
+            log.warning("SIGTERM before the finished run's checkpoints%s were all in storage: exiting as "
+                        "preempted", " and final model" if final_needed else "")
+            code = EXIT_PREEMPTED
+        elif code == EXIT_OK and not (synced and final_ok):
             log.error("training finished but its last checkpoints are not in storage")
             code = EXIT_STORAGE
     return code
+
+
+def _grace_end(stopped_at: list[float], cfg: LaunchConfig) -> float | None:
+    """When this pod must be done with its uploads after a SIGTERM (monotonic), or None before one."""
+    return stopped_at[0] + cfg.grace_s - split_grace(cfg.grace_s).margin_s if stopped_at else None
+
+
+def _drain(session: CheckpointSession, budget_s: float, stop: threading.Event,
+           grace_end: Callable[[], float | None], *, join_after_sigterm_s: float = 1.0) -> bool:
+    """Wait up to `budget_s` for the pending uploads, then close the session; True when all are stored.
+
+    A SIGTERM, before the workers ended or during this wait, cuts the wait to the end of the grace
+    period (less its exit margin) and keeps only the newest checkpoint: the pod then exits in time
+    (a transfer still in flight stops at its next progress callback, its thread is waited for only
+    `join_after_sigterm_s`, and `__main__` leaves without joining threads) instead of being SIGKILLed."""
+    end = time.monotonic() + budget_s
+    trimmed = stop.is_set()  # finish_watching kept only the newest already
+    while True:
+        if stop.is_set() and not trimmed:
+            log.warning("SIGTERM while the last checkpoints upload: only the newest is kept")
+            session.keep_only_newest()
+            trimmed = True
+        cut = grace_end()
+        limit = end if cut is None else min(end, cut)
+        left = limit - time.monotonic()
+        if left <= 0 or session.wait_uploads(min(left, 0.5)):
+            break
+    return session.close(0.0, join_s=join_after_sigterm_s if stop.is_set() else 5.0)
 
 
 def session_config(cfg: LaunchConfig) -> SessionConfig:
@@ -355,5 +398,20 @@ def _signal(p: subprocess.Popen, sig: int, *, group: bool) -> None:
         pass
 
 
+def exit_now(code: int) -> typing.NoReturn:
+    """Leave with `code` once the logs are flushed, without the interpreter's teardown: its exit joins
+    every thread pool's threads, and a transfer still in flight after a SIGTERM (stalled, or between
+    progress callbacks) would hold the pod past its grace period until the kubelet's SIGKILL (137). By
+    now the workers are reaped, and the uploads are committed or given up (a commit is atomic: its
+    manifest goes last, and an unfinished multipart upload is aborted by the next attempt's retention)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -18,9 +18,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
-from kubetrain_trainer.commit import CommittedCheckpoint, SyncSettings
+from kubetrain_trainer.commit import CommittedCheckpoint, SyncSettings, UploadStopped
 from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.final_model import upload_final_model
 from kubetrain_trainer.metrics import Telemetry
@@ -125,25 +126,42 @@ class CheckpointSession:
         if keep_only_newest:
             uploader.keep_only_newest()
 
-    def close(self, budget_s: float) -> bool:
-        """Wait up to `budget_s` for the pending uploads; node rank 0 then reports its last checkpoint
-        in the termination message. True when every checkpoint is in storage."""
+    def wait_uploads(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the pending uploads; True when none is left."""
+        return self._running()[0].wait(timeout_s)
+
+    def keep_only_newest(self) -> None:
+        """Preempted: only the newest checkpoint is worth what is left of the grace period."""
+        self._running()[0].keep_only_newest()
+
+    def close(self, budget_s: float, *, join_s: float = 5.0) -> bool:
+        """Wait up to `budget_s` for the pending uploads (then a transfer in flight stops, its thread
+        waited for `join_s`); node rank 0 then reports its last checkpoint in the termination message.
+        True when every checkpoint is in storage."""
         uploader, _ = self._running()
-        synced = uploader.close(budget_s)
+        synced = uploader.close(budget_s, join_s=join_s)
         log.info("%s", uploader.status_line())
         if self.config.node_rank == 0 and uploader.last_committed is not None:
             write_termination_message(self.config.termination_log, uploader.last_committed.to_json())
         return synced
 
-    def upload_final(self, *, wait_s: float) -> bool:
-        """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored."""
+    def upload_final(self, *, wait_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Node rank 0, after success: the final model to `<uri>/final/`. False when it could not be stored,
+        a newer attempt claimed the location, or `give_up()` turned true (the grace period after a SIGTERM
+        is over: a file in flight stops at its next progress callback)."""
         uploader, _ = self._running()
         step = uploader.last_committed.step if uploader.last_committed else 0
+
+        def still_allowed() -> None:  # as the checkpoints' files: out of time, or fenced (a zombie's final model)
+            if give_up():
+                raise UploadStopped("final model: the grace period after SIGTERM is over")
+            uploader.fence.check(step, at_most_every_s=uploader.settings.fence_check_interval_s)
+
         try:
             upload_final_model(self.store, self.config.local_dir, uploader.settings, step=step,
-                               deadline=time.monotonic() + wait_s)
+                               deadline=time.monotonic() + wait_s, still_allowed=still_allowed, cancelled=give_up)
             return True
-        except StorageError as e:
+        except (StorageError, UploadStopped) as e:
             log.error("final model not uploaded: %s", e)
             return False
 

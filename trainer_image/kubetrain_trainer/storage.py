@@ -36,7 +36,7 @@ from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, Manife
 from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig
 from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_trainer.storage_errors import (
-    PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, classify, error_code,
+    PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, TransferStopped, classify, error_code,
 )
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class CheckpointStore:
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except (StorageError, *PROGRAMMING_ERRORS):  # a bug is not a storage failure: never retried as one
+        except (StorageError, TransferStopped, *PROGRAMMING_ERRORS):  # a bug is not a storage failure: never retried as one
             raise
         except Exception as e:  # noqa: BLE001 - classified below, never swallowed
             raise classify(e, op=op, where=f"s3://{self.location.bucket}/{key}") from None

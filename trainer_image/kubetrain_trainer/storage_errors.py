@@ -58,6 +58,11 @@ class StorageError(Exception):
     """Base of storage failures. The message is safe to log."""
 
 
+class TransferStopped(Exception):
+    """Raised by a transfer's own progress callback to stop it (the process is on its way out): not a
+    storage failure, never retried or classified as one."""
+
+
 class StorageTemporaryError(StorageError):
     """Network trouble, throttling or a server error: retry after a delay."""
 

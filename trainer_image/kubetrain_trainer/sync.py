@@ -97,6 +97,11 @@ class CheckpointUploader:
 
     # ------------------------------------------------------------ public
 
+    @property
+    def fence(self) -> ClaimsFence:
+        """This writer's claims fence (the final model's upload checks it too)."""
+        return self._fence
+
     def start(self) -> "CheckpointUploader":
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._thread.start()
@@ -176,17 +181,18 @@ class CheckpointUploader:
                 self._lock.wait(timeout=min(left, 1.0))
         return True
 
-    def close(self, timeout_s: float) -> bool:
-        """Drain the queue within `timeout_s`, then stop the thread. True when everything was committed."""
+    def close(self, timeout_s: float, *, join_s: float = 5.0) -> bool:
+        """Drain the queue within `timeout_s`, then stop the thread (a transfer in flight stops at its next
+        progress callback; the thread is waited for `join_s`). True when everything was committed."""
         done = self.wait(timeout_s)
         if not done:
-            log.error("%s; giving up after %.0fs", self.status_line(), timeout_s)
+            log.error("%s; giving up", self.status_line())
         self._stop.set()
         with self._lock:
             if self._current is not None and self._current.hashing is not None:
                 self._current.hashing.cancel()  # its files stop going out too (`UploadStopped`)
             self._lock.notify_all()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=join_s)
         return done
 
     # ------------------------------------------------------------ worker

@@ -30,13 +30,13 @@ ARGS = {"max_steps": MAX_STEPS, "save_steps": 50, "save_total_limit": 2, "use_cp
 def _launch(ckpt_env: dict, tmp: Path, attempt: int, log: Path, **extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
     env.update(ckpt_env)
-    env.update(extra)
     env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + attempt),
                OMP_NUM_THREADS="1", KUBETRAIN_ATTEMPT=str(attempt), KUBETRAIN_STRATEGY="ddp",
                KUBETRAIN_BUILTIN_TASK="regression", KUBETRAIN_TRAINER_ARGS=json.dumps(ARGS),
                KUBETRAIN_LOCAL_CHECKPOINT_DIR=str(tmp / f"pod-a{attempt}" / "ckpt"),
                KUBETRAIN_TERMINATION_LOG=str(tmp / f"termination-log-a{attempt}"),
                KUBETRAIN_TERMINATION_GRACE_SECONDS="60")
+    env.update(extra)
     return subprocess.Popen([sys.executable, "-m", "kubetrain_trainer.launch"], env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
@@ -97,6 +97,50 @@ def test_sigterm_commits_an_emergency_checkpoint_and_attempt_2_resumes_from_it(c
     final = store.read_named_manifest("final")  # the from_pretrained layout, uploaded after success
     assert final is not None and final.attempt == 2
     assert {"model.safetensors", "config.json"} <= {f.path for f in final.files}
+
+
+def test_a_sigterm_after_the_run_finished_while_its_uploads_lag_exits_83_within_the_grace_period(
+        ckpt_env, tmp_path: Path):
+    # The run is done but its checkpoints and final model are still going out (slowly) when the node is
+    # drained: the pod must leave within its grace period (not be SIGKILLed mid-upload, 137), as preempted
+    # (83, no backoffLimit spent), and the next attempt stores what this one could not.
+    store = CheckpointStore(StorageConfig.from_env(ckpt_env))
+    args = {"max_steps": 20, "save_steps": 10, "use_cpu": True, "per_device_train_batch_size": 8,
+            "in_features": 256, "hidden": 2048}  # ~6 MB per checkpoint, at 1 MB/s: many seconds of uploads
+    log1 = tmp_path / "attempt1.log"
+    p = _launch(ckpt_env, tmp_path, 1, log1, KUBETRAIN_TRAINER_ARGS=json.dumps(args),
+                KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND=str(1 << 20), KUBETRAIN_TERMINATION_GRACE_SECONDS="8")
+    try:
+        deadline = time.monotonic() + 300
+        while "workers finished after" not in log1.read_text():
+            assert p.poll() is None, f"attempt 1 ended early ({p.returncode}):\n{log1.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, log1.read_text()[-4000:]
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        code = p.wait(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log1.read_text()
+    assert "workers finished after" in text and "outcome exit code 0" in text
+    assert code == 83, text[-4000:]
+    assert took < 8 + 1.0, f"{took:.1f}s after SIGTERM (grace 8 s):\n{text[-3000:]}"
+    assert "exiting as preempted" in text
+    assert store.read_named_manifest("final") is None  # never half a final model: its manifest goes last
+
+    log2 = tmp_path / "attempt2.log"
+    p = _launch(ckpt_env, tmp_path, 2, log2, KUBETRAIN_TRAINER_ARGS=json.dumps(args))
+    try:
+        code = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert code == 0, log2.read_text()[-4000:]
+    assert max(_committed(store)) == 20
+    final = store.read_named_manifest("final")
+    assert final is not None and final.attempt == 2
 
 
 def _two_nodes(ckpt_env: dict, tmp: Path, args: dict, *, attempt: int = 1, tag: str = "", port: int = 29650,

@@ -1,0 +1,63 @@
+"""The finished model's upload (`final_model.upload_final_model`): its manifest last, and stopped, with no
+manifest, by what `still_allowed` raises (the grace period is over, or a newer attempt claimed the
+location: a zombie must not write `final/`). The store is a recorder at the storage boundary; the real
+upload to MinIO is in tests/integration/trainer_storage/test_ckpt_launcher_minio.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.commit import FencedError, SyncSettings, UploadStopped
+from kubetrain_trainer.final_model import upload_final_model
+
+
+class Store:
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def upload_file(self, step, local, rel, *, folder=None, still_allowed=None) -> None:
+        if still_allowed is not None:
+            still_allowed()  # as a transfer's progress callback, before the object exists
+        self.writes.append(f"{folder}/{rel}")
+
+    def put_bytes(self, step, rel, data, *, folder=None) -> None:
+        self.writes.append(f"{folder}/{rel}")
+
+    def folder_uri(self, folder: str) -> str:
+        return f"s3://b/{folder}"
+
+
+def _outputs(tmp_path: Path) -> Path:
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoint-5").mkdir()  # checkpoints have their own folders: not part of final/
+    return tmp_path
+
+
+SETTINGS = SyncSettings(attempt=2, world_size=1, strategy="ddp")
+
+
+def test_the_outputs_go_first_and_the_manifest_last_each_checked_before_it_goes(tmp_path):
+    store, checks = Store(), []
+    uri = upload_final_model(store, _outputs(tmp_path), SETTINGS, step=5, deadline=1e12,
+                             still_allowed=lambda: checks.append(len(store.writes)))
+    assert uri == "s3://b/final"
+    assert store.writes == ["final/config.json", "final/model.safetensors", "final/manifest.json"]
+    assert 0 in checks and 2 in checks  # before the first file, and before the manifest
+
+
+@pytest.mark.parametrize("refusal", [FencedError("attempt 3 claimed the location"),
+                                     UploadStopped("the grace period after SIGTERM is over")])
+def test_a_refusal_mid_way_stops_it_before_the_manifest(tmp_path, refusal):
+    store = Store()
+
+    def still_allowed() -> None:
+        if store.writes:  # the first file went out; then the fence (or the clock) says no
+            raise refusal
+
+    with pytest.raises(type(refusal)):
+        upload_final_model(store, _outputs(tmp_path), SETTINGS, step=5, deadline=1e12, still_allowed=still_allowed,
+                           cancelled=lambda: True)
+    assert store.writes == ["final/config.json"]  # no manifest: a torn final/ is recognisable as such
