@@ -67,9 +67,10 @@ class Draft:
                     events=tuple(self.events), requeue_after=self.requeue)
 
 
-ATTEMPT_CONDITIONS = ("StartupDelayed", "Unschedulable")
+ATTEMPT_CONDITIONS = ("StartupDelayed", "Unschedulable", "CheckpointsLagging")
 """Conditions about the pods of the running attempt: False once it ends (Failed, Succeeded, Suspended,
-Restarting, back in a queue), so a finished job does not say its pods cannot start."""
+Restarting, back in a queue), so a finished job does not say its pods cannot start, or that uploads
+lag that no pod makes any more."""
 
 
 def attempt_conditions(status: Status, now: dt.datetime) -> Status:

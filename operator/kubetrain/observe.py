@@ -138,6 +138,11 @@ class NodeView:
     """When it stopped being Ready (or was first seen missing)."""
 
 
+GONE_SUCCEEDED = "Succeeded"
+"""`Observed.gone`'s word for a pod deleted after it succeeded (PodGC, a user tidying up, a node scaled
+down): its rank is done, not taken away."""
+
+
 @dataclass(frozen=True)
 class Observed:
     """Everything observed about one job besides the job itself."""
@@ -146,7 +151,8 @@ class Observed:
     nodes: Mapping[str, NodeView] = field(default_factory=dict)
     """Nodes the pods are bound to; a pod's node absent here is assumed healthy."""
     gone: Mapping[str, str] = field(default_factory=dict)
-    """Why pods that no longer exist went away (their last DisruptionTarget reason), by name."""
+    """Why pods that no longer exist went away (their last DisruptionTarget reason, or `GONE_SUCCEEDED`
+    for one deleted after it succeeded), by name."""
     progress: ProgressObservation | None = None
     """The newest poll of node rank 0's /progress endpoint (poller.py), if any."""
 

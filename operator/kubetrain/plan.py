@@ -28,7 +28,7 @@ from kubetrain.draft import MESSAGE_LIMIT, Draft, delete_pods, excerpt, fail, tt
 from kubetrain.identity import describe
 from kubetrain.observe import Observed
 from kubetrain.progress import next_progress, usable_checkpoint
-from kubetrain.supervise import supervise
+from kubetrain.supervise import gang_succeeded, supervise
 
 
 def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
@@ -49,8 +49,9 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
         return d.build()
     policy = job.spec.run_policy
     deadline = _deadline(job)
+    started = d.status.attempt >= 1 and d.status.phase in STARTED_PHASES
     if deadline is not None and not policy.suspend and job.status.phase != "Suspended":
-        if now >= deadline:
+        if now >= deadline and not (started and gang_succeeded(d, observed)):  # done in time, seen late: Succeeded
             msg = f"activeDeadlineSeconds={policy.active_deadline_seconds} exceeded"
             d.event("Warning", "DeadlineExceeded", msg)
             fail(d, observed, reason="DeadlineExceeded", message=msg)
@@ -60,17 +61,22 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
         _suspend(d, observed)
         return d.build()
     if job.status.phase == "Suspended":
-        d.update(phase="Restarting", next_attempt_time=format_time(now), start_time=None,
-                 message=f"resumed: starting attempt {job.status.attempt + 1}")
-        d.cond("Suspended", "False", "Resumed", "the job was resumed")
-        d.cond("Restarting", "True", "Resumed", "starting a new attempt after suspension")
-        d.event("Normal", "Resumed", f"resumed: starting attempt {job.status.attempt + 1}")
+        _resume(d)
     started = d.status.attempt >= 1 and d.status.phase in STARTED_PHASES
     if started:
         supervise(d, observed)
     else:
         _start_next_attempt(d, observed)
     return d.build()
+
+
+def _resume(d: Draft) -> None:
+    """Suspended -> Restarting: the next attempt starts now, and its deadline counts from its start."""
+    d.update(phase="Restarting", next_attempt_time=format_time(d.now), start_time=None,
+             message=f"resumed: starting attempt {d.status.attempt + 1}")
+    d.cond("Suspended", "False", "Resumed", "the job was resumed")
+    d.cond("Restarting", "True", "Resumed", "starting a new attempt after suspension")
+    d.event("Normal", "Resumed", f"resumed: starting attempt {d.status.attempt + 1}")
 
 
 def _deadline(job: Job) -> dt.datetime | None:
@@ -110,6 +116,8 @@ def _suspend(d: Draft, observed: Observed) -> None:
         d.cond("Suspended", "True", "Suspended", "spec.runPolicy.suspend is true")
         if d.status.condition("Running"):
             d.cond("Running", "False", "Suspended", "suspended")
+        if (restarting := d.status.condition("Restarting")) is not None and restarting.status == "True":
+            d.cond("Restarting", "False", "Suspended", "suspended: no attempt starts until resumed")
         d.event("Normal", "Suspended", f"suspended at attempt {d.status.attempt}: deleting its pods")
     delete_pods(d, observed, observed.pods)
 
@@ -168,6 +176,8 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
     message changes, phase Pending (Restarting stays Restarting: `status.attempt` is not moved,
     so the pods already created are completed, never duplicated, on the next try)."""
     d = Draft(job, now)
+    if job.status.phase == "Suspended":  # resumed in the plan whose creates were refused: its status never went out
+        _resume(d)
     text = excerpt(message)
     current = d.status.condition("Created")
     earlier = reason == "NameInUse"  # a pod or Service of the same name, left by an earlier job being deleted

@@ -29,7 +29,7 @@ from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
-from kubetrain.observe import NodeView, Observed, PodIndex, PodView
+from kubetrain.observe import GONE_SUCCEEDED, NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, plan, rejected_plan
 from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
 from kubetrain.progress import ProgressObservation
@@ -312,8 +312,10 @@ class Reconciler:
         view = PodView.from_storage(body)
         if kind == "DELETED":
             self.pods_index.discard(key, name)
-            if key in self.jobs and view is not None and view.disruption:
-                self.gone.setdefault(key, {})[name] = view.disruption  # kept for the Preempted event
+            if key in self.jobs and view is not None and (view.phase == "Succeeded" or view.disruption):
+                # Kept for the Preempted event, or so that a rank that succeeded and was then deleted (PodGC,
+                # someone tidying up) counts as done, not as a preemption of a gang still finishing.
+                self.gone.setdefault(key, {})[name] = GONE_SUCCEEDED if view.phase == "Succeeded" else view.disruption
         else:
             if view is None:  # no longer labelled as ours
                 self.pods_index.discard(key, name)

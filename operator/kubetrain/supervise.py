@@ -23,7 +23,7 @@ import re
 from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, pod_name
 from kubetrain.values import format_time, parse_time
 from kubetrain.draft import Draft, delete_pods, excerpt, fail, ttl
-from kubetrain.observe import Observed, PodView
+from kubetrain.observe import GONE_SUCCEEDED, Observed, PodView
 from kubetrain.progress import lagging_message
 
 FATAL_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
@@ -63,11 +63,15 @@ def supervise(d: Draft, observed: Observed) -> None:
     disruptions: list[tuple[str, str]] = []
     failed: list[PodView] = []
     blocked: tuple[str, str, dt.datetime] | None = None
+    done_and_gone = 0  # ranks whose pod succeeded and was deleted since: done, not taken away
     for rank in range(total):
         pod = current.get(rank)
         if pod is None:
             name = pod_name(d.job.name, attempt, rank)
             why = observed.gone.get(name)
+            if why == GONE_SUCCEEDED:
+                done_and_gone += 1
+                continue
             disruptions.append((why, f"pod {name}: {why} (deleted)") if why else
                                ("Deleted", f"pod {name} was deleted by someone else"))
             continue
@@ -101,7 +105,7 @@ def supervise(d: Draft, observed: Observed) -> None:
         return
     delete_pods(d, observed, stale)
     _startup_condition(d, blocked)
-    pods = [current[r] for r in range(total)]
+    pods = [current[r] for r in range(total) if r in current]
     _scheduling_condition(d, pods)
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
     polled = lagging_message(d.status.progress)  # None: no reading to go by (unreachable, not polled)
@@ -110,7 +114,7 @@ def supervise(d: Draft, observed: Observed) -> None:
     elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True" \
             and (polled is not None or d.status.progress is None):
         d.cond("CheckpointsLagging", "False", "UploadsCaughtUp", "checkpoint uploads caught up")
-    if all(p.phase == "Succeeded" for p in pods):
+    if all(p.phase == "Succeeded" for p in pods):  # every rank's pod succeeded (some may be deleted since)
         msg = f"attempt {attempt}: all {total} pod(s) succeeded"
         d.update(phase="Succeeded", message=msg, completion_time=format_time(d.now), nodes_ready=0)
         d.cond("Running", "False", "Succeeded", msg)
@@ -118,7 +122,7 @@ def supervise(d: Draft, observed: Observed) -> None:
         d.event("Normal", "Succeeded", msg)
         ttl(d)
         return
-    running = sum(p.phase in ("Running", "Succeeded") for p in pods)
+    running = sum(p.phase in ("Running", "Succeeded") for p in pods) + done_and_gone
     ready = sum(p.phase == "Running" and p.ready for p in pods)
     if d.status.phase == "Running" or running == total or d.status != d.job.status:
         # While a gang starts, its pods come up in a burst: one status write when all
@@ -129,6 +133,17 @@ def supervise(d: Draft, observed: Observed) -> None:
         d.update(phase="Running", message=msg)
         d.cond("Running", "True", "AllPodsRunning", msg)
         d.event("Normal", "Running", msg)
+
+
+def gang_succeeded(d: Draft, observed: Observed) -> bool:
+    """Every rank of the started attempt succeeded (its pod Succeeded, or deleted after it succeeded):
+    the run is done, whatever the clock says now (activeDeadlineSeconds is not checked against it)."""
+    total = d.status.nodes_total or (d.job.spec.nodes if d.job.spec else 0)
+    current = {p.rank: p for p in observed.pods if p.attempt == d.status.attempt and p.rank < total}
+    return total > 0 and all(
+        current[r].phase == "Succeeded" if r in current
+        else observed.gone.get(pod_name(d.job.name, d.status.attempt, r)) == GONE_SUCCEEDED
+        for r in range(total))
 
 
 def _disruption(pod: PodView, d: Draft, observed: Observed) -> tuple[str, str] | None:

@@ -10,7 +10,7 @@ import pytest
 
 from kubetrain.api import Job
 from kubetrain.actions import CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, PatchStatus
-from kubetrain.observe import NodeView, Observed
+from kubetrain.observe import GONE_SUCCEEDED, NodeView, Observed
 from kubetrain.plan import plan
 from kubetrain_factories import at, gang, iso, job, observed, pod, started
 
@@ -362,6 +362,29 @@ CASES = [
          job(status=started(), run_policy={"activeDeadlineSeconds": 60}), observed(*gang()), now=61,
          phase="Failed", events=["DeadlineExceeded", "Failed"], reason=("Failed", "DeadlineExceeded"),
          deletes=["tj-a1-n0", "tj-a1-n1"]),
+    Case("a gang that succeeded in time, seen after the deadline (a late reconcile, a leader failover) -> Succeeded",
+         job(status=started(), run_policy={"activeDeadlineSeconds": 60}),
+         observed(*gang(phase="Succeeded", exit_code=0)), now=75,
+         phase="Succeeded", events=["Succeeded"], reason=("Succeeded", "Succeeded")),
+    Case("... also with a rank's pod deleted after it succeeded",
+         job(status=started(), run_policy={"activeDeadlineSeconds": 60}),
+         Observed(pods=(pod(rank=0, phase="Succeeded", exit_code=0),), gone={"tj-a1-n1": GONE_SUCCEEDED}), now=75,
+         phase="Succeeded", events=["Succeeded"]),
+    Case("the deadline passes while one rank still runs -> Failed DeadlineExceeded",
+         job(status=started(), run_policy={"activeDeadlineSeconds": 60}),
+         observed(pod(rank=0, phase="Succeeded", exit_code=0), pod(rank=1)), now=75,
+         phase="Failed", events=["DeadlineExceeded", "Failed"], reason=("Failed", "DeadlineExceeded")),
+    Case("a rank that succeeded and was then deleted (PodGC, tidying up) is done, not a preemption",
+         job(status=started(nodesReady=1)),
+         Observed(pods=(pod(rank=0),), gone={"tj-a1-n1": GONE_SUCCEEDED}), now=20,
+         phase=None, deletes=[], events=[]),
+    Case("... and the gang succeeds when the other rank does",
+         job(status=started(nodesReady=1)),
+         Observed(pods=(pod(rank=0, phase="Succeeded", exit_code=0),), gone={"tj-a1-n1": GONE_SUCCEEDED}), now=20,
+         phase="Succeeded", events=["Succeeded"]),
+    Case("a rank deleted while it ran is still a preemption",
+         job(status=started(nodesReady=2)), Observed(pods=(pod(rank=0),), gone={}), now=20,
+         phase="Restarting", counters={"preemptions": 1}),
     Case("deadline not yet reached -> requeue at deadline",
          job(status=started(nodesReady=2), run_policy={"activeDeadlineSeconds": 60}), observed(*gang()), now=20,
          phase=None, requeue=40),
@@ -584,6 +607,42 @@ def test_a_refused_create_after_resume_stays_restarting_and_is_never_a_preemptio
     again = plan(Job(**{**suspended.__dict__, "status": st}), observed(), at(10))
     assert again.status.preemptions == 0 and [a.rank for a in again.actions if isinstance(a, CreatePod)] == [0, 1]
     assert again.status.attempt == 3
+
+
+def test_a_resume_whose_pods_are_refused_is_still_a_resume_and_its_deadline_starts_with_its_pods() -> None:
+    # Suspended after 10 minutes of a 1-hour deadline, resumed 2 hours later into a full quota: the resume
+    # (its status went out with the refused creates' plan) is kept, and the deadline does not fail the job.
+    from kubetrain.plan import rejected_plan
+    stopped = {**started(attempt=1, phase="Suspended"),
+               "conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended", "message": "",
+                               "lastTransitionTime": iso(600)}]}
+    suspended = job(status=stopped, run_policy={"activeDeadlineSeconds": 3600})
+    refused = rejected_plan(suspended, at(7800), reason="QuotaExceeded", message=QUOTA)
+    st = refused.status
+    assert st is not None and st.phase == "Restarting" and st.start_time is None
+    assert st.condition("Suspended").status == "False" and st.condition("Restarting").status == "True"
+    assert [e.reason for e in refused.events] == ["Resumed", "QuotaExceeded"]
+    later = plan(Job(**{**suspended.__dict__, "status": st}), observed(), at(7830))
+    assert later.status.phase == "Pending" and later.status.start_time == iso(7830)
+    assert [a.rank for a in later.actions if isinstance(a, CreatePod)] == [0, 1]
+
+
+def test_suspending_a_job_waiting_to_restart_says_it_no_longer_restarts() -> None:
+    waiting = {**started(phase="Restarting"), "nextAttemptTime": iso(30),
+               "conditions": [{"type": "Restarting", "status": "True", "reason": "BackoffRestart", "message": "",
+                               "lastTransitionTime": iso(0)}]}
+    st = plan(job(status=waiting, run_policy={"suspend": True}), observed(), at(5)).status
+    assert st.phase == "Suspended"
+    assert st.condition("Restarting").status == "False" and st.condition("Restarting").reason == "Suspended"
+
+
+def test_checkpoints_lagging_turns_false_when_the_attempt_ends() -> None:
+    lagging = {**started(), "conditions": [{"type": "CheckpointsLagging", "status": "True", "reason": "UploadsLagging",
+                                             "message": "", "lastTransitionTime": iso(0)}]}
+    result = plan(job(status=lagging, run_policy={"backoffLimit": 0}),
+                  observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)), at(5))
+    assert result.status.phase == "Failed"
+    assert result.status.condition("CheckpointsLagging").status == "False"
 
 
 def test_the_kubelet_flipping_between_pull_error_and_backoff_posts_no_new_warning() -> None:
