@@ -216,7 +216,12 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         for hook in test_hooks(env, trainer):
             trainer.add_callback(hook)
         declare_tokens_per_sample(trainer.callback_handler.callbacks, getattr(task, "seq_len", None))
-        resume = restored_folder(env) or True
+        folder = restored_folder(env)
+        # With checkpoint storage the launcher decided for the whole gang (handoff.py): its "start fresh" is
+        # final, and a folder left in output_dir (a persistent volume's) is stale. Without storage, the
+        # newest complete local checkpoint is the one to resume from.
+        decided = WorkerEnv.from_environ(env).restore_outcome_fd is not None
+        resume = folder if folder is not None or decided else True
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
         if torch.distributed.is_initialized():

@@ -23,7 +23,7 @@ from kubetrain_trainer.manifest import AttemptClaim, Manifest, rfc3339
 from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.retry import Backoff, retrying
 from kubetrain_trainer.storage import CheckpointStore
-from kubetrain_trainer.storage_errors import ChecksumError, DigestMismatchError, StorageError
+from kubetrain_trainer.storage_errors import ChecksumError, DigestMismatchError, StorageError, TransferStopped
 
 log = logging.getLogger("kubetrain_trainer.restore")
 
@@ -170,12 +170,16 @@ def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop:
                                         "is no longer complete in storage")
     while (chosen := newest_complete(remote, exclude=bad)) is not None:
         if stop is not None and stop.is_set():
-            break
+            # Not "nothing to restore": node rank 0 would record that decision, and the gang start from step 0.
+            raise RestoreAgreementError(f"stopped (SIGTERM) before checkpoint-{chosen.step} was restored")
         manifest = chosen.manifest
         assert manifest is not None
         try:
-            path = retrying(lambda: store.download_checkpoint(manifest, dest, node=node), deadline=deadline,
-                            access_deadline=access_deadline, cancelled=cancelled, sleep=sleep, what="restore")
+            path = retrying(lambda: store.download_checkpoint(manifest, dest, node=node, cancelled=cancelled),
+                            deadline=deadline, access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
+                            what="restore")
+        except TransferStopped:
+            raise RestoreAgreementError(f"stopped (SIGTERM) while checkpoint-{chosen.step} was downloading") from None
         except ChecksumError as e:
             if agreed:
                 raise RestoreAgreementError(

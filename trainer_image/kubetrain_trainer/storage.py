@@ -135,7 +135,8 @@ class CheckpointStore:
                     log.warning("checkpoint-%d: invalid node part %s ignored: %s", step, name, e)
         return parts
 
-    def download_checkpoint(self, manifest: Manifest, dest: Path, *, node: NodeRanks | None = None) -> Path:
+    def download_checkpoint(self, manifest: Manifest, dest: Path, *, node: NodeRanks | None = None,
+                            cancelled: Callable[[], bool] = lambda: False) -> Path:
         """Download the files of a committed checkpoint into `dest/checkpoint-<step>`, each one verified.
 
         Files land in a sibling `.restoring` folder that is renamed into place
@@ -143,7 +144,8 @@ class CheckpointStore:
         restored folder under the final name. Files already present locally
         with the right digest are not fetched again. With `node`, the files that
         only other nodes' ranks load stay in storage (`rank_files.py`): the
-        strategy's records are fetched first and say which.
+        strategy's records are fetched first and say which. Once `cancelled()` (SIGTERM), every
+        transfer stops at its next chunk (`TransferStopped`), leaving only the staging folder.
         """
         final = dest / checkpoint_dirname(manifest.step)
         staging = dest / f".{checkpoint_dirname(manifest.step)}.restoring"
@@ -163,14 +165,15 @@ class CheckpointStore:
         try:
             wanted = list(manifest.files)
             if node is not None and (records := [f for f in wanted if is_rank_files_record(f.path)]):
-                self._fetch_all(manifest.step, [f for f in records if not (staging / f.path).exists()], staging)
+                self._fetch_all(manifest.step, [f for f in records if not (staging / f.path).exists()], staging,
+                                cancelled)
                 skip = node.not_needed(wanted, {f.path: (staging / f.path).read_bytes() for f in records})
                 wanted = [f for f in wanted if f.path not in skip]
                 if skip:
                     log.info("checkpoint-%d: %d of %d MiB are this node's (ranks %d-%d); the other ranks' "
                              "shards stay in storage", manifest.step, sum(f.size for f in wanted) >> 20,
                              manifest.total_bytes >> 20, node.ranks[0], node.ranks[-1])
-            self._fetch_all(manifest.step, [f for f in wanted if not (staging / f.path).exists()], staging)
+            self._fetch_all(manifest.step, [f for f in wanted if not (staging / f.path).exists()], staging, cancelled)
         except ChecksumError:
             _rmtree(staging)
             raise
@@ -180,7 +183,8 @@ class CheckpointStore:
         staging.rename(final)
         return final
 
-    def _fetch_all(self, step: int, missing: list[FileEntry], staging: Path) -> None:
+    def _fetch_all(self, step: int, missing: list[FileEntry], staging: Path,
+                   cancelled: Callable[[], bool] = lambda: False) -> None:
         """Fetch `missing` into `staging`, each file hashed as its bytes land, while others download."""
         # Only files at or above the multipart threshold are fetched in parts: they share the parts in flight.
         big = sum(1 for f in missing if f.size >= self.config.multipart_threshold)
@@ -190,13 +194,15 @@ class CheckpointStore:
         def fetch(f: FileEntry) -> None:
             target = staging / f.path
             key = self.location.key(checkpoint_dirname(step), f.path)
-            size, digest = self._call("download", key, lambda: self._download(key, target, step, parts, f.algorithm))
+            size, digest = self._call("download", key, lambda: self._download(key, target, step, parts, f.algorithm,
+                                                                                   cancelled))
             if size != f.size or digest != f.digest:
                 raise DigestMismatchError(f"checkpoint-{step}/{f.path}: downloaded bytes do not match the manifest")
 
         self._each(missing, fetch)
 
-    def _download(self, key: str, target: Path, step: int, parts: int, algorithm: str) -> tuple[int, str]:
+    def _download(self, key: str, target: Path, step: int, parts: int, algorithm: str,
+                  cancelled: Callable[[], bool] = lambda: False) -> tuple[int, str]:
         """(bytes, `algorithm` digest) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""
         from boto3.s3.transfer import TransferConfig
 
@@ -207,7 +213,8 @@ class CheckpointStore:
             with open(target, "w+b") as fh:
                 written = landing_file(fh, algorithm)
                 try:
-                    self._client.download_fileobj(self.location.bucket, key, written, Config=config)
+                    self._client.download_fileobj(self.location.bucket, key, written, Config=config,
+                                                  Callback=lambda _n: _stop_if(cancelled, key))
                     return written.size, written.hexdigest()
                 finally:
                     written.close()  # a sha256 one's thread reads `fh`: stopped before the file is closed
@@ -372,6 +379,12 @@ class CheckpointStore:
             raise
         except Exception as e:  # noqa: BLE001 - classified below, never swallowed
             raise classify(e, op=op, where=f"s3://{self.location.bucket}/{key}") from None
+
+
+def _stop_if(cancelled: Callable[[], bool], key: str) -> None:
+    """A transfer's progress callback: stop it once `cancelled()` (s3transfer ends it with this error)."""
+    if cancelled():
+        raise TransferStopped(f"{key}: stopped (SIGTERM)")
 
 
 def _make_client(config: StorageConfig) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -134,6 +135,23 @@ def test_a_worker_started_before_the_restore_resumes_from_the_folder_handed_over
     assert run(env, []) == 1
     assert "without an outcome" in capsys.readouterr().err
     assert not list((tmp_path / "third").glob("checkpoint-*"))
+
+
+def test_storage_deciding_a_fresh_start_is_followed_even_with_old_checkpoints_in_output_dir(tmp_path, caplog):
+    # The gang's node rank 0 found nothing complete in storage: every rank starts from step 0. A checkpoint
+    # left in output_dir (a persistent volume, an earlier run) is stale, not a resume point of this node's own.
+    from kubetrain_trainer import handoff
+
+    out = tmp_path / "out"
+    assert run(_env(output_dir=str(out), max_steps=2, save_steps=2), []) == 0
+    assert (out / "checkpoint-2").is_dir()
+    read_fd, write_fd = handoff.open_pipe()
+    assert handoff.send(write_fd, None)  # decided: start fresh
+    caplog.set_level(logging.INFO)
+    env = {**_env(output_dir=str(out), max_steps=4, save_steps=1), "KUBETRAIN_RESTORE_OUTCOME_FD": str(read_fd)}
+    assert run(env, []) == 0
+    assert "resuming from" not in caplog.text
+    assert (out / "checkpoint-1").is_dir()  # step 1 trained again, not restored
 
 
 EXITS = r"""
