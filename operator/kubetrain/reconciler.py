@@ -310,17 +310,23 @@ class Reconciler:
             return
         key, name = (meta.get("namespace") or "", job), meta.get("name") or ""
         view = PodView.from_storage(body)
+        owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
         if kind == "DELETED":
             self.pods_index.discard(key, name)
-            if key in self.jobs and view is not None and (view.phase == "Succeeded" or view.disruption):
+            job_uid = ((self.jobs.get(key) or {}).get("metadata") or {}).get("uid")
+            if key in self.jobs and view is not None and owner and owner == job_uid \
+                    and (view.phase == "Succeeded" or view.disruption):
                 # Kept for the Preempted event, or so that a rank that succeeded and was then deleted (PodGC,
-                # someone tidying up) counts as done, not as a preemption of a gang still finishing.
+                # someone tidying up) counts as done, not as a preemption of a gang still finishing. Only the
+                # job's own pods: a pod of a deleted job of the same name is removed by the garbage collector
+                # after the new job exists, and its names come back with the new job's attempts.
                 self.gone.setdefault(key, {})[name] = GONE_SUCCEEDED if view.phase == "Succeeded" else view.disruption
+            elif key in self.gone:
+                self.gone[key].pop(name, None)  # this name went for no recorded reason: nothing of it is kept
         else:
             if view is None:  # no longer labelled as ours
                 self.pods_index.discard(key, name)
                 return
-            owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
             self.pods_index.put(key, name, (owner or "", view))
         if key in self.jobs:
             self.enqueue(key, POD_EVENT_DELAY)

@@ -194,6 +194,23 @@ def restored_folder(env: dict[str, str]) -> str | None:
     return str(folder) if folder is not None else None
 
 
+def drop_stale_checkpoints(output_dir: str, *, keep: str | None) -> None:
+    """Storage decided this gang's restore (`keep`, or a fresh start): every other checkpoint folder in
+    `output_dir` is stale (an earlier pod's, on a persistent volume). Removed before training: the
+    trainer's rotation (`save_total_limit`) would otherwise keep a stale one as the newest and delete
+    this run's own new checkpoints. Call on one process per node."""
+    import shutil
+    from pathlib import Path
+
+    from .checkpoint import list_checkpoints
+
+    kept = Path(keep).resolve() if keep else None
+    for _step, path in list_checkpoints(output_dir):
+        if path.resolve() != kept:
+            logger.warning("removing %s: a local checkpoint storage did not decide to restore (stale)", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run(env: dict[str, str], argv: Sequence[str]) -> int:
     import torch
 
@@ -220,8 +237,11 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
         # With checkpoint storage the launcher decided for the whole gang (handoff.py): its "start fresh" is
         # final, and a folder left in output_dir (a persistent volume's) is stale. Without storage, the
         # newest complete local checkpoint is the one to resume from.
-        decided = WorkerEnv.from_environ(env).restore_outcome_fd is not None
+        worker = WorkerEnv.from_environ(env)
+        decided = worker.restore_outcome_fd is not None
         resume = folder if folder is not None or decided else True
+        if decided and worker.local_rank == 0:
+            drop_stale_checkpoints(args.output_dir, keep=folder)
         output = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
         if torch.distributed.is_initialized():

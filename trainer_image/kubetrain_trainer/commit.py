@@ -159,6 +159,10 @@ class ClaimsFence:
         self.settings = settings
         self._checked_at = float("-inf")
         self._lock = threading.Lock()
+        self._fenced: str | None = None
+        """Once a check found a newer claim: every later check raises it at once. A claim is never taken
+        back, and a check raised from a transfer's progress callback may be swallowed by the HTTP
+        client's retry of that request: the retry's own check must not be skipped as 'just checked'."""
 
     def new_claims(self) -> list[tuple[int, int]]:
         """Claims written since this writer started (those at start are history)."""
@@ -168,6 +172,8 @@ class ClaimsFence:
         """FencedError when a newer attempt has claimed since this writer started (one LIST; skipped
         within `at_most_every_s` of the last check, so a thousand-shard checkpoint is not a thousand LISTs).
         Safe from the upload threads: one of them reads, the others skip within the interval."""
+        if self._fenced is not None:
+            raise FencedError(self._fenced)
         with self._lock:
             now = time.monotonic()
             if now - self._checked_at < at_most_every_s:
@@ -176,6 +182,7 @@ class ClaimsFence:
         s = self.settings
         fence = check_fence((), step=step, attempt=s.attempt, incarnation=s.incarnation, claims=self.new_claims())
         if not fence.allowed:
+            self._fenced = fence.reason
             raise FencedError(fence.reason)
 
     def check_remote(self, remote: list[RemoteCheckpoint], step: int) -> None:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncSettings, *, step: int,
                        deadline: float, still_allowed: Callable[[], None] | None = None,
-                       cancelled: Callable[[], bool] = lambda: False) -> str | None:
+                       cancelled: Callable[[], bool] = lambda: False,
+                       before_manifest: Callable[[], None] | None = None) -> str | None:
     """Upload the finished run's top-level outputs (the `from_pretrained` layout) to `<uri>/final/`.
 
     Everything directly produced in `output_dir` except checkpoint folders and
@@ -32,7 +33,7 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     so a torn final upload is recognisable. Returns the folder's URI, or None
     when there was nothing to upload. `still_allowed` is called before each file and the manifest and
     as bytes go out; what it raises (out of time, a newer attempt's claim) stops the upload; `cancelled()`
-    true: no retry.
+    true: no retry. `before_manifest` (default: `still_allowed`) is the last word before the commit.
     """
     found: list[FileEntry] = []
     for entry in sorted(output_dir.iterdir()):
@@ -55,8 +56,9 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     manifest = Manifest(step=step, attempt=settings.attempt, world_size=settings.world_size,
                         strategy=settings.strategy, files=files, created=utc_now_rfc3339(),
                         incarnation=settings.incarnation)
-    if still_allowed is not None:
-        still_allowed()
+    check = before_manifest or still_allowed
+    if check is not None:
+        check()
     retrying(lambda: store.put_bytes(step, MANIFEST_NAME, manifest.to_json(), folder=FINAL_FOLDER),
              deadline=deadline, backoff=settings.backoff, what="final/manifest.json", cancelled=cancelled)
     log.info("final model uploaded to %s (%d files)", store.folder_uri(FINAL_FOLDER), len(files))

@@ -414,4 +414,11 @@ def exit_now(code: int) -> typing.NoReturn:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    try:
+        outcome = main()
+    except SystemExit as stop:
+        outcome = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # a bug: its traceback in the log, and still no wait on the transfer threads
+        log.exception("the launcher failed")
+        outcome = 1
+    exit_now(outcome)

@@ -157,9 +157,14 @@ class CheckpointSession:
                 raise UploadStopped("final model: the grace period after SIGTERM is over")
             uploader.fence.check(step, at_most_every_s=uploader.settings.fence_check_interval_s)
 
+        def before_manifest() -> None:  # not skipped as "checked within the last second"
+            still_allowed()
+            uploader.fence.check(step)
+
         try:
             upload_final_model(self.store, self.config.local_dir, uploader.settings, step=step,
-                               deadline=time.monotonic() + wait_s, still_allowed=still_allowed, cancelled=give_up)
+                               deadline=time.monotonic() + wait_s, still_allowed=still_allowed, cancelled=give_up,
+                               before_manifest=before_manifest)
             return True
         except (StorageError, UploadStopped) as e:
             log.error("final model not uploaded: %s", e)

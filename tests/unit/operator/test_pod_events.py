@@ -12,20 +12,42 @@ from kubetrain.config import Settings
 from kubetrain_factories import pod_body
 
 
-def test_a_deleted_pod_is_remembered_as_succeeded_or_by_its_disruption_and_otherwise_forgotten():
+def _owned(body: dict, uid: str) -> dict:
+    body["metadata"]["ownerReferences"] = [{"kind": "TrainingJob", "name": "tj", "uid": uid, "controller": True}]
+    return body
+
+
+def _gone_after(*events: tuple[str, dict]) -> dict[str, str]:
     async def main() -> dict[str, str]:
         rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - no API call on this path
         key = ("", "tj")
-        rec.jobs[key] = {"metadata": {"name": "tj"}}
+        rec.jobs[key] = {"metadata": {"name": "tj", "uid": "uid-new"}}
         try:
-            rec.pod_event("DELETED", pod_body(rank=0, phase="Succeeded", exit_code=0))
-            rec.pod_event("DELETED", pod_body(rank=1, phase="Running", disruption="PreemptionByScheduler"))
-            rec.pod_event("DELETED", pod_body(rank=2, phase="Running"))  # deleted by someone: supervise's default
-            # A pod that succeeded on a node being drained afterwards is still a success.
-            rec.pod_event("DELETED", pod_body(rank=3, phase="Succeeded", exit_code=0, disruption="EvictionByEvictionAPI"))
+            for kind, body in events:
+                rec.pod_event(kind, body)
             return dict(rec.gone.get(key, {}))
         finally:
             rec.forget(key)
 
-    gone = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_deleted_pod_is_remembered_as_succeeded_or_by_its_disruption_and_otherwise_forgotten():
+    gone = _gone_after(
+        ("DELETED", _owned(pod_body(rank=0, phase="Succeeded", exit_code=0), "uid-new")),
+        ("DELETED", _owned(pod_body(rank=1, phase="Running", disruption="PreemptionByScheduler"), "uid-new")),
+        ("DELETED", _owned(pod_body(rank=2, phase="Running"), "uid-new")),  # deleted by someone: supervise's default
+        # A pod that succeeded on a node being drained afterwards is still a success.
+        ("DELETED", _owned(pod_body(rank=3, phase="Succeeded", exit_code=0, disruption="EvictionByEvictionAPI"),
+                           "uid-new")))
     assert gone == {"tj-a1-n0": GONE_SUCCEEDED, "tj-a1-n1": "PreemptionByScheduler", "tj-a1-n3": GONE_SUCCEEDED}
+
+
+def test_a_pod_of_a_deleted_job_of_the_same_name_leaves_nothing_for_the_new_job():
+    # The old job's succeeded pod is garbage-collected after the new job exists: its name (tj-a1-n0) comes
+    # back with the new job's first attempt, whose pod must not count as done when it is lost.
+    assert _gone_after(("DELETED", _owned(pod_body(rank=0, phase="Succeeded", exit_code=0), "uid-old"))) == {}
+    assert _gone_after(("DELETED", pod_body(rank=0, phase="Succeeded", exit_code=0))) == {}  # no owner at all
+    # A name recorded, then gone again for no recorded reason (the new pod of that name deleted while it ran).
+    assert _gone_after(("DELETED", _owned(pod_body(rank=0, phase="Succeeded", exit_code=0), "uid-new")),
+                       ("DELETED", _owned(pod_body(rank=0, phase="Running"), "uid-new"))) == {}

@@ -154,6 +154,23 @@ def test_storage_deciding_a_fresh_start_is_followed_even_with_old_checkpoints_in
     assert (out / "checkpoint-1").is_dir()  # step 1 trained again, not restored
 
 
+def test_a_stale_local_checkpoint_never_outranks_the_runs_own_in_the_rotation(tmp_path, caplog):
+    # A persistent output_dir holds checkpoint-50 of an earlier pod; storage decided a fresh start. With
+    # save_total_limit, the stale checkpoint-50 would be kept as "the newest" and this run's own deleted.
+    from kubetrain_trainer import handoff
+
+    out = tmp_path / "out"
+    assert run(_env(output_dir=str(out), max_steps=2, save_steps=2), []) == 0
+    (out / "checkpoint-2").rename(out / "checkpoint-50")
+    read_fd, write_fd = handoff.open_pipe()
+    assert handoff.send(write_fd, None)
+    env = {**_env(output_dir=str(out), max_steps=4, save_steps=1, save_total_limit=2),
+           "KUBETRAIN_RESTORE_OUTCOME_FD": str(read_fd)}
+    assert run(env, []) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert "checkpoint-50" in caplog.text  # its removal is logged
+
+
 EXITS = r"""
 import atexit, pathlib, sys, threading, time
 from kubetrain_trainer.builtin import exit_at_once

@@ -61,3 +61,24 @@ def test_a_refusal_mid_way_stops_it_before_the_manifest(tmp_path, refusal):
         upload_final_model(store, _outputs(tmp_path), SETTINGS, step=5, deadline=1e12, still_allowed=still_allowed,
                            cancelled=lambda: True)
     assert store.writes == ["final/config.json"]  # no manifest: a torn final/ is recognisable as such
+
+
+def test_a_fence_once_found_raises_at_every_later_check_even_within_its_interval():
+    # A check raised from a transfer's progress callback can be swallowed by the HTTP client's retry of that
+    # request; the retry's own check (within the rate limit's second) must not pass as "just checked".
+    from kubetrain_trainer.commit import ClaimsFence
+
+    class Claims:
+        def __init__(self) -> None:
+            self.lists = 0
+
+        def list_claims(self):
+            self.lists += 1
+            return [(0, 3)]  # attempt 3 claimed after this writer (attempt 2) started
+
+    store = Claims()
+    fence = ClaimsFence(store, SETTINGS)
+    for _ in range(3):
+        with pytest.raises(FencedError, match="3"):
+            fence.check(5, at_most_every_s=60.0)
+    assert store.lists == 1  # found once, then remembered
