@@ -109,6 +109,10 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
         elector.release()
 
 
+class _Server6(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 @contextlib.contextmanager
 def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
     """While a replica stands by, its liveness endpoint answers (kopf serves it once leading)."""
@@ -130,8 +134,10 @@ def _standby_health(liveness: str | None, elector: Any) -> Iterator[None]:
         def log_message(self, *args: Any) -> None:
             pass
 
+    host = url.hostname or "0.0.0.0"
+    server_class = _Server6 if ":" in host else http.server.ThreadingHTTPServer  # "[::]": an IPv6-only cluster
     try:
-        server = http.server.ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), Health)
+        server = server_class((host, url.port or 80), Health)
     except OSError as exc:
         # Not fatal: in a pod the port is ours, but where replicas share a network (processes on one
         # host, as on the test node agent) the leader holds it, and kopf binds it once this one leads.

@@ -17,8 +17,10 @@ Label values are bounded sets (phases, reasons, verbs), never job names.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import socket
 from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -126,13 +128,22 @@ def watch(*, jobs: Callable[[], Iterable[Mapping[str, Any]]], queue_depth: Calla
     _watched.append(state)
 
 
-def serve(port: int, address: str = "0.0.0.0") -> Any:
-    """Serve /metrics on a thread of its own; returns the server (None when `port` is 0). A port
-    already taken is logged, not fatal: metrics are not worth an operator that does not start."""
+def serve(port: int, address: str | None = None) -> Any:
+    """Serve /metrics on a thread of its own; returns the server (None when `port` is 0). Without an
+    `address`, on IPv6 and IPv4 both where the node has both (an IPv6-only cluster scrapes the pod's
+    IPv6 address), else on IPv4. A port already taken is logged, not fatal: metrics are not worth an
+    operator that does not start."""
     if not port:
         return None
+    candidates = [address] if address else (["::", "0.0.0.0"] if socket.has_dualstack_ipv6() else ["0.0.0.0"])
     try:
-        server, _thread = start_http_server(port, addr=address, registry=REGISTRY)
+        for address in candidates:
+            try:
+                server, _thread = start_http_server(port, addr=address, registry=REGISTRY)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE or address == candidates[-1]:
+                    raise
     except OSError as exc:
         log.warning("metrics endpoint on port %s not served: %s", port, exc)
         return None

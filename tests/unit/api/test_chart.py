@@ -7,6 +7,7 @@ Runs the real helm from the testbed's bin folder (skipped until it is built)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -267,6 +268,7 @@ def test_several_replicas_without_leader_election_are_refused():
     ('namespaces=["Not_A_Namespace"]', "namespaces"),
     ('image={"repository":"x","pullPolicy":"Sometimes"}', "pullPolicy"),
     ('healthPort=80', "healthPort"),
+    ('healthBindAddress="::"', "healthBindAddress"),
     ('replicaCount=0', "replicaCount"),
     ('replicas=3', "replicas"),
     ('clusterWide="yes"', "clusterWide"),
@@ -285,6 +287,15 @@ def test_values_schema_rejects_bad_values(value, named):
     assert proc.returncode != 0, f"{value} was accepted"
     assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
     assert named in proc.stderr, proc.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("address", ["0.0.0.0", "[::]"])
+def test_the_liveness_endpoint_binds_the_address_the_clusters_ip_family_needs(address):
+    docs = render(f"healthBindAddress={json.dumps(address)}")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--liveness=http://{address}:8080/healthz" in command
 
 
 # A cluster's discovery lists kinds; `helm template` without one lists group/versions only.

@@ -3,9 +3,12 @@ scrape time, served over HTTP, and parsed back with prometheus-client's own pars
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.request
 from dataclasses import replace
+
+import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -85,3 +88,29 @@ def test_a_taken_port_is_not_fatal() -> None:
         s.listen()
         assert metrics.serve(s.getsockname()[1], "127.0.0.1") is None
     assert metrics.serve(0) is None
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="this machine has no dual-stack IPv6")
+def test_without_an_address_it_answers_on_ipv4_and_ipv6() -> None:
+    # An IPv6-only cluster scrapes the pod's IPv6 address, an IPv4 one its IPv4 address: one default for both.
+    port = _free_port()
+    server = metrics.serve(port)
+    try:
+        for host in ("127.0.0.1", "[::1]"):
+            assert urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).status == 200, host
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="this machine has no dual-stack IPv6")
+def test_a_standby_replicas_liveness_endpoint_binds_the_charts_ipv6_address() -> None:
+    # The chart's healthBindAddress "[::]" (IPv6-only clusters) reaches the standby's own health server too.
+    from types import SimpleNamespace
+
+    from kubetrain.cli import _standby_health
+
+    port = _free_port()
+    elector = SimpleNamespace(lease_ref="ns/lease", holder="other")
+    with _standby_health(f"http://[::]:{port}/healthz", elector):
+        answer = urllib.request.urlopen(f"http://[::1]:{port}/healthz", timeout=10)
+        assert answer.status == 200 and json.loads(answer.read())["leader"] is False
