@@ -314,8 +314,7 @@ class Reconciler:
         if kind == "DELETED":
             self.pods_index.discard(key, name)
             job_uid = ((self.jobs.get(key) or {}).get("metadata") or {}).get("uid")
-            if key in self.jobs and view is not None and owner and owner == job_uid \
-                    and (view.phase == "Succeeded" or view.disruption):
+            if view is not None and owner and owner == job_uid and (view.phase == "Succeeded" or view.disruption):
                 # Kept for the Preempted event, or so that a rank that succeeded and was then deleted (PodGC,
                 # someone tidying up) counts as done, not as a preemption of a gang still finishing. Only the
                 # job's own pods: a pod of a deleted job of the same name is removed by the garbage collector

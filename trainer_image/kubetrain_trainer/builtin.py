@@ -27,6 +27,7 @@ from .contract import (
     BUILTIN_TASK, DEEPSPEED_CONFIG, EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FSDP_CONFIG, LOCAL_CHECKPOINT_DIR, RESUME_FROM,
     STRATEGY, TEST_HOLD_AT_STEP, TEST_HOLD_SECONDS, TRAINER_ARGS,
 )
+from .exiting import exit_at_once
 from .workerenv import WorkerEnv, WorkerEnvError
 
 logger = logging.getLogger("kubetrain_trainer")
@@ -276,38 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(dict(env.environ), sys.argv[1:] if argv is None else argv)
 
 
-def exit_at_once(code: int) -> typing.NoReturn:
-    """Exit with `code` now, skipping the interpreter's teardown (1-2 s with torch loaded, on the path
-    from SIGTERM to the next attempt). Everything else a normal exit does is kept, in its order:
-    non-daemon threads are joined, then the atexit handlers run (logging, reporters,
-    multiprocessing), then stdout and stderr are flushed. `main`'s code is returned only once its work
-    is on disk: after `TrainingPreempted`, which the Trainer raises once the emergency checkpoint is
-    committed (after any save still in flight, which it waits for first), after `save_model`, or
-    before anything was written."""
-    import atexit
-    import os
-    import threading
-
-    # What Python's own shutdown runs first: threading's exit hooks (they wake idle executor workers,
-    # e.g. a ThreadPoolExecutor still alive) and then the join of every non-daemon thread. A bare join
-    # would wait forever on an idle executor's workers.
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    else:  # pragma: no cover - CPython has had threading._shutdown since 3.x
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    # `main`'s code is returned only once its work is on disk: after `TrainingPreempted`, which the Trainer
+    # raises once the emergency checkpoint is committed (after any save still in flight, which it waits for
+    # first), after `save_model`, or before anything was written.
     # Every returned code leaves without the interpreter's teardown: after a preemption the launcher waits
     # for this exit (the emergency checkpoint is complete on disk), and after a finished run or a refused
     # configuration, gloo's threads can abort the process while they are torn down ("terminate called

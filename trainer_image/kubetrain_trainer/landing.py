@@ -59,7 +59,25 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-class PartHashingFile:
+class _DownloadFile:
+    """What s3transfer needs of the file it downloads into: seekable, written at absolute offsets."""
+
+    _pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise OSError("a download's file seeks to absolute offsets only")
+        self._pos = offset
+        return offset
+
+
+class PartHashingFile(_DownloadFile):
     """The `xxh128` of a download, each `DIGEST_PART` hashed in memory as its bytes land, in any part order.
 
     A part's bytes must land in order from its start: a ranged GET's chunks do, and the download's part
@@ -73,18 +91,6 @@ class PartHashingFile:
         self._parts: dict[int, list] = {}  # part index -> [xxh3_128 state, bytes hashed]
         self._pos = self.size = 0
         self._irregular = False
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence != os.SEEK_SET:
-            raise OSError("a download's file seeks to absolute offsets only")
-        self._pos = offset
-        return offset
 
     def write(self, data: bytes) -> int:
         start = self._pos
@@ -109,7 +115,7 @@ class PartHashingFile:
     def hexdigest(self) -> str:
         """The `xxh128` of the bytes the file holds, once every write is done."""
         count = -(-self.size // DIGEST_PART)
-        whole = not self._irregular and len(self._parts) == count and all(
+        whole = not self._irregular and all(
             self._parts.get(i, (None, -1))[1] == min(DIGEST_PART, self.size - i * DIGEST_PART) for i in range(count))
         if whole:
             return tree_hexdigest(self._parts[i][0].digest() for i in range(count))
@@ -120,7 +126,7 @@ class PartHashingFile:
         self._parts.clear()
 
 
-class HashingFile:
+class HashingFile(_DownloadFile):
     """The `sha256` of a download (a record written before `xxh128`), following the file's contiguous prefix.
 
     s3transfer writes each part's chunks at their offsets (`seek` + `write`), one writer at a time:
@@ -148,18 +154,6 @@ class HashingFile:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name="sha256-download", daemon=True)
         self._thread.start()
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence != os.SEEK_SET:
-            raise OSError("HashingFile seeks to absolute offsets only")
-        self._pos = offset
-        return offset
 
     def write(self, data: bytes) -> int:
         start = self._pos

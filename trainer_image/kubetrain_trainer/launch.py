@@ -29,12 +29,12 @@ import sys
 import tempfile
 import threading
 import time
-import typing
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from kubetrain_trainer import handoff
 from kubetrain_trainer.command import expand_command
+from kubetrain_trainer.exiting import exit_at_once
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level, pod_environ
 from kubetrain_trainer.metrics import Telemetry
@@ -398,21 +398,6 @@ def _signal(p: subprocess.Popen, sig: int, *, group: bool) -> None:
         pass
 
 
-def exit_now(code: int) -> typing.NoReturn:
-    """Leave with `code` once the logs are flushed, without the interpreter's teardown: its exit joins
-    every thread pool's threads, and a transfer still in flight after a SIGTERM (stalled, or between
-    progress callbacks) would hold the pod past its grace period until the kubelet's SIGKILL (137). By
-    now the workers are reaped, and the uploads are committed or given up (a commit is atomic: its
-    manifest goes last, and an unfinished multipart upload is aborted by the next attempt's retention)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
     try:
         outcome = main()
@@ -421,4 +406,8 @@ if __name__ == "__main__":
     except BaseException:  # a bug: its traceback in the log, and still no wait on the transfer threads
         log.exception("the launcher failed")
         outcome = 1
-    exit_now(outcome)
+    # By now the workers are reaped, and the uploads are committed or given up (a commit is atomic: its
+    # manifest goes last; an unfinished multipart upload is aborted by the next attempt's retention). The
+    # threads are not joined: a transfer still in flight after a SIGTERM (stalled, or between progress
+    # callbacks) would hold the pod past its grace period until the kubelet's SIGKILL (137).
+    exit_at_once(outcome, join_threads=False)
