@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     img_p.add_argument("names", nargs="*", metavar="operator|trainer", help="default: both")
     img_p.add_argument("--build-only", action="store_true",
                        help="build into buildah's store without pushing (no running testbed needed)")
+    img_p.add_argument("--keep-old", action="store_true",
+                       help="keep older builds in the caches (by default they are removed: testbed/README.md)")
     sub.add_parser("down", help="stop every testbed process")
     sub.add_parser("status", help="say what runs and whether it is healthy")
     sub.add_parser("env", help="print the export lines of .testbed/env (contains credentials)")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             names = tuple(args.names) or ("operator", "trainer")
             if set(names) - {"operator", "trainer"}:
                 parser.error(f"images: unknown image(s) {', '.join(sorted(set(names) - {'operator', 'trainer'}))}")
-            return build_images(layout, cfg.run_dir / "images.log", names, push=not args.build_only)
+            return build_images(layout, cfg.run_dir / "images.log", names, push=not args.build_only,
+                                prune_old=not args.keep_old)
         elif args.command == "down":
             survivors = down(cfg)
             if survivors:

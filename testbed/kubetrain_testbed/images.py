@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import REPO_ROOT
+from . import prune
 from .procs import TestbedError
 from .realnode import buildah_argv
 from .realnode_config import RealNodeLayout
@@ -113,15 +114,35 @@ def build(n: RealNodeLayout, image: Image, *, log, push: bool = True) -> dict:
 
 
 def build_all(n: RealNodeLayout, *, log_path: Path, names: tuple[str, ...] = ("operator", "trainer"),
-              push: bool = True) -> list[dict]:
+              push: bool = True, prune_old: bool = True) -> list[dict]:
+    """Build (and push) the named images; then remove their older builds from the caches (prune.py)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
-        return [build(n, img, log=log, push=push) for img in IMAGES if img.name in names]
+        rows = [build(n, img, log=log, push=push) for img in IMAGES if img.name in names]
+        if prune_old:
+            prune_builds(n, rows, pushed=push, log=log)
+        return rows
 
 
-def main(n: RealNodeLayout, log_path: Path, names: tuple[str, ...], *, push: bool = True) -> int:
+def prune_builds(n: RealNodeLayout, rows: list[dict], *, pushed: bool, log) -> None:
+    """Older builds of the images in `rows` out of buildah's store and, once pushed, the registry and containerd."""
+    b = buildah_argv(n)
+    prune.prune_buildah(b, Path(b[b.index("--root") + 1]), log=log)
+    if not rows or not pushed:
+        return  # built only: the registry and the node keep what they have
+    keep: dict[str, set[str]] = {}
+    for r in rows:
+        for ref in (r["tag_ref"], r["ref"]):
+            repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+            keep.setdefault(repo, set()).add(tag)
+    prune.prune_registry(n.registry, keep, log=log)
+    prune.prune_containerd(n, keep, log=log)
+
+
+def main(n: RealNodeLayout, log_path: Path, names: tuple[str, ...], *, push: bool = True,
+         prune_old: bool = True) -> int:
     try:
-        for row in build_all(n, log_path=log_path, names=names, push=push):
+        for row in build_all(n, log_path=log_path, names=names, push=push, prune_old=prune_old):
             print(json.dumps(row))
     except TestbedError as exc:
         print(f"images: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import procs
+from . import procs, prune
 from .components import Component, Health
 from .procs import Running, TestbedError
 from .realnode_config import (MINIO_POD_PORT, NO_OUTSIDE_REGISTRY, PAUSE_GO, REGISTRY_POD_PORT, RealNodeLayout, cni_conflist,
@@ -411,6 +411,8 @@ def start(n: RealNodeLayout, *, admin_kubeconfig: Path, kubectl: list[str], api_
     make_cgroups(n)
     comps = components(n, admin_kubeconfig=admin_kubeconfig)
     started: list[Running] = []
+    with open(run_dir / "registry.log", "a") as log:  # blobs of builds pruned since the last start (prune.py)
+        prune.garbage_collect(n.bin_dir / "registry", n.state / "registry.yml", log=log)
     for wave in (0, 1, 2):
         for c in (c for c in comps if c.wave == wave):
             started.append(procs.start(c, run_dir / f"{c.name}.log"))
