@@ -98,8 +98,9 @@ def ready_condition(status: Status, now: dt.datetime) -> Status:
 
 
 def excerpt(text: str, limit: int = MESSAGE_LIMIT) -> str:
-    """What the kubelet or the API server said, redacted and cut short, for status and events."""
-    return redact(text.strip())[:limit]
+    """What the kubelet or the API server said, redacted and cut short, for status and events (cut before
+    it is redacted too, with a margin so that a secret across the cut is still recognised)."""
+    return redact(text.strip()[:limit + 256])[:limit]
 
 
 def delete_pods(d: Draft, observed: Observed, pods: list[PodView] | tuple[PodView, ...]) -> None:

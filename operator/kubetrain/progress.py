@@ -115,7 +115,7 @@ def next_progress(current: Progress | None, observation: ProgressObservation) ->
     if observation.report is None:
         base = current or Progress()
         return replace(base, reachable=False, reason=observation.reason,
-                       message=redact(observation.message)[:MESSAGE_LIMIT])
+                       message=redact(observation.message[:MESSAGE_LIMIT + 256])[:MESSAGE_LIMIT])
     new = observation.report.progress
     if current is not None and replace(current, observed_at=None) == replace(new, observed_at=None):
         return current

@@ -110,7 +110,8 @@ def supervise(d: Draft, observed: Observed) -> None:
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
     polled = lagging_message(d.status.progress)  # None: no reading to go by (unreachable, not polled)
     if lagging or polled:
-        d.cond("CheckpointsLagging", "True", "UploadsLagging", lagging or polled or "")
+        # The annotation is the pod's to write: cut and redacted like every other text a pod reports.
+        d.cond("CheckpointsLagging", "True", "UploadsLagging", excerpt(lagging) if lagging else polled or "")
     elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True" \
             and (polled is not None or d.status.progress is None):
         d.cond("CheckpointsLagging", "False", "UploadsCaughtUp", "checkpoint uploads caught up")

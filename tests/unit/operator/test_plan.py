@@ -688,3 +688,14 @@ def test_waiting_for_an_earlier_job_of_the_same_name_shows_on_the_job() -> None:
     assert cond is not None and (cond.status, cond.reason) == ("False", "NameInUse")
     assert [(e.type, e.reason) for e in result.events] == [("Warning", "NameInUse")]
     assert "refused" not in result.events[0].message
+
+
+def test_a_lagging_annotation_reaches_the_condition_cut_and_redacted() -> None:
+    """The checkpoint-sync annotation is the pod's to write (anyone who can annotate it): like every other
+    text a pod reports, it is redacted and cut before it goes into the job's status."""
+    text = "uploads stuck: https://s3.example/b?X-Amz-Signature=SECRET123&token=SECRET123 " + "x" * 100_000
+    st = plan(job(status=started(nodesReady=2)),
+              observed(pod(rank=0, annotations={"kubetrain.io/checkpoint-sync": text}), pod(rank=1)), at(5)).status
+    cond = st.condition("CheckpointsLagging")
+    assert cond.status == "True" and cond.message.startswith("uploads stuck")
+    assert "SECRET123" not in cond.message and len(cond.message) <= 1024, cond.message[:200]

@@ -15,6 +15,7 @@ SECRETS = [
     ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", "eyJhbGciOiJIUzI1NiJ9"),
     ("failed to fetch https://alice:s3cr3t@registry.example/v2/", "s3cr3t"),
     ("X-Amz-Security-Token: FQoGZXIvYXdzEJr//////////", "FQoGZXIvYXdzEJr"),
+    ("GET https://b.s3.example/k?X-Amz-Signature=0a1b2c3d4e5f&X-Amz-Date=20261205", "0a1b2c3d4e5f"),
     ("-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----", "MIIEow"),
 ]
 
@@ -34,3 +35,19 @@ def test_secret_shaped_values_are_redacted(text: str, secret: str) -> None:
 ])
 def test_ordinary_messages_are_kept_whole(text: str) -> None:
     assert redact(text) == text
+
+
+
+def test_an_excerpt_of_a_huge_message_is_cut_before_it_is_redacted() -> None:
+    """A pod writes its annotations and termination message: 100 kB of one word made the redaction of the
+    whole text take minutes of the operator's CPU (the key pattern backtracked at every position). The
+    excerpt now redacts only what it keeps (plus a margin), and a secret at the cut is still caught."""
+    from kubetrain.draft import MESSAGE_LIMIT, excerpt
+
+    text = "y" * (MESSAGE_LIMIT - 12) + " token=SECRET123456789 " + "z" * 200_000
+    out = excerpt(text)
+    assert len(out) == MESSAGE_LIMIT and "SECRET" not in out and out.startswith("y" * 100)
+
+
+def test_a_key_name_longer_than_the_bound_still_has_its_value_redacted() -> None:
+    assert "SECRET1" not in redact("x" * 500 + "_token=SECRET1")
