@@ -63,8 +63,9 @@ PODS_READY = "PodsReady"
 DEACTIVATION_TARGET = "DeactivationTarget"
 
 ANNOTATION_SUSPENDED = "kubetrain.io/suspended"
-"""Set on a Workload in the same patch that makes it inactive for the job's suspend, removed in the one
-that activates it again: an inactive Workload without it was deactivated by Kueue itself."""
+"""Set on a Workload in the same patch that makes it inactive for the job's suspend (or to queue a gang that
+changed since its admission again), removed in the one that activates it again: an inactive Workload without
+it was deactivated by Kueue itself."""
 
 # Reasons of PodsReady (written by the job's controller: the operator).
 WAIT_FOR_START = "WaitForStart"
@@ -264,7 +265,7 @@ class WorkloadView:
     requeue_count: int = 0
     deleting: bool = False
     suspended_by_job: bool = False
-    """The operator made it inactive for the job's suspend (`ANNOTATION_SUSPENDED`)."""
+    """The operator made it inactive, for the job's suspend or a re-queue (`ANNOTATION_SUSPENDED`)."""
 
     @classmethod
     def from_storage(cls, body: Mapping[str, Any]) -> "WorkloadView":

@@ -18,6 +18,13 @@ finish), and this module wraps it:
   next admission starts a new attempt that resumes from the newest checkpoint;
 - `spec.runPolicy.suspend` is the Workload's `spec.active`; a deactivation by
   Kueue itself fails the job with Kueue's message;
+- the gang changed (`spec.nodes`, the pods' resources) while admitted: a running
+  gang is left alone, but no next attempt starts under an admission for another
+  gang (that would bypass the quota); once it is due and no pod is left, the
+  operator deactivates the Workload (Kueue evicts it, the admission is cleared)
+  and activates it again with the new podSets in one write: Kueue admits the new
+  size, as its own integrations do with a job that no longer matches its Workload
+  (phase `Queued`, reason `WorkloadOutdated`; no backoff or preemption counted);
 - a finished job marks its Workload `Finished=True` (the quota is released)
   and lets go of the Workload's finalizer once no pod is left.
 
@@ -38,12 +45,14 @@ from kubetrain.draft import Draft, delete_pods, excerpt, fail
 from kubetrain.observe import Observed
 from kubetrain.plan import plan
 from kubetrain.status import STARTED_PHASES, Status
-from kubetrain.values import format_time
+from kubetrain.values import format_time, parse_time
 
 QUEUED = "Queued"
 """The phase and the condition of a job that waits for Kueue."""
 WAIT_POLL_SECONDS = 30.0
 """How often a waiting job looks again even without a Workload event (the watch is the fast path)."""
+OUTDATED = "WorkloadOutdated"
+"""The job's reason while its Workload is queued again because the gang changed since its admission."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +125,11 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
         result = plan(job, observed, now)
         return _with(result, _spec_patch(job, body, view, active=False) or _evicted_patch(body, view, observed, now))
     patch = _spec_patch(job, body, view, active=True)
-    if view.evicted is not None or not view.admitted:
-        if view.evicted is not None and (view.quota_reserved or observed.pods or view.pending is None):
+    changed = _podsets(job, body) is not None
+    if view.evicted is not None or not view.admitted or (not view.active and changed):
+        if not view.active and changed:  # queued again for a changed gang (below), or resumed after a resize
+            reason, message = OUTDATED, _outdated(job, body)
+        elif view.evicted is not None and (view.quota_reserved or observed.pods or view.pending is None):
             reason, message = view.evicted.reason or kueue.EVICTED, view.evicted.message
         elif view.pending is not None:
             reason, message = view.pending.reason or kueue.PENDING, view.pending.message
@@ -127,6 +139,12 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
             reason, message = kueue.PENDING, f"waiting for Kueue to admit the job in LocalQueue {queue}"
         _wait(d, observed, reason, message)
         return _with(d.build(), patch or _evicted_patch(body, view, observed, now))
+    if changed and _next_attempt_due(job, now):
+        # Admitted for another gang: the next attempt must not start under it. Deactivated once no pod is left
+        # (the quota stays held while pods exist); the branch above then clears the admission and activates it
+        # again with the new podSets in one write, which Kueue's webhook accepts once nothing is reserved.
+        _wait(d, observed, OUTDATED, _outdated(job, body))
+        return _with(d.build(), None if observed.pods else _deactivate(body))
     if view.topology_assigned:
         _wait(d, observed, "TopologyUnsupported", "Kueue assigned a topology (topology-aware scheduling), "
                                                   "which kubetrain does not support: no pod starts")
@@ -174,6 +192,25 @@ def _wait(d: Draft, observed: Observed, reason: str, message: str) -> None:
     d.cond(QUEUED, "True", reason, text)
     d.update(phase=QUEUED, message=f"queued: {reason}: {text}", nodes_ready=0, next_attempt_time=None)
     delete_pods(d, observed, observed.pods)
+
+
+def _next_attempt_due(job: Job, now: dt.datetime) -> bool:
+    """No attempt is under way (between attempts, or none yet) and the next one may start now (its backoff,
+    if any, has passed): the point at which `plan.plan` would create pods from the current spec."""
+    status = job.status
+    if status.attempt >= 1 and status.phase in STARTED_PHASES:
+        return False
+    ready_at = parse_time(status.next_attempt_time)
+    return ready_at is None or now >= ready_at
+
+
+def _outdated(job: Job, body: Mapping[str, Any]) -> str:
+    assert job.spec is not None
+    stored = [ps.get("count") for ps in (body.get("spec") or {}).get("podSets") or ()]
+    what = (f"spec.nodes {stored[0]} -> {job.spec.nodes}" if stored and stored[0] != job.spec.nodes
+            else "the pods' resources")
+    return (f"the gang changed since Kueue admitted it ({what}): no attempt starts under the old admission; "
+            "the Workload is queued again for the new gang")
 
 
 def _set_status(result: Plan, job: Job, status: Status) -> Plan:
@@ -251,12 +288,15 @@ def _condition(kind: Any, cond: kueue.Condition, old: Mapping[str, Any] | None, 
 def _spec_patch(job: Job, body: Mapping[str, Any], view: kueue.WorkloadView, *, active: bool) -> PatchWorkload | None:
     """spec.active as the job's suspend asks and, while nothing is reserved (suspended, queued), the podSets
     when the gang changed meanwhile (its size or its pods' resources: what the quota counts); None when
-    the Workload agrees."""
+    the Workload agrees. A changed gang's Workload is not activated while it still holds a reservation
+    (for the old gang): it is, with the new podSets in the same write, once that reservation is cleared."""
     changes: dict[str, Any] = {"active": active} if view.active != active else {}
+    podsets = _podsets(job, body)
     if not view.quota_reserved and not view.admitted:
-        podsets = _podsets(job, body)
         if podsets is not None:
             changes["podSets"] = podsets
+    elif active and podsets is not None:
+        changes = {}  # reactivated with the new podSets once the reservation for the old gang is gone
     if not changes:
         return None
     meta = body.get("metadata") or {}
@@ -264,6 +304,14 @@ def _spec_patch(job: Job, body: Mapping[str, Any], view: kueue.WorkloadView, *, 
     marks = {kueue.ANNOTATION_SUSPENDED: None if active else "true"} if "active" in changes else None
     return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
                          spec=changes, annotations=marks)
+
+
+def _deactivate(body: Mapping[str, Any]) -> PatchWorkload:
+    """spec.active=false, marked as the operator's own doing (as for a suspend): Kueue evicts the Workload and
+    never admits it while inactive, so it cannot be admitted again for the old gang meanwhile."""
+    meta = body.get("metadata") or {}
+    return PatchWorkload(name=str(meta.get("name") or ""), resource_version=str(meta.get("resourceVersion") or ""),
+                         spec={"active": False}, annotations={kueue.ANNOTATION_SUSPENDED: "true"})
 
 
 def _podsets(job: Job, body: Mapping[str, Any]) -> list[dict[str, Any]] | None:

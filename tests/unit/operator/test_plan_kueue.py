@@ -59,6 +59,10 @@ def pending(reason: str = "ExceedsMaxQuota", message: str = "couldn't assign fla
 
 
 PREEMPTED = cond("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: u2) due to prioritization")
+BIGGER = {"resources": {"requests": {"cpu": "8", "nvidia.com/gpu": "8"}, "limits": {"cpu": "8", "nvidia.com/gpu": "8"}}}
+"""Pods' resources edited: more cpu and gpus per pod than the Workload (built from `job()`) counts."""
+DUE = {"failures": 1, "nextAttemptTime": iso(1)}
+"""Between attempts after a failure, the backoff passed (the plans run at 5 s)."""
 
 
 @dataclass
@@ -143,6 +147,54 @@ CASES = [
     Case("resized while suspended: the inactive Workload gets the new size", queued(
          nodes=3, run_policy={"suspend": True}, status=started(phase="Suspended")),
          KueueObserved(workload=workload(active=False)), patch={"spec": {"podSets": 3}}),
+    Case("resized while admitted, between attempts: no pod starts under the old admission; the Workload is "
+         "deactivated to queue it again, no backoff or preemption counted",
+         queued(nodes=6, status=started(phase="Restarting", **DUE)), admitted(), phase="Queued",
+         queued="WorkloadOutdated", creates=0, patch={"spec": {"active": False}}, events=["Queued"],
+         counters={"attempt": 1, "failures": 1, "preemptions": 0, "restarts": 0}),
+    Case("the pods' resources edited while admitted: queued again as well",
+         queued(spec=BIGGER, status=started(phase="Restarting", **DUE)), admitted(), phase="Queued",
+         queued="WorkloadOutdated", creates=0, patch={"spec": {"active": False}},
+         counters={"failures": 1, "preemptions": 0}),
+    Case("nothing changed: the next attempt starts under the admission it has",
+         queued(status=started(phase="Restarting", **DUE)), admitted(), phase="Pending", creates=2,
+         patch={"PodsReady": ("False", "WaitForStart")}, counters={"attempt": 2, "failures": 1, "preemptions": 0}),
+    Case("resized while a gang runs: the gang is left alone (the edit takes effect at the next attempt)",
+         queued(nodes=6, spec=BIGGER, status=started(phase="Running", nodesReady=2)), admitted(),
+         obs=observed(*gang(2, ready=True)), creates=0, patch={"PodsReady": ("True", "Started")}),
+    Case("resized, and the failed gang is still stopping: the Workload keeps its quota until no pod is left",
+         queued(nodes=6, status=started(phase="Restarting", **DUE)), admitted(),
+         obs=observed(*gang(2, deleting=True)), phase="Queued", queued="WorkloadOutdated", creates=0),
+    Case("resized during the backoff after a failure: the backoff is honoured first",
+         queued(nodes=6, status=started(phase="Restarting", failures=1, nextAttemptTime=iso(60))), admitted(),
+         creates=0, patch={"PodsReady": ("False", "WaitForStart")}, counters={"failures": 1}),
+    Case("queued again, Kueue has not evicted the inactive Workload yet: its admission is cleared, it is not "
+         "reactivated for the old gang",
+         queued(nodes=6, status={**started(phase="Queued", failures=1),
+                                 "conditions": [cond("Queued", "True", "WorkloadOutdated")]}),
+         KueueObserved(workload=workload(*ADMITTED, admitted=True, active=False, marked=True), flavors=FLAVORS),
+         phase="Queued", queued="WorkloadOutdated", creates=0,
+         patch={"QuotaReserved": ("False", "Pending"), "Admitted": ("False", "NoReservation"), "admission": None}),
+    Case("queued again, nothing reserved any more: one write activates the Workload with the new size",
+         queued(nodes=6, status={**started(phase="Queued", failures=1),
+                                 "conditions": [cond("Queued", "True", "WorkloadOutdated")]}),
+         KueueObserved(workload=workload(cond("QuotaReserved", "False", "Pending"), active=False, marked=True)),
+         phase="Queued", queued="WorkloadOutdated", creates=0, patch={"spec": {"active": True, "podSets": 6}}),
+    Case("admitted at the new size: the next attempt starts with it, no backoff or preemption counted",
+         queued(nodes=6, status={**started(phase="Queued", failures=1),
+                                 "conditions": [cond("Queued", "True", "WorkloadOutdated")]}), admitted(nodes=6),
+         phase="Pending", creates=6, patch={"PodsReady": ("False", "WaitForStart")},
+         counters={"attempt": 2, "failures": 1, "preemptions": 0, "nodes_total": 6}),
+    Case("resized while suspended and resumed before Kueue evicted the inactive Workload: not reactivated for "
+         "the old gang, queued again at the new size",
+         queued(nodes=3, status=started(phase="Suspended")),
+         KueueObserved(workload=workload(*ADMITTED, admitted=True, active=False, marked=True), flavors=FLAVORS),
+         phase="Queued", queued="WorkloadOutdated", creates=0,
+         patch={"QuotaReserved": ("False", "Pending"), "Admitted": ("False", "NoReservation"), "admission": None}),
+    Case("preempted while running with an edited spec: still a preemption (Kueue's reason), the new size next",
+         queued(nodes=6, status=started(phase="Running", nodesReady=2)), admitted(PREEMPTED),
+         obs=observed(*gang(2, ready=True)), phase="Queued", queued="Preempted", deletes=2,
+         counters={"preemptions": 1, "failures": 0}),
     Case("deactivated by Kueue itself: the job fails with Kueue's message", queued(status=started(phase="Running")),
          admitted(cond("DeactivationTarget", "True", "RequeuingLimitExceeded", "exceeded the requeuing limit")),
          obs=observed(*gang(2)), phase="Failed", deletes=2),
@@ -236,3 +288,46 @@ def test_the_suspend_mark_goes_in_the_same_write_as_spec_active() -> None:
     created_suspended = kueue.build_workload(job(run_policy={"suspend": True}), labels={kueue.LABEL_QUEUE_NAME: "q"},
                                              priority=None)
     assert created_suspended["metadata"]["annotations"] == {kueue.ANNOTATION_SUSPENDED: "true"}
+
+
+def test_a_gang_resized_while_admitted_is_queued_again_and_then_starts_at_the_new_size() -> None:
+    """The re-queue, step by step as Kueue answers: no pod until Kueue admits 6, then the attempt starts once
+    (no loop), and the deactivation is marked as the operator's own (the job does not fail for it)."""
+    current = queued(nodes=6, status=started(phase="Restarting", **DUE))
+    reserved_inactive = workload(*ADMITTED, admitted=True, active=False, marked=True)
+    evicted_inactive = workload(*ADMITTED, cond("Evicted", "True", "Deactivated", "The workload is deactivated"),
+                                admitted=True, active=False, marked=True)
+    steps = [(admitted(), "deactivate"), (KueueObserved(workload=reserved_inactive, flavors=FLAVORS), "clear"),
+             (KueueObserved(workload=evicted_inactive, flavors=FLAVORS), "clear"),
+             (KueueObserved(workload=workload(cond("QuotaReserved", "False", "Pending"), active=False, marked=True)),
+              "activate"),
+             (KueueObserved(workload=workload(cond("QuotaReserved", "False", "Pending"), nodes=6)), "wait"),
+             (admitted(nodes=6), "start")]
+    for kq, expected in steps:
+        result = plan_queued(current, observed(), kq, at(5))
+        creates = [a for a in result.actions if isinstance(a, CreatePod)]
+        patches = [a for a in result.actions if isinstance(a, PatchWorkload)]
+        if expected == "deactivate":
+            [patch] = patches
+            assert patch.spec == {"active": False} and patch.annotations == {kueue.ANNOTATION_SUSPENDED: "true"}
+        elif expected == "clear":
+            [patch] = patches
+            assert patch.spec is None and patch.status is not None and patch.status["admission"] is None
+        elif expected == "activate":
+            [patch] = patches
+            assert patch.spec is not None and patch.spec["active"] is True
+            assert [ps["count"] for ps in patch.spec["podSets"]] == [6]
+            assert patch.annotations == {kueue.ANNOTATION_SUSPENDED: None}
+        elif expected == "wait":
+            assert patches == []
+        if expected == "start":
+            assert [(a.attempt, a.rank) for a in creates] == [(2, r) for r in range(6)]
+        else:
+            assert creates == [], expected
+        if result.status is not None:
+            current = replace(current, status=result.status)
+        assert current.status.phase == ("Pending" if expected == "start" else "Queued"), expected
+    status = current.status
+    assert (status.attempt, status.failures, status.preemptions, status.restarts) == (2, 1, 0, 1)
+    queued_cond = status.condition("Queued")
+    assert queued_cond is not None and (queued_cond.status, queued_cond.reason) == ("False", "Admitted")
