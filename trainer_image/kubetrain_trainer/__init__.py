@@ -5,7 +5,7 @@ detail of its module.
 """
 
 from .args import ConfigError, TrainingArguments
-from .callbacks import EarlyStoppingCallback, TrainerCallback, TrainerControl
+from .callbacks import EarlyStoppingCallback, PrinterCallback, ProgressCallback, TrainerCallback, TrainerControl
 from .state import (EvalPrediction, NonFiniteLossError, PredictionOutput, TrainerState, TrainingPreempted,
                     TrainOutput)
 
@@ -24,6 +24,8 @@ def __getattr__(name: str):
 __all__ = [
     "ConfigError",
     "EarlyStoppingCallback",
+    "PrinterCallback",
+    "ProgressCallback",
     "EvalPrediction",
     "NonFiniteLossError",
     "PredictionOutput",

@@ -4,7 +4,11 @@ The loop raises events; callbacks read `TrainerState` and flip
 `TrainerControl` flags (log / evaluate / save / stop). Deciding *when* to log,
 evaluate and save is itself a callback (`DefaultFlowCallback`), so the loop
 never hard-codes a schedule. Callbacks with state worth resuming implement
-`state()` / `load_state()`; their state travels in `trainer_state.json`.
+`state()` / `load_state()`; their state travels in `trainer_state.json`
+(`stateful_callbacks`, laid out as HF lays it out). HF callbacks run as they
+are: a plain `transformers.TrainerCallback` has no state, and HF's stateful
+ones (`ExportableState`: `state()` returns {"args": ..., "attributes": ...})
+are rebuilt from it on resume, as HF's Trainer does.
 """
 
 from __future__ import annotations
@@ -116,13 +120,53 @@ class CallbackHandler:
         return handlers
 
     def save_states(self, state: TrainerState) -> None:
-        state.stateful_callbacks = {type(cb).__name__: s for cb in self.callbacks if (s := cb.state()) is not None}
+        """Each callback's `state()` under its class name (a list where several share a class), as in HF.
+
+        Callbacks without a `state` method (HF's plain `TrainerCallback`s) or whose `state()` is None have none.
+        """
+        groups: dict[str, list] = {}
+        for cb in self.callbacks:
+            export = getattr(cb, "state", None)
+            if callable(export) and (saved := export()) is not None:
+                groups.setdefault(type(cb).__name__, []).append(saved)
+        state.stateful_callbacks = {name: saved[0] if len(saved) == 1 else saved for name, saved in groups.items()}
 
     def load_states(self, state: TrainerState) -> None:
-        for cb in self.callbacks:
-            saved = state.stateful_callbacks.get(type(cb).__name__)
-            if saved is not None:
-                cb.load_state(saved)
+        """Give the callbacks their saved states back, matched by class name and then by order (as HF does)."""
+        missing = []
+        for name, saved in state.stateful_callbacks.items():
+            same = [i for i, cb in enumerate(self.callbacks) if type(cb).__name__ == name]
+            if not same:
+                missing.append(name)
+            for index, data in zip(same, saved if isinstance(saved, list) else [saved]):
+                self._restore(index, data)
+        if missing:
+            logger.warning("the checkpoint has the state of callbacks this run does not have: %s; ignored",
+                           ", ".join(missing))
+
+    def _restore(self, index: int, data: Any) -> None:
+        """A kubetrain callback takes `data` through `load_state`. Any other (HF's `ExportableState` ones) is
+        replaced, as HF's Trainer restores it, by one built from the saved "args" and given the saved
+        "attributes"; state in another layout (kubetrain's EarlyStoppingCallback before it used HF's, under
+        HF's class name) is left out with a warning: the callback starts afresh, the resume goes on."""
+        cb = self.callbacks[index]
+        load = getattr(cb, "load_state", None)
+        if callable(load):
+            load(data)
+            return
+        name = type(cb).__name__
+        if not isinstance(data, dict) or not data.keys() <= {"args", "attributes"}:
+            logger.warning("callback %s: its saved state is not in HF's {args, attributes} layout; it starts afresh",
+                           name)
+            return
+        try:
+            restored = type(cb)(**(data.get("args") or {}))
+            for attribute, value in (data.get("attributes") or {}).items():
+                setattr(restored, attribute, value)
+        except Exception as exc:  # noqa: BLE001 - a callback that cannot be rebuilt must not stop the resume
+            logger.warning("callback %s: its saved state could not be restored (%s); it starts afresh", name, exc)
+            return
+        self.callbacks[index] = restored  # the handlers cached per event see the new list item
 
 
 def _dispatcher(event: str):
@@ -160,9 +204,11 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_evaluate = True
         if args.save_strategy == "steps" and state.save_steps and step % state.save_steps == 0:
             control.should_save = True
-        if step >= state.max_steps:
+        if step >= state.max_steps:  # as in HF 5.x: the last step is evaluated, and saved with "steps" only
             control.should_training_stop = True
-            if args.save_strategy not in ("no", "best"):
+            if args.eval_strategy == "steps":
+                control.should_evaluate = True
+            if args.save_strategy == "steps":
                 control.should_save = True
         return control
 
@@ -176,14 +222,32 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
 
-class ProgressCallback(TrainerCallback):
-    """A tqdm bar of optimizer steps, on the main process only (the loop adds it there)."""
+def _printable(logs: dict[str, Any], max_str_len: int | None = None) -> dict[str, Any]:
+    """A log dict as HF's ProgressCallback / PrinterCallback print it: floats to 4 significant digits, no
+    total_flos, strings over `max_str_len` replaced by a note. The logged dict itself is left as it is."""
+    shown = {}
+    for key, value in logs.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif max_str_len is not None and isinstance(value, str) and len(value) > max_str_len:
+            value = (f"[String too long to display, length: {len(value)} > {max_str_len}. "
+                     "Consider increasing `max_str_len` if needed.]")
+        shown[key] = value
+    shown.pop("total_flos", None)
+    return shown
 
-    def __init__(self):
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar of optimizer steps with each log dict printed above it (as HF), on the main process only."""
+
+    def __init__(self, max_str_len: int = 100):
         self.bar = None
         self._last = 0
+        self.max_str_len = max_str_len
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
@@ -195,15 +259,21 @@ class ProgressCallback(TrainerCallback):
             self._last = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is not None and logs:
-            self.bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v)
-                                  for k, v in logs.items() if k in ("loss", "eval_loss", "learning_rate")},
-                                 refresh=False)
+        if self.bar is not None and logs:  # while training, as HF's (a later evaluate() prints nothing)
+            self.bar.write(str(_printable(logs, self.max_str_len)))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Prints each log dict on the main process: HF's output with `disable_tqdm` (reporting.py adds it then)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            print(_printable(logs), flush=True)
 
 
 class LoggingCallback(TrainerCallback):
@@ -220,8 +290,17 @@ class EarlyStoppingCallback(TrainerCallback):
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
-        self.patience_counter = 0
+        self.early_stopping_patience_counter = 0  # evaluations in a row without improvement (HF's name)
         self.best: float | None = None
+
+    @property
+    def patience_counter(self) -> int:
+        """`early_stopping_patience_counter` under its earlier kubetrain name."""
+        return self.early_stopping_patience_counter
+
+    @patience_counter.setter
+    def patience_counter(self, value: int) -> None:
+        self.early_stopping_patience_counter = value
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not args.metric_for_best_model or args.eval_strategy == "no":
@@ -236,20 +315,30 @@ class EarlyStoppingCallback(TrainerCallback):
         if value is None or not math.isfinite(value):
             logger.warning("early stopping: metric %s missing or not finite; not counted", key)
             return
-        better = (value > self.best + self.early_stopping_threshold if args.greater_is_better
-                  else value < self.best - self.early_stopping_threshold) if self.best is not None else True
+        best = self.best if self.best is not None else state.best_metric  # resumed from HF's callback: its best
+        better = (value > best + self.early_stopping_threshold if args.greater_is_better
+                  else value < best - self.early_stopping_threshold) if best is not None else True
         if better:
-            self.best, self.patience_counter = value, 0
+            self.best, self.early_stopping_patience_counter = value, 0
         else:
-            self.patience_counter += 1
-            if self.patience_counter >= self.early_stopping_patience:
+            self.early_stopping_patience_counter += 1
+            if self.early_stopping_patience_counter >= self.early_stopping_patience:
                 logger.info("early stopping at step %d: %s did not improve for %d evaluations",
-                            state.global_step, key, self.patience_counter)
+                            state.global_step, key, self.early_stopping_patience_counter)
                 control.should_training_stop = True
 
     def state(self):
-        return {"patience_counter": self.patience_counter, "best": self.best}
+        """HF's layout, under HF's class name: HF's EarlyStoppingCallback resumes from it, and this one from HF's."""
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter,
+                               "best": self.best}}
 
     def load_state(self, state):
-        self.patience_counter = state["patience_counter"]
-        self.best = state["best"]
+        """The counter (and best value) from HF's layout or from kubetrain's older {patience_counter, best};
+        the patience and threshold stay this run's. HF's own callback saves no best value: it compares with
+        `state.best_metric`, and so does this one until it has one of its own."""
+        saved = (state.get("attributes") or {}) if "args" in state or "attributes" in state else state
+        self.early_stopping_patience_counter = saved.get("early_stopping_patience_counter",
+                                                         saved.get("patience_counter", 0))
+        self.best = saved.get("best")

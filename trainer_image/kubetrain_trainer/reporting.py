@@ -2,6 +2,10 @@
 
 Both are callbacks that act on `on_log` on the main process only. An empty
 `report_to` simply adds none, so the loop never checks whether reporting is on.
+They close their files when training ends and reopen them (appending) for a
+record logged later, e.g. by a `trainer.evaluate()` after `train()`.
+With `disable_tqdm` (no progress bar to print the log dicts above) the
+`PrinterCallback` prints them, as in HF.
 Under the launcher (it sets KUBETRAIN_PROGRESS_FILE) every run also reports its
 progress to it, whatever `report_to` says (`progress.py`): that feeds the pod's
 /metrics and /progress, not a user-facing log.
@@ -17,7 +21,7 @@ import time
 from pathlib import Path
 
 from .args import TrainingArguments
-from .callbacks import TrainerCallback
+from .callbacks import PrinterCallback, TrainerCallback
 from .progress import progress_callbacks
 
 
@@ -29,15 +33,19 @@ class JsonLinesCallback(TrainerCallback):
         self._file = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
+        if state.is_world_process_zero and self._file is None:
+            self._open(args)
+
+    def _open(self, args) -> None:
         self.path = self.path or Path(args.logging_dir) / "log.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)  # line-buffered: a killed pod keeps whole lines
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._file is None or not logs:
+        if not logs or not state.is_world_process_zero:
             return
+        if self._file is None:  # logged outside train(), or after it (closed at its end)
+            self._open(args)
         record = {"step": state.global_step, "time": time.time(),
                   **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in logs.items()}}
         self._file.write(json.dumps(record) + "\n")
@@ -55,16 +63,22 @@ class TensorBoardCallback(TrainerCallback):
         self.writer = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or self.writer is not None:
+        if not state.is_world_process_zero:
             return
+        if self.writer is None:
+            self._open(args)
+        self.writer.add_text("args", args.to_json_string())
+
+    def _open(self, args) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
 
         self.writer = SummaryWriter(log_dir=args.logging_dir)
-        self.writer.add_text("args", args.to_json_string())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.writer is None or not logs:
+        if not logs or not state.is_world_process_zero:
             return
+        if self.writer is None:  # logged outside train(), or after it (closed at its end): a new event file
+            self._open(args)
         for key, value in logs.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 tag = key if key.startswith("eval_") else f"train/{key}"
@@ -81,4 +95,5 @@ _REPORTERS = {"tensorboard": TensorBoardCallback, "jsonl": JsonLinesCallback}
 
 
 def reporters_for(args: TrainingArguments) -> list[TrainerCallback]:
-    return [*(_REPORTERS[name]() for name in args.report_to), *progress_callbacks()]
+    printer = [PrinterCallback()] if args.disable_tqdm else []  # with the bar, ProgressCallback prints the logs
+    return [*(_REPORTERS[name]() for name in args.report_to), *printer, *progress_callbacks()]

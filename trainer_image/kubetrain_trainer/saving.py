@@ -32,9 +32,8 @@ class SavingMixin:
         self._wait_for_save()
         args, state = self.args, self.state
         final = Path(args.output_dir) / ckpt.checkpoint_name(state.global_step)
-        if self._new_best:
-            state.best_model_checkpoint = str(final)
-            self._new_best = False
+        if state.best_global_step == state.global_step:  # as in HF: only the evaluated best step's checkpoint
+            state.best_model_checkpoint = str(final)  # (a best found at a step without a save labels none)
         state.last_checkpoint_dir = str(final)
         self.callback_handler.save_states(state)
         keep = [state.best_model_checkpoint]

@@ -57,6 +57,8 @@ class TrainerState:
     world_size: int = 1
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
+    best_global_step: int | None = None
+    """Step of the evaluation that set `best_metric`; only `checkpoint-<best_global_step>` is the best model."""
     best_model_checkpoint: str | None = None
     last_checkpoint_dir: str | None = None
     """Folder of the most recently committed local checkpoint (set before `on_save` fires)."""
@@ -72,8 +74,9 @@ class TrainerState:
     loss_count: int = 0
     skipped_steps: int = 0
     """Steps whose update was dropped because the loss was NaN/inf."""
-    stateful_callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Saved state of callbacks that have some (e.g. early stopping patience)."""
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+    """Saved state of callbacks that have some (e.g. early stopping patience), by class name as in HF: one
+    callback's dict, or a list of them where several callbacks share a class."""
 
     def save_to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
