@@ -9,6 +9,9 @@ remaining order is `perm[n:]` dealt out the same way, so the sampler starts
 there directly — no batch is loaded to be thrown away, and the world size
 may even change between runs. Iterable datasets have no random access; they
 fall back to skipping batches (logged).
+
+Without a `data_collator`, batches are made as HF's `default_data_collator`
+makes them (`default_data_collator` here; transformers is not needed).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=collate_fn or default_collate,
+        collate_fn=collate_fn or default_data_collator,
         num_workers=num_workers,
         pin_memory=pin_memory,
         drop_last=drop_last,
@@ -114,6 +117,53 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
 
 
 _TENSOR = frozenset((torch.Tensor,))
+_LABEL_KEYS = ("label", "label_ids")
+
+
+def default_data_collator(features: list) -> Any:
+    """HF's `default_data_collator` (the HF Trainer's default), with torch's `default_collate` where HF has none.
+
+    Rows that are mappings (or objects, through `vars`) become one dict: tensors are stacked, numpy arrays
+    stacked, anything else (Python numbers, lists of them) goes through `torch.tensor`; keys whose first
+    value is None or a string are dropped, and `label` / `label_ids` become `labels`. A batch of dicts of
+    tensors only (the common case, every step) and rows that are tuples or tensors go to torch's
+    `default_collate` as before, so those batches are exactly what they were.
+    """
+    first = features[0]
+    if (type(first) is dict and _TENSOR.issuperset(map(type, first.values()))
+            and "label" not in first and "label_ids" not in first):
+        return default_collate(features)
+    if not isinstance(first, Mapping):
+        if isinstance(first, (torch.Tensor, tuple, list)) or not hasattr(first, "__dict__"):
+            return default_collate(features)
+        features = [vars(f) for f in features]
+        first = features[0]
+    batch: dict[str, Any] = {}
+    label = first.get("label")
+    if label is not None:
+        value = label.item() if isinstance(label, torch.Tensor) else label
+        batch["labels"] = torch.tensor([f["label"] for f in features], dtype=torch.long if isinstance(value, int)
+                                       else torch.float)
+    elif first.get("label_ids") is not None:
+        ids = first["label_ids"]
+        batch["labels"] = (torch.stack([f["label_ids"] for f in features]) if isinstance(ids, torch.Tensor) else
+                           torch.tensor([f["label_ids"] for f in features],
+                                        dtype=torch.long if isinstance(ids[0], int) else torch.float))
+    for key, value in first.items():
+        if key in _LABEL_KEYS or value is None or isinstance(value, str):
+            continue
+        values = [f[key] for f in features]
+        if isinstance(value, torch.Tensor):
+            batch[key] = torch.stack(values)
+        elif type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":  # numpy stays optional
+            import numpy as np
+
+            batch[key] = torch.from_numpy(np.stack(values))
+        elif isinstance(value, Mapping):  # nested: HF has no rule; torch's
+            batch[key] = default_collate(values)
+        else:
+            batch[key] = torch.tensor(values)
+    return batch
 _DEVICE = attrgetter("device")
 _IS_CPU = attrgetter("is_cpu")  # a flag, where .device makes a device object per tensor
 

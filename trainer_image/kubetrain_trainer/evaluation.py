@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from . import distributed as dist_util
+from .args import ConfigError
 from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader
 from .state import EvalPrediction, PredictionOutput
 
@@ -71,6 +72,26 @@ def label_names(model_class: type) -> tuple[str, ...]:
     return tuple(p for p in params if "label" in p or p in qa) or ("labels",)
 
 
+def check_eval_dataset(dataset: Any) -> None:
+    """Refuse a dict of eval sets (HF evaluates each under its name; kubetrain takes one), before any step."""
+    if isinstance(dataset, dict):
+        raise ConfigError(f"eval_dataset: a dict of datasets ({', '.join(map(repr, dataset))}) is not supported: "
+                          "pass one dataset, and evaluate the others with trainer.evaluate(dataset)")
+
+
+def plain_metrics(value: Any) -> Any:
+    """A compute_metrics value as HF logs it: numpy and one-element tensor numbers become Python numbers, in
+    lists, tuples and dicts too; anything else (a list of per-class scores, a string) is kept as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_metrics(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain_metrics(v) for k, v in value.items()}
+    if (type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0) or \
+            (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value.item()
+    return value
+
+
 def _interleave(per_rank: list[torch.Tensor], total: int) -> torch.Tensor:
     """Undo round-robin sharding: element j of rank r is global sample j*W + r."""
     stacked = torch.stack(per_rank, dim=1)
@@ -93,6 +114,7 @@ class EvaluationMixin:
             dataset = self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
+        check_eval_dataset(dataset)
         return self._ordered_loader(dataset)
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
@@ -174,7 +196,7 @@ class EvaluationMixin:
         all_labels = self._gather(labels, dataset_len)
         if self.compute_metrics is not None and all_preds is not None:
             for key, value in self.compute_metrics(EvalPrediction(_numpy(all_preds), _numpy(all_labels))).items():
-                metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = float(value)
+                metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
         runtime = time.perf_counter() - start
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
         if dataset_len:

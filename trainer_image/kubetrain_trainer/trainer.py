@@ -32,7 +32,8 @@ from .args import ConfigError, TrainingArguments
 from .background_save import BackgroundSaver
 from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
                         TrainerControl)
-from .evaluation import EvaluationMixin
+from .data import default_data_collator
+from .evaluation import EvaluationMixin, check_eval_dataset
 from .hooks import autocast_factory, neftune_hook
 from .loglevels import apply_process_log_level
 from .modelio import save_model_files
@@ -64,6 +65,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but no eval_dataset was given: "
                               "pass one or set eval_strategy: no")
+        check_eval_dataset(eval_dataset)
         if args.neftune_noise_alpha and not hasattr(model, "get_input_embeddings"):
             raise ConfigError("neftune_noise_alpha needs a model with get_input_embeddings(); unset it")
         if args.gradient_checkpointing:
@@ -73,7 +75,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
             model.gradient_checkpointing_enable()
         self.model = model
         self.model_wrapped: nn.Module | None = None
-        self.data_collator = data_collator
+        self.data_collator = data_collator if data_collator is not None else default_data_collator  # as HF
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.compute_metrics = compute_metrics
@@ -159,13 +161,15 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         preempted = False
         while state.global_step < state.max_steps and not self.control.should_training_stop and not preempted:
             epoch = state.data_position.epoch
+            if args.max_steps <= 0 and epoch >= plan.num_epochs:  # epochs cut short (should_epoch_stop): HF
+                break  # trains num_train_epochs of them; a max_steps run trains its steps
             skip = 0 if args.ignore_data_skip else state.data_position.samples
             batches = epoch_batches(dataloader, epoch=epoch, skip_samples=skip, args=args, world_size=world)
             done = skip // samples_per_batch  # micro-batches of this epoch already consumed (per rank)
-            if done == 0:
-                self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
-            self.control.should_epoch_stop = False
+            self.control.should_epoch_stop = False  # before on_epoch_begin, which fires on a resume too (as HF)
+            self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
             epoch_done = False
+            grad_norm = lr = None
             while state.global_step < state.max_steps:
                 micro = list(itertools.islice(batches, ga))
                 if not micro:
@@ -210,6 +214,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                     if not args.logging_nan_inf_filter:
                         state.loss_since_log += step_loss
                         state.steps_since_log += 1
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used: HF logs it, not the next one
                 self.lr_scheduler.step()
                 state.global_step += 1
                 done += len(micro)
@@ -218,18 +223,25 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 state.data_position = (DataPosition(epoch + 1, 0) if epoch_done
                                        else DataPosition(epoch, done * samples_per_batch))
                 control = self.control = self.callback_handler.on_step_end(args, state, self.control)
+                if control.should_epoch_stop:  # the epoch ends here (HF): its next batch is the next epoch's first
+                    epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                 if control.should_log or control.should_evaluate or control.should_save or self._save_landed:
-                    self._maybe_log_save_evaluate(grad_norm, registry)
+                    self._maybe_log_save_evaluate(grad_norm, registry, lr)
                 if stop and state.global_step < state.max_steps:  # at the last step: just finish
                     preempted = True
                     break
                 if epoch_done or self.control.should_training_stop or self.control.should_epoch_stop:
                     break
-            if epoch_done and not preempted:
-                if plan.batches_per_epoch is None:
-                    state.data_position = DataPosition(epoch + 1, 0)
-                self.control = self.callback_handler.on_epoch_end(args, state, self.control)
-                self._maybe_log_save_evaluate(None, registry)
+            if preempted:  # no epoch end: the emergency checkpoint resumes where this stopped
+                break
+            if self.control.should_epoch_stop or (epoch_done and plan.batches_per_epoch is None):
+                state.data_position = DataPosition(epoch + 1, 0)
+            if done == 0 and not skip:  # not one batch in a whole epoch: stop (HF), or an empty iterable loops
+                logger.warning("epoch %d has no batch: stopping at step %d", epoch, state.global_step)
+                self.control.should_training_stop = True
+            # As HF: the epoch ends when its data does, at max_steps and on should_epoch_stop/should_training_stop.
+            self.control = self.callback_handler.on_epoch_end(args, state, self.control)
+            self._maybe_log_save_evaluate(grad_norm, registry, lr)
         if preempted:
             self._preempt(registry)
         return self._finish(start_time, start_step)
@@ -260,14 +272,16 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         self.state.skipped_steps += 1
         logger.warning("step %d: loss is %s on at least one rank; update skipped (nan_inf_policy: skip)", step, value)
 
-    def _maybe_log_save_evaluate(self, grad_norm, registry) -> None:
+    def _maybe_log_save_evaluate(self, grad_norm, registry, lr=None) -> None:
+        """`lr`: the rate of the step just taken (what HF logs); None: the scheduler's current one."""
         control, state = self.control, self.state
         if self._save_landed:  # committed on every rank: its on_save fires now, at the same step everywhere
             self._save_landed = False
             self._wait_for_save()
         if control.should_log and state.steps_since_log:
+            lr = self.lr_scheduler.get_last_lr()[0] if lr is None else lr
             logs = {"loss": state.loss_since_log / state.steps_since_log,
-                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+                    "learning_rate": lr.item() if isinstance(lr, torch.Tensor) else lr}
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item()
             state.loss_since_log = 0.0
@@ -296,7 +310,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                            "fix the name or return it from compute_metrics")
         value, best = metrics[key], self.state.best_metric
         if best is None or (value > best if self.args.greater_is_better else value < best):
-            self.state.best_metric = value
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step  # as HF
             self._new_best = True
 
     def _finish(self, start_time: float, start_step: int) -> TrainOutput:
