@@ -189,6 +189,9 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
             "cleaned up" if earlier else "waiting for the API server to accept the pods")
     # Pending only before the first attempt: with attempt >= 1, Pending would mean "attempt N's pods all
     # exist" (a resumed or restarting job whose next pods are refused stays Restarting).
+    # The deadline counts from the first try to start (as a Job's startTime): a gang whose pods stay refused
+    # (a quota that never admits all of them, the ones created holding theirs) fails on it, never waits forever.
     d.update(phase="Pending" if job.status.attempt == 0 else "Restarting",
-             message=f"attempt {job.status.attempt + 1}: {what}: {text}")
+             message=f"attempt {job.status.attempt + 1}: {what}: {text}",
+             start_time=d.status.start_time or format_time(now))
     return d.build()

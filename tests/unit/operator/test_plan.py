@@ -609,9 +609,9 @@ def test_a_refused_create_after_resume_stays_restarting_and_is_never_a_preemptio
     assert again.status.attempt == 3
 
 
-def test_a_resume_whose_pods_are_refused_is_still_a_resume_and_its_deadline_starts_with_its_pods() -> None:
+def test_a_resume_whose_pods_are_refused_is_still_a_resume_and_its_deadline_starts_with_the_resume() -> None:
     # Suspended after 10 minutes of a 1-hour deadline, resumed 2 hours later into a full quota: the resume
-    # (its status went out with the refused creates' plan) is kept, and the deadline does not fail the job.
+    # (its status went out with the refused creates' plan) is kept, and the deadline counts from the resume.
     from kubetrain.plan import rejected_plan
     stopped = {**started(attempt=1, phase="Suspended"),
                "conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended", "message": "",
@@ -619,11 +619,11 @@ def test_a_resume_whose_pods_are_refused_is_still_a_resume_and_its_deadline_star
     suspended = job(status=stopped, run_policy={"activeDeadlineSeconds": 3600})
     refused = rejected_plan(suspended, at(7800), reason="QuotaExceeded", message=QUOTA)
     st = refused.status
-    assert st is not None and st.phase == "Restarting" and st.start_time is None
+    assert st is not None and st.phase == "Restarting" and st.start_time == iso(7800)
     assert st.condition("Suspended").status == "False" and st.condition("Restarting").status == "True"
     assert [e.reason for e in refused.events] == ["Resumed", "QuotaExceeded"]
     later = plan(Job(**{**suspended.__dict__, "status": st}), observed(), at(7830))
-    assert later.status.phase == "Pending" and later.status.start_time == iso(7830)
+    assert later.status.phase == "Pending" and later.status.start_time == iso(7800)
     assert [a.rank for a in later.actions if isinstance(a, CreatePod)] == [0, 1]
 
 
@@ -699,3 +699,21 @@ def test_a_lagging_annotation_reaches_the_condition_cut_and_redacted() -> None:
     cond = st.condition("CheckpointsLagging")
     assert cond.status == "True" and cond.message.startswith("uploads stuck")
     assert "SECRET123" not in cond.message and len(cond.message) <= 1024, cond.message[:200]
+
+
+def test_a_gang_whose_pods_stay_refused_fails_on_its_deadline() -> None:
+    """6 of 8 pods created, the quota full (the 6 hold theirs): the job waited forever, past
+    activeDeadlineSeconds, since the clock started only once every pod existed."""
+    from kubetrain.plan import rejected_plan
+    j = job(nodes=8, run_policy={"activeDeadlineSeconds": 600})
+    st = rejected_plan(j, at(0), reason="QuotaExceeded", message=QUOTA).status
+    assert st.start_time == iso(0) and st.phase == "Pending"
+    six = observed(*(pod(rank=r, phase="Running") for r in range(6)))
+    waiting = plan(Job(**{**j.__dict__, "status": st}), six, at(300))
+    assert waiting.status is None or waiting.status.phase != "Failed"
+    again = rejected_plan(Job(**{**j.__dict__, "status": st}), at(300), reason="QuotaExceeded", message=QUOTA).status
+    assert again is None, "the same refusal again writes nothing: the clock keeps its start"
+    again = st
+    late = plan(Job(**{**j.__dict__, "status": again}), six, at(601))
+    assert late.status.phase == "Failed" and late.status.condition("Failed").reason == "DeadlineExceeded"
+    assert {a.name for a in late.actions if isinstance(a, DeletePod)} == {p.name for p in six.pods}
