@@ -63,6 +63,8 @@ class Expectations:
 
     created: dict[str, tuple[dt.datetime, PodView]] = field(default_factory=dict)
     deleted: dict[str, dt.datetime] = field(default_factory=dict)
+    uid: str = ""
+    """The job they were made for: a job re-created under the same name starts with none."""
 
     def overlay(self, pods: list[PodView], now: dt.datetime) -> list[PodView]:
         seen = {p.name for p in pods}
@@ -184,8 +186,7 @@ class Reconciler:
 
     def observe(self, job: Job, now: dt.datetime) -> Observed:
         pods = [view for uid, view in self.pods_index[(job.namespace, job.name)] if uid == job.uid]
-        exp = self.expectations.setdefault((job.namespace, job.name), Expectations())
-        pods = exp.overlay(pods, now)
+        pods = self._expectations((job.namespace, job.name), job.uid).overlay(pods, now)
         nodes: dict[str, NodeView] = {}
         for pod in pods:
             if pod.node_name and pod.node_name not in nodes:
@@ -373,7 +374,7 @@ class Reconciler:
                 # them): seen again with them, the Failed plan deletes them too (one whose create failed is
                 # deleted for nothing: NotFound). Not on a refusal that can pass: a pod expected but never
                 # created would read as deleted by someone else once its expectation expires.
-                self._remember(key, result, now, creates_only=True)
+                self._remember(key, job.uid, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:
                     written = await k8s.apply(self.api, job, rv, failed)
@@ -406,7 +407,7 @@ class Reconciler:
                             exc.http_reason)
                 self.enqueue(key, 5.0)
                 return
-            self._remember(key, result, now)
+            self._remember(key, job.uid, result, now)
             metrics.count_plan(job.status, result)
             if any(isinstance(a, CreatePod) for a in result.actions):
                 self.rejections.pop(key, None)
@@ -419,10 +420,17 @@ class Reconciler:
             return
         self.enqueue(key, 1.0)
 
-    def _remember(self, key: tuple[str, str], result: Plan, now: dt.datetime, *, creates_only: bool = False) -> None:
+    def _expectations(self, key: tuple[str, str], uid: str) -> Expectations:
+        exp = self.expectations.get(key)
+        if exp is None or exp.uid != uid:  # a same-name job deleted and re-created: the old one's are not its
+            exp = self.expectations[key] = Expectations(uid=uid)
+        return exp
+
+    def _remember(self, key: tuple[str, str], uid: str, result: Plan, now: dt.datetime, *,
+                  creates_only: bool = False) -> None:
         """Expect the plan's writes in the informer's view (`creates_only`: the plan stopped at a permanent
         error, and only its creations, which come first, may have happened)."""
-        exp = self.expectations.setdefault(key, Expectations())
+        exp = self._expectations(key, uid)
         for action in result.actions:
             if isinstance(action, CreatePod):
                 name = pod_name(key[1], action.attempt, action.rank)

@@ -51,3 +51,27 @@ def test_a_pod_of_a_deleted_job_of_the_same_name_leaves_nothing_for_the_new_job(
     # A name recorded, then gone again for no recorded reason (the new pod of that name deleted while it ran).
     assert _gone_after(("DELETED", _owned(pod_body(rank=0, phase="Succeeded", exit_code=0), "uid-new")),
                        ("DELETED", _owned(pod_body(rank=0, phase="Running"), "uid-new"))) == {}
+
+
+def test_expectations_of_a_deleted_job_are_not_a_same_name_successor_s():
+    """A reconcile of the old job still in flight when it is deleted and re-created under the same name:
+    its pod creates were remembered after the DELETED event's forget(). The new job must not see those pods
+    as created (no pod would be made for it, then a 'deleted by someone else' restart would follow)."""
+    import datetime as dt
+
+    from kubetrain.actions import CreatePod, Plan
+    from kubetrain.api import Job
+
+    async def main() -> tuple[int, int]:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - no API call on this path
+        key, now = ("default", "tj"), dt.datetime(2026, 12, 5, tzinfo=dt.timezone.utc)
+        rec._remember(key, "uid-old", Plan(actions=(CreatePod(attempt=1, rank=0), CreatePod(attempt=1, rank=1))), now)
+
+        def view(uid: str) -> int:
+            body = {"metadata": {"name": "tj", "namespace": "default", "uid": uid, "generation": 1},
+                    "spec": {"image": "img:1", "nodes": 2, "trainer": {"builtin": {"task": "regression"}}}}
+            return len(rec.observe(Job.from_storage(body, default_image="img:1"), now).pods)
+
+        return view("uid-new"), view("uid-old")
+
+    assert asyncio.run(main()) == (0, 0)  # the new job's; and the old job's, dropped when the new one looked
