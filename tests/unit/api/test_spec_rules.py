@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from kubetrain.spec import CREDENTIAL_ENV_NAMES, RESERVED_MOUNT_PATHS, RESERVED_MOUNT_TREES, Spec, SpecError
+from kubetrain.spec import CONTRACT_ENV_NAMES, CREDENTIAL_ENV_NAMES, RESERVED_MOUNT_PATHS, RESERVED_MOUNT_TREES, Spec, SpecError
 
 BASE = {"image": "i", "trainer": {"builtin": {"task": "regression"}}}
 VOLUME = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]}
@@ -134,6 +134,24 @@ def test_credential_names_are_the_crds(schema: dict) -> None:
     in_crd = {n for n in re.findall(r"'([A-Z][A-Z0-9_]+)'", text)}
     assert in_crd == CREDENTIAL_ENV_NAMES
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"} <= in_crd
+
+
+def test_contract_names_are_the_crds_and_the_operator_refuses_them_too(schema: dict) -> None:
+    """A spec stored before the CRD's rule (or under an outdated CRD: a helm upgrade without the README's
+    `kubectl apply -f crds/`) must not override MASTER_ADDR & co.: the user's env comes after the contract's,
+    and the kubelet lets the last of two equal names win."""
+    text = _crd_rule_text(schema, "spec", "env", "[]", "name")
+    assert set(re.findall(r"'([A-Z][A-Z0-9_]+)'", text)) == CONTRACT_ENV_NAMES
+    from kubetrain import builders
+    from kubetrain.api import Job
+    body = {"metadata": {"name": "tj", "namespace": "ns", "uid": "u", "generation": 1}, "spec": BASE}
+    made = {e["name"] for e in builders.get_env(job=Job.from_storage(body, default_image="img:1"), attempt=1, rank=0)}
+    assert CONTRACT_ENV_NAMES - {"KUBETRAIN_FSDP_CONFIG", "KUBETRAIN_DEEPSPEED_CONFIG", "KUBETRAIN_RESUME_FROM",
+                                 "KUBETRAIN_BUILTIN_TASK", "KUBETRAIN_TRAINER_ARGS"} <= made
+    with pytest.raises(SpecError) as err:
+        Spec.from_storage({**BASE, "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
+                                           {"name": "MASTER_ADDR", "value": "10.0.0.1"}]})
+    assert err.value.field_path == "env[1].name" and "MASTER_ADDR" in str(err.value)
 
 
 def test_reserved_mount_paths_are_the_crds(schema: dict) -> None:
