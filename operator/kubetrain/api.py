@@ -33,6 +33,9 @@ MANAGED_BY = "kubetrain"
 ANNOTATION_LAST_CHECKPOINT = "kubetrain.io/last-checkpoint"
 ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
 """Set by node rank 0 while checkpoint uploads lag behind (S3 unreachable)."""
+ANNOTATION_SPEC_GENERATION = "kubetrain.io/spec-generation"
+"""The job's metadata.generation a pod was built from: a launch cut short (refused creates, an operator
+restart) and then edited does not finish with pods of two specs."""
 CONTAINER_NAME = "trainer"
 METRICS_PORT_NAME = "metrics"
 EXIT_INVALID_CONFIG = 82

@@ -12,7 +12,7 @@ import json
 from typing import Any, Literal
 
 from kubetrain.api import (
-    API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY,
+    ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY,
     METRICS_PORT_NAME, Job, pod_name,
 )
 from kubetrain.spec import DEFAULT_METRICS_PORT, Spec
@@ -207,8 +207,11 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "name": pod_name(job.name, attempt, rank), "namespace": job.namespace, "labels": labels,
         "ownerReferences": [get_owner_reference(job)],
     }
-    if tpl.get("annotations"):
-        metadata["annotations"] = dict(tpl["annotations"])
+    annotations = dict(tpl.get("annotations") or {})
+    if job.generation is not None:
+        annotations[ANNOTATION_SPEC_GENERATION] = str(job.generation)
+    if annotations:
+        metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 

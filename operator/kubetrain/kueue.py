@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kubetrain.api import GROUP as JOB_GROUP, KIND as JOB_KIND, LABEL_ATTEMPT, LABEL_RANK, VERSION as JOB_VERSION, Job
+from kubetrain.api import (ANNOTATION_SPEC_GENERATION, GROUP as JOB_GROUP, KIND as JOB_KIND, LABEL_ATTEMPT, LABEL_RANK,
+                          VERSION as JOB_VERSION, Job)
 from kubetrain.builders import get_owner_reference, get_pod
 
 GROUP = "kueue.x-k8s.io"
@@ -166,8 +167,9 @@ def podset_template(job: Job) -> dict[str, Any]:
     meta = pod["metadata"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in (LABEL_ATTEMPT, LABEL_RANK)}
     template_meta: dict[str, Any] = {"labels": labels}
-    if meta.get("annotations"):
-        template_meta["annotations"] = dict(meta["annotations"])
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != ANNOTATION_SPEC_GENERATION}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {"metadata": template_meta, "spec": pod["spec"]}
 
 

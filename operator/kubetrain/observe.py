@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kubetrain.api import (
-    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK,
+    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, ANNOTATION_SPEC_GENERATION, CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK,
     METRICS_PORT_NAME,
 )
 from kubetrain.status import LastCheckpoint
@@ -47,6 +47,8 @@ class PodView:
     ready: bool = False
     ready_changed: dt.datetime | None = None
     checkpoint: LastCheckpoint | None = None
+    generation: int | None = None
+    """The job generation the pod was built from (`ANNOTATION_SPEC_GENERATION`); None before it was stamped."""
     failure: TrainerFailure | None = None
     """Why the trainer exited 82, from the failure record in its termination message, if any."""
     checkpoint_sync: str = ""
@@ -116,8 +118,13 @@ class PodView:
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
+            generation=_generation((meta.get("annotations") or {}).get(ANNOTATION_SPEC_GENERATION)),
             pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body), unschedulable=unschedulable,
         )
+
+
+def _generation(text: Any) -> int | None:
+    return int(text) if isinstance(text, str) and text.isdigit() and len(text) <= 19 else None
 
 
 def _metrics_port(body: Mapping[str, Any]) -> int | None:

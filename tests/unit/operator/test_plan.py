@@ -717,3 +717,27 @@ def test_a_gang_whose_pods_stay_refused_fails_on_its_deadline() -> None:
     late = plan(Job(**{**j.__dict__, "status": again}), six, at(601))
     assert late.status.phase == "Failed" and late.status.condition("Failed").reason == "DeadlineExceeded"
     assert {a.name for a in late.actions if isinstance(a, DeletePod)} == {p.name for p in six.pods}
+
+
+def test_a_launch_cut_short_and_then_edited_does_not_finish_with_pods_of_two_specs() -> None:
+    """Attempt 1's pods 0..2 were made at generation 1 for 4 nodes (then the quota refused the 4th, or the
+    operator restarted before its status write); the job is edited to 2 nodes (generation 2). The pods of
+    generation 1 (NNODES=4) are deleted and the attempt is made again from the new spec, instead of n0 and
+    n1 waiting for 4 peers until their rendezvous times out and spends backoffLimit."""
+    gen1 = {"kubetrain.io/spec-generation": "1"}
+    edited = job(nodes=2, generation=2)
+    old = observed(*(pod(rank=r, phase="Pending", annotations=gen1) for r in range(3)))
+    first = plan(edited, old, at(0))
+    assert {a.name for a in first.actions if isinstance(a, DeletePod)} == {"tj-a1-n0", "tj-a1-n1", "tj-a1-n2"}
+    assert not any(isinstance(a, CreatePod) for a in first.actions)
+    assert "spec changed" in first.status.message and first.status.attempt == 0
+    fresh = plan(edited, observed(), at(5))
+    assert [a.rank for a in fresh.actions if isinstance(a, CreatePod)] == [0, 1] and fresh.status.nodes_total == 2
+    # Pods of the current generation (or unstamped ones, made before the stamp existed) are completed as before.
+    for stamp in ({"kubetrain.io/spec-generation": "2"}, None):
+        same = plan(edited, observed(pod(rank=0, phase="Pending", annotations=stamp)), at(5))
+        assert [a.rank for a in same.actions if isinstance(a, CreatePod)] == [1]
+        assert not any(isinstance(a, DeletePod) for a in same.actions)
+    # A started attempt is never recreated for an edit: the edit takes effect at the next attempt.
+    running = plan(job(nodes=2, generation=2, status=started(nodesReady=2)), observed(*gang(annotations=gen1)), at(5))
+    assert not any(isinstance(a, (CreatePod, DeletePod)) for a in running.actions)
