@@ -313,6 +313,11 @@ def _restart_after_failure(d: Draft, observed: Observed, pod: PodView) -> None:
                 f"{excerpt(pod.status_message)}")
     else:
         what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
+    # A rank that waited for a peer the scheduler never placed times out in its rendezvous: name the cause.
+    stuck = [p for p in observed.pods if p.attempt == attempt and p.unschedulable and not p.node_name]
+    if stuck:
+        what += (f", while {len(stuck)} pod(s) of the gang could not be scheduled ({stuck[0].name}: "
+                 f"{excerpt(stuck[0].unschedulable, 160)})")
     if failures > policy.backoff_limit:
         fail(d, observed, reason="BackoffLimitExceeded",
               message=f"{what}; {failures} application failure(s) exceed backoffLimit "

@@ -741,3 +741,15 @@ def test_a_launch_cut_short_and_then_edited_does_not_finish_with_pods_of_two_spe
     # A started attempt is never recreated for an edit: the edit takes effect at the next attempt.
     running = plan(job(nodes=2, generation=2, status=started(nodesReady=2)), observed(*gang(annotations=gen1)), at(5))
     assert not any(isinstance(a, (CreatePod, DeletePod)) for a in running.actions)
+
+
+def test_a_rank_that_timed_out_waiting_for_an_unschedulable_peer_names_the_peer() -> None:
+    """Rank 2 never got a node (insufficient nvidia.com/gpu); rank 0 timed out in its rendezvous and exited 1.
+    The restart's message named only the exit code; it now says a peer could not be scheduled, and why."""
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    result = plan(job(nodes=3, status=started(nodesTotal=3)),
+                  observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1),
+                           pod(rank=2, phase="Pending", unschedulable=why)), at(1900))
+    assert result.status.phase == "Restarting" and result.status.failures == 1
+    assert "exited with code 1, while 1 pod(s) of the gang could not be scheduled (tj-a1-n2" in result.status.message
+    assert "Insufficient nvidia.com/gpu" in result.status.message
