@@ -199,15 +199,24 @@ def drop_stale_checkpoints(output_dir: str, *, keep: str | None) -> None:
     """Storage decided this gang's restore (`keep`, or a fresh start): every other checkpoint folder in
     `output_dir` is stale (an earlier pod's, on a persistent volume). Removed before training: the
     trainer's rotation (`save_total_limit`) would otherwise keep a stale one as the newest and delete
-    this run's own new checkpoints. Call on one process per node."""
+    this run's own new checkpoints. The best checkpoint `keep` names (its trainer_state.json's
+    `best_model_checkpoint`, which the launcher fetched for `load_best_model_at_end`) stays too.
+    Call on one process per node."""
+    import json
     import shutil
     from pathlib import Path
 
     from .checkpoint import list_checkpoints
 
-    kept = Path(keep).resolve() if keep else None
+    kept = {Path(keep).resolve()} if keep else set()
+    try:
+        best = json.loads((Path(keep) / "trainer_state.json").read_text()).get("best_model_checkpoint") if keep else None
+    except (OSError, ValueError, AttributeError):
+        best = None
+    if isinstance(best, str) and best.strip("/"):
+        kept.add((Path(output_dir) / Path(best.rstrip("/")).name).resolve())
     for _step, path in list_checkpoints(output_dir):
-        if path.resolve() != kept:
+        if path.resolve() not in kept:
             logger.warning("removing %s: a local checkpoint storage did not decide to restore (stale)", path)
             shutil.rmtree(path, ignore_errors=True)
 

@@ -186,7 +186,9 @@ def best_step(checkpoints: Iterable[RemoteCheckpoint], policy: RetentionPolicy) 
     if key is not None:
         for c in complete:
             assert c.manifest is not None
-            value = c.manifest.metrics.get(key, c.manifest.metrics.get(policy.metric_for_best_model or ""))
+            # HF ranks only by the eval_-prefixed metric: a checkpoint without it at
+            # its step (an emergency save between evaluations) is never the best.
+            value = c.manifest.metrics.get(key)
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 continue
             if winner is None or policy.better(value, winner[0]):

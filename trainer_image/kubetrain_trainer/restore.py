@@ -4,21 +4,23 @@ Node rank 0 decides which step the attempt resumes from and records it in the at
 (`manifest.AttemptClaim`); the other ranks restore exactly that step or fail, so the ranks
 never resume from different steps (docs/contract.md, "Writers, fencing and restore agreement").
 Every file is checked against its digest; a corrupt checkpoint falls back to an older one.
+Then `fetch_best` also fetches the best checkpoint the restored one names, for `load_best_model_at_end`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from kubetrain_trainer.commit import CommittedCheckpoint
 from kubetrain_trainer.decisions import newest_complete
-from kubetrain_trainer.layout import corrupt_marker_name
+from kubetrain_trainer.layout import TRAINER_STATE, checkpoint_dirname, corrupt_marker_name, parse_checkpoint_dirname
 from kubetrain_trainer.manifest import AttemptClaim, Manifest, rfc3339
 from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.retry import Backoff, retrying
@@ -89,7 +91,7 @@ def restore_agreed(store: CheckpointStore, dest: Path, *, node_rank: int, incarn
         retrying(lambda: store.write_claim(claim), deadline=deadline, access_deadline=access_deadline,
                  cancelled=cancelled, sleep=sleep, what="claiming the attempt")
         restored = restore_newest(store, dest, deadline=deadline, stop=stop, access_deadline=access_deadline,
-                                  node=node)
+                                  node=node, node_rank=0)
         step = restored.committed.step if restored.committed is not None else None
         decided = AttemptClaim(incarnation=incarnation, attempt=attempt, decided=True, restore_step=step)
         retrying(lambda: store.write_claim(decided), deadline=time.monotonic() + budget,
@@ -146,12 +148,14 @@ def _mark_corrupt(store: CheckpointStore, manifest: Manifest, node_rank: int, wh
 
 def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop: threading.Event | None = None,
                    access_deadline: float | None = None, only_step: int | None = None,
-                   agreed: bool = False, node: NodeRanks | None = None) -> Restored:
+                   agreed: bool = False, node: NodeRanks | None = None, node_rank: int = 0) -> Restored:
     """Download the newest COMPLETE checkpoint into `dest`, every file verified; older ones if it is corrupt.
 
     Temporary storage errors are retried until `deadline`, refused access or a
     missing bucket until `access_deadline` (None: not retried); a checksum
-    mismatch marks that checkpoint bad and falls back to the next older one.
+    mismatch marks that checkpoint bad and falls back to the next older one; a file whose
+    bytes differ from its digest also marks it corrupt in storage (as node `node_rank`), so
+    later attempts pass over it instead of downloading it in full again.
     """
     cancelled = stop.is_set if stop is not None else (lambda: False)
     sleep = stop.wait if stop is not None else time.sleep  # a SIGTERM cuts a backoff wait short
@@ -187,9 +191,61 @@ def restore_newest(store: CheckpointStore, dest: Path, *, deadline: float, stop:
                     f"here: {e}", corrupt=manifest if isinstance(e, DigestMismatchError) else None) from None
             log.error("checkpoint-%d is corrupt (%s); trying an older one", chosen.step, e)
             bad.add(chosen.step)
+            if isinstance(e, DigestMismatchError):
+                _mark_corrupt(store, manifest, node_rank, str(e), deadline=deadline, cancelled=cancelled, sleep=sleep)
             continue
         log.info("restored checkpoint-%d (attempt %d) into %s", chosen.step, manifest.attempt, path)
         committed = CommittedCheckpoint(step=chosen.step, uri=store.checkpoint_uri(chosen.step), time=manifest.created)
         return Restored(path=path, committed=committed, history=history)
     log.info("no complete checkpoint in %s: starting from scratch", store.location.uri)
     return Restored(path=None, committed=None, history=history)
+
+
+def best_step_to_fetch(folder: Path) -> int | None:
+    """The step of the best checkpoint the restored `folder`'s trainer_state.json names (`best_model_checkpoint`),
+    when the run loads it at its end and it is another folder than `folder`; else None. Whether the run loads it:
+    kubetrain's Trainer records `load_best_model_at_end` in training_args.json; other writers (HF) are assumed to."""
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+        best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+        step = parse_checkpoint_dirname(PurePosixPath(best.rstrip("/")).name) if isinstance(best, str) else None
+        args_file = folder / "training_args.json"
+        if args_file.is_file() and json.loads(args_file.read_text()).get("load_best_model_at_end") is not True:
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if step is not None and step != parse_checkpoint_dirname(folder.name) else None
+
+
+def fetch_best(store: CheckpointStore, restored: Restored, dest: Path, *, deadline: float,
+               stop: threading.Event | None = None, access_deadline: float | None = None,
+               node: NodeRanks | None = None) -> Path | None:
+    """After a restore: download the best checkpoint the restored one names (`best_step_to_fetch`) next to it,
+    so `load_best_model_at_end` finds it on local disk (the restore itself fetches only the newest; remote
+    retention keeps the best). With `node`, this node's files only, as the restore. Never fails the restore:
+    a best checkpoint not (or no longer) complete in storage, or a failed download, is logged and None
+    returned (the trainer then keeps its last model, as HF does)."""
+    step = best_step_to_fetch(restored.path) if restored.path is not None else None
+    if step is None:
+        return None
+    cancelled = stop.is_set if stop is not None else (lambda: False)
+    sleep = stop.wait if stop is not None else time.sleep
+    try:
+        remote = retrying(store.list_checkpoints, deadline=deadline, access_deadline=access_deadline,
+                          cancelled=cancelled, sleep=sleep, what="listing checkpoints")
+        chosen = newest_complete([c for c in remote if c.step == step])
+        if chosen is None or chosen.manifest is None:
+            log.warning("the best checkpoint, %s, is not complete in %s: load_best_model_at_end will keep the "
+                        "last model", checkpoint_dirname(step), store.location.uri)
+            return None
+        manifest = chosen.manifest
+        path = retrying(lambda: store.download_checkpoint(manifest, dest, node=node, cancelled=cancelled),
+                        deadline=deadline, access_deadline=access_deadline, cancelled=cancelled, sleep=sleep,
+                        what="fetching the best checkpoint")
+    except (StorageError, TransferStopped, OSError) as e:  # OSError: e.g. no room on this disk for it
+        shutil.rmtree(dest / f".{checkpoint_dirname(step)}.restoring", ignore_errors=True)
+        log.warning("the best checkpoint, %s, could not be fetched (%s): load_best_model_at_end will keep the "
+                    "last model", checkpoint_dirname(step), e)
+        return None
+    log.info("fetched the best checkpoint, %s, into %s (for load_best_model_at_end)", checkpoint_dirname(step), path)
+    return path

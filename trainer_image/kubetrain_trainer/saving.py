@@ -46,6 +46,23 @@ class SavingMixin:
         self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
         return final
 
+    def _best_to_load(self) -> Path | None:
+        """*Collective.* The best checkpoint's folder for `load_best_model_at_end`, or None (warned) when some
+        rank lacks it: after a resume only what the restore fetched is local (the launcher fetches the best
+        too, `restore.fetch_best`); without it the last model is kept, as HF does, and training still succeeds."""
+        best = self._local_path(self.state.best_model_checkpoint)
+        if dist_util.any_rank(not best.is_dir(), self.device):
+            logger.warning("Could not locate the best model at %s (%s=%s) on every rank (after a resume, only what "
+                           "the restore fetched from checkpoint storage is on local disk); keeping the last model",
+                           best, self.args.metric_for_best_model, self.state.best_metric)
+            return None
+        return best
+
+    def _local_path(self, path: str) -> Path:
+        """A checkpoint path from trainer_state.json, as found under this run's output_dir (it may have moved)."""
+        local = Path(self.args.output_dir) / Path(path).name
+        return local if local.is_dir() else Path(path)
+
     def _wait_for_save(self) -> None:
         """Wait until the background save in flight (if any) is committed on every rank; fire its `on_save`."""
         folder = self._saves.wait()

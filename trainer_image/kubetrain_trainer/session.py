@@ -28,7 +28,7 @@ from kubetrain_trainer.metrics import Telemetry
 from kubetrain_trainer.podreport import write_termination_message
 from kubetrain_trainer.rank_files import NodeRanks
 from kubetrain_trainer.readiness import CommitMode
-from kubetrain_trainer.restore import Restored, restore_agreed
+from kubetrain_trainer.restore import Restored, fetch_best, restore_agreed
 from kubetrain_trainer.retry import Backoff
 from kubetrain_trainer.storage import CheckpointStore
 from kubetrain_trainer.storage_errors import StorageError
@@ -82,10 +82,13 @@ class CheckpointSession:
         `storage.StorageError` when storage stays unreachable or refuses access."""
         c = self.config
         started = time.monotonic()
+        node = NodeRanks.of(node_rank=c.node_rank, nnodes=c.nnodes, world_size=c.world_size)
         restored = restore_agreed(self.store, c.local_dir, node_rank=c.node_rank, incarnation=c.incarnation,
                                   attempt=c.attempt, deadline=started + c.restore_timeout_s, stop=self.stop,
-                                  access_deadline=started + c.access_retry_s,
-                                  node=NodeRanks.of(node_rank=c.node_rank, nnodes=c.nnodes, world_size=c.world_size))
+                                  access_deadline=started + c.access_retry_s, node=node)
+        # load_best_model_at_end loads the best checkpoint at the end of training: on this node's disk too.
+        fetch_best(self.store, restored, c.local_dir, deadline=time.monotonic() + c.restore_timeout_s, stop=self.stop,
+                   access_deadline=time.monotonic() + c.access_retry_s, node=node)
         self.telemetry.restored(time.monotonic() - started, restored.committed)
         return restored
 

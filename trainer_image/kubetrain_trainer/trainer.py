@@ -316,8 +316,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
     def _finish(self, start_time: float, start_step: int) -> TrainOutput:
         self._wait_for_save()
         args, state = self.args, self.state
-        if args.load_best_model_at_end and state.best_model_checkpoint:
-            best = self._local_path(state.best_model_checkpoint)
+        if args.load_best_model_at_end and state.best_model_checkpoint and (best := self._best_to_load()):
             logger.info("loading the best model from %s (%s=%s)", best, args.metric_for_best_model, state.best_metric)
             self.strategy.load_checkpoint(best)
         runtime = time.perf_counter() - start_time
@@ -330,11 +329,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
         return TrainOutput(state.global_step, train_loss, metrics)
-
-    def _local_path(self, path: str) -> Path:
-        """A checkpoint path from trainer_state.json, as found under this run's output_dir (it may have moved)."""
-        local = Path(self.args.output_dir) / Path(path).name
-        return local if local.is_dir() else Path(path)
 
     def _init_state(self, plan: StepPlan) -> None:
         args = self.args

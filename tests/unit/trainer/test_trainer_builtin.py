@@ -196,3 +196,23 @@ def test_the_preempted_exit_skips_the_teardown_but_not_writers_atexit_or_output(
     assert p.returncode == 83, p.stderr  # a join of the idle executor's workers would hang to the timeout
     assert p.stdout == "preempted at step 7"
     assert (tmp_path / "written").read_text() == "bytes" and (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_the_best_checkpoint_the_restored_one_names_is_not_stale(tmp_path):
+    """The launcher fetches the best checkpoint beside the restored one (load_best_model_at_end): the
+    built-in trainer's clean-up of stale local checkpoints keeps it, and removes the rest."""
+    import json
+
+    from kubetrain_trainer.builtin import drop_stale_checkpoints
+    from kubetrain_trainer.checkpoint import COMPLETE_MARKER
+
+    out = tmp_path / "out"
+    for step in (2, 4, 6, 8):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / COMPLETE_MARKER).write_text("")
+    (out / "checkpoint-8" / "trainer_state.json").write_text(json.dumps(
+        {"best_model_checkpoint": "/elsewhere/out/checkpoint-4"}))  # the path of the pod that wrote it
+    drop_stale_checkpoints(str(out), keep=str(out / "checkpoint-8"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    drop_stale_checkpoints(str(out), keep=None)  # a fresh start: nothing is kept
+    assert list(out.glob("checkpoint-*")) == []

@@ -287,3 +287,13 @@ def test_the_xxh128_of_a_file_is_the_documented_tree_of_8_mib_parts(tmp_path: Pa
     (tmp_path / "f").write_bytes(data)
     assert file_digest(tmp_path / "f") == xxh128_of(data)
     assert file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
+
+
+def test_a_checkpoint_without_the_eval_metric_is_never_the_best():
+    # An emergency save at a logging step has the training `loss` but no `eval_loss`:
+    # HF ranks only by the eval_-prefixed metric, so it must not win on its training loss.
+    cps = [_c(100, metrics={"loss": 0.40, "eval_loss": 0.30}), _c(200, metrics={"loss": 0.35, "eval_loss": 0.45}),
+           _c(250, metrics={"loss": 0.20}), _c(300, metrics={"loss": 0.25, "eval_loss": 0.50})]
+    plan = _plan(cps, save_total_limit=1, metric_for_best_model="loss")
+    assert plan.protected == {300: "newest complete", 100: "best"}
+    assert plan.delete == (200, 250)
