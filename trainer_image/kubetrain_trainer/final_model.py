@@ -3,7 +3,8 @@
 Node rank 0, after the workers succeeded and every checkpoint is committed:
 the top-level files of the output folder (not the checkpoint folders, not
 hidden staging folders), each retried with the uploader's backoff until the
-deadline, then `final/manifest.json`, so a torn final upload is recognisable.
+deadline, then `final/manifest.json`, so a torn final upload is recognisable. An older
+`final/manifest.json` is removed first, before any of its files is overwritten.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def upload_final_model(store: CheckpointStore, output_dir: Path, settings: SyncS
     files = tuple(found)
     if not files:
         return None
+    # An older run's complete `final/` may be there: uncommit it before any file of it is overwritten, so
+    # an interrupted re-upload leaves a torn folder, never the old manifest over a mix of old and new files.
+    if still_allowed is not None:
+        still_allowed()
+    retrying(lambda: store.uncommit(step, folder=FINAL_FOLDER), deadline=deadline, backoff=settings.backoff,
+             what="uncommitting final/", cancelled=cancelled)
     for f in files:
         if still_allowed is not None:
             still_allowed()

@@ -283,9 +283,9 @@ class CheckpointStore:
         """Write `manifest.json`: from now on the checkpoint exists for resume."""
         self.put_bytes(manifest.step, MANIFEST_NAME, manifest.to_json())
 
-    def uncommit(self, step: int) -> None:
+    def uncommit(self, step: int, *, folder: str | None = None) -> None:
         """Remove a manifest first, so a folder being rewritten is torn, never a mix of two commits."""
-        key = self.location.key(checkpoint_dirname(step), MANIFEST_NAME)
+        key = self.location.key(folder or checkpoint_dirname(step), MANIFEST_NAME)
         self._call("delete", key, lambda: self._client.delete_object(Bucket=self.location.bucket, Key=key))
 
     def delete_checkpoint(self, step: int) -> None:

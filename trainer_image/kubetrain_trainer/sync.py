@@ -108,17 +108,23 @@ class CheckpointUploader:
         return self
 
     def submit(self, folder: Path, step: int) -> bool:
-        """Snapshot `folder` (a complete local checkpoint) and queue it. False if it vanished or we are fenced."""
+        """Snapshot `folder` (a complete local checkpoint) and queue it. False if it vanished or we are fenced.
+
+        Any other error taking the snapshot (a full disk, ENOSPC; EXDEV) removes the partial copy and is
+        raised (`OSError`): the folder was not snapshotted, and the caller may try it again later."""
         if self.fenced:
             return False
         snap = self.staging_dir / f"{checkpoint_dirname(step)}.{time.monotonic_ns()}"
         try:
             _snapshot(folder, snap)
         except FileNotFoundError:
-            # The trainer rotated it away before we looked: nothing to upload.
+            # The trainer rotated it away before we looked (or while we did): nothing to upload.
             shutil.rmtree(snap, ignore_errors=True)
             log.warning("checkpoint-%d disappeared locally before it could be snapshotted", step)
             return False
+        except BaseException:
+            shutil.rmtree(snap, ignore_errors=True)  # never a partial copy left in staging
+            raise
         with self._lock:
             self._queue.append(UploadJob(step=step, folder=snap))
             # Every node may skip a waiting step for a newer one (the disk holds at most max_queued
@@ -313,10 +319,17 @@ class CheckpointUploader:
 
 
 def _snapshot(src: Path, dst: Path) -> None:
-    """Hard-link every file of `src` under `dst` (copy across file systems)."""
+    """Hard-link every file of `src` under `dst` (copy across file systems).
+
+    Any error reading the folder fails the snapshot: a subfolder (or `src` itself) removed meanwhile by
+    the trainer's local rotation raises FileNotFoundError, never a silently incomplete snapshot."""
     if not src.is_dir():
         raise FileNotFoundError(src)
-    for root, _dirs, files in os.walk(src):
+
+    def walk_error(e: OSError) -> None:
+        raise e
+
+    for root, _dirs, files in os.walk(src, onerror=walk_error):
         rel = Path(root).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for name in files:
@@ -327,3 +340,5 @@ def _snapshot(src: Path, dst: Path) -> None:
                 if isinstance(e, FileNotFoundError):
                     raise
                 shutil.copyfile(s, d)
+    if not src.is_dir():  # rotated away while it was walked: what was linked may lack a whole subfolder
+        raise FileNotFoundError(src)

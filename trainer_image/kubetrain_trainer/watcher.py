@@ -44,6 +44,9 @@ from kubetrain_trainer.workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
 
+RETRY_MAX_S = 60.0
+"""A folder whose snapshot failed is tried again after 2, 4, 8... seconds, at most this many."""
+
 
 class FolderWatcher:
     """Finds local checkpoint folders that are complete, by the rule of `readiness.decide_commit`.
@@ -66,6 +69,8 @@ class FolderWatcher:
         self._seen: dict[int, int] = {}
         """step -> inode of the folder already reported, given up, or left from before this launch."""
         self._pending: dict[int, _Pending] = {}
+        self._handed: dict[int, _Pending] = {}
+        """step -> the folder the last poll reported, until the next poll (`retry` puts it back)."""
         self._uses_markers = mode == "marker"
         self._hf_writer = False
         self._writers: Literal["running", "finished", "died"] = "running"
@@ -97,8 +102,21 @@ class FolderWatcher:
                 continue
         return out
 
+    def retry(self, step: int) -> None:
+        """The folder the last poll reported for `step` could not be snapshotted (e.g. a full disk):
+        forget that it was reported, so a later poll judges it again and reports it once more."""
+        pending = self._handed.pop(step, None)
+        if pending is None:
+            return
+        if self._seen.get(step) == pending.inode:
+            del self._seen[step]
+        pending.failures += 1  # not at every poll: each try may copy a whole checkpoint
+        pending.retry_at = self.clock() + min(RETRY_MAX_S, 2.0 ** pending.failures)
+        self._pending.setdefault(step, pending)
+
     def poll(self) -> list[tuple[int, Path]]:
         now = self.clock()
+        self._handed.clear()
         for step, inode, path in self._entries():
             if self._seen.get(step) == inode:
                 continue
@@ -131,12 +149,14 @@ class FolderWatcher:
             view = FolderView(ready=markers_complete(names), hf_shaped=self._hf_writer or is_hf_shaped(names),
                               has_trainer_state=TRAINER_STATE in names, quiet_s=quiet_s)
             decision = decide_commit(view, writer, settle_s=self.settle_s)
-            if decision.action == "wait":
+            if decision.action == "wait" or (decision.action == "commit" and now < pending.retry_at
+                                             and self._writers_end is None):  # the last scan tries at once
                 continue
             del self._pending[step]
             self._seen[step] = pending.inode
             if decision.action == "commit":
                 log.info("local checkpoint-%d is complete: %s", step, decision.reason)
+                self._handed[step] = pending
                 found.append((step, pending.path))
             else:
                 log.warning("local checkpoint-%d is never committed: %s", step, decision.reason)
@@ -149,6 +169,9 @@ class _Pending:
     path: Path
     changed_at: float
     signature: tuple | None = None
+    failures: int = 0
+    """Snapshots of this folder that failed (`FolderWatcher.retry`)."""
+    retry_at: float = float("-inf")
 
 
 class WatchLoop:
@@ -170,7 +193,12 @@ class WatchLoop:
         with self._scan_lock:
             for step, folder in self.watcher.poll():
                 log.info("new local checkpoint-%d: queued for upload", step)
-                self.uploader.submit(folder, step)
+                try:
+                    self.uploader.submit(folder, step)
+                except OSError as e:  # e.g. ENOSPC in the staging folder: not snapshotted, tried again later
+                    self.watcher.retry(step)
+                    log.error("checkpoint storage problem: local checkpoint-%d could not be snapshotted for "
+                              "upload (%s); tried again at a later scan", step, e)
 
     def writers_exited(self, *, clean: bool) -> None:
         self.watcher.writers_exited(clean=clean)
@@ -179,7 +207,10 @@ class WatchLoop:
         """Stop polling, after one last scan (the emergency checkpoint lands just before the workers exit)."""
         self._stop.set()
         self._thread.join(timeout=10.0)
-        self.scan_once()
+        try:
+            self.scan_once()
+        except Exception:  # the launcher still drains what was queued and reports the exit as it is
+            log.exception("checkpoint storage problem: the last checkpoint folder scan failed")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -223,7 +254,11 @@ class CheckpointSyncCallback(TrainerCallback):
         folder = kwargs.get("checkpoint_dir") or state.last_checkpoint_dir
         uploader = self._get()
         if uploader is not None and folder:
-            uploader.submit(Path(folder), state.global_step)
+            try:
+                uploader.submit(Path(folder), state.global_step)
+            except OSError as e:  # training goes on regardless of the upload (a full staging disk)
+                log.error("checkpoint storage problem: checkpoint-%d not snapshotted for upload: %s",
+                          state.global_step, e)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._uploader is not None and state.is_world_process_zero:

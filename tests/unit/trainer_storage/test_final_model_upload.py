@@ -16,6 +16,10 @@ from kubetrain_trainer.final_model import upload_final_model
 class Store:
     def __init__(self) -> None:
         self.writes: list[str] = []
+        self.uncommitted: list[str] = []
+
+    def uncommit(self, step, *, folder=None) -> None:
+        self.uncommitted.append(f"{folder} ({len(self.writes)} writes before)")
 
     def upload_file(self, step, local, rel, *, folder=None, still_allowed=None) -> None:
         if still_allowed is not None:
@@ -82,3 +86,31 @@ def test_a_fence_once_found_raises_at_every_later_check_even_within_its_interval
         with pytest.raises(FencedError, match="3"):
             fence.check(5, at_most_every_s=60.0)
     assert store.lists == 1  # found once, then remembered
+
+
+def test_an_older_final_manifest_is_removed_before_any_file_is_overwritten(tmp_path):
+    store = Store()
+    upload_final_model(store, _outputs(tmp_path), SETTINGS, step=5, deadline=1e12)
+    assert store.uncommitted == ["final (0 writes before)"]
+
+
+def test_an_interrupted_re_upload_leaves_no_old_manifest_over_mixed_files(tmp_path, mem_s3, mem_store):
+    store = mem_store()
+    old, new = tmp_path / "old", tmp_path / "new"
+    for d in (old, new):
+        d.mkdir()
+        (d / "config.json").write_text('{"tag": "%s"}' % d.name)
+        (d / "model.safetensors").write_bytes(d.name.encode() * 1000)
+    upload_final_model(store, old, SyncSettings(attempt=1, world_size=1, strategy="ddp", incarnation=100), step=10,
+                       deadline=1e12)
+    assert store.read_named_manifest("final").step == 10
+
+    def still_allowed() -> None:  # the clock runs out once the new config.json is there
+        if mem_s3.objects.get("ns/job/final/config.json") == b'{"tag": "new"}':
+            raise UploadStopped("the grace period after SIGTERM is over")
+
+    with pytest.raises(UploadStopped):
+        upload_final_model(store, new, SyncSettings(attempt=1, world_size=1, strategy="ddp", incarnation=200),
+                           step=20, deadline=1e12, still_allowed=still_allowed, cancelled=lambda: True)
+    assert mem_s3.objects["ns/job/final/config.json"] == b'{"tag": "new"}'  # the re-upload got that far
+    assert store.read_named_manifest("final") is None  # torn, not the old manifest over new files
