@@ -227,6 +227,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                     epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                 if control.should_log or control.should_evaluate or control.should_save or self._save_landed:
                     self._maybe_log_save_evaluate(grad_norm, registry, lr)
+                    if self.control.should_epoch_stop:  # set in on_log/on_evaluate/on_save: the same epoch end
+                        epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                 if stop and state.global_step < state.max_steps:  # at the last step: just finish
                     preempted = True
                     break
@@ -297,6 +299,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 control.should_save = self._new_best
         if control.should_save:
             control.should_save = False
+            if control.should_epoch_stop and state.data_position.samples:  # set by on_log/on_evaluate just now:
+                state.data_position = DataPosition(state.data_position.epoch + 1, 0)  # the checkpoint says so
             self._save_checkpoint(registry)
 
     def _update_best(self, metrics: dict[str, float]) -> None:

@@ -105,6 +105,36 @@ def test_should_epoch_stop_ends_the_epoch_and_the_next_starts(make_args):
     assert seen == [(1, 0), (2, 0), (3, 0)]  # the next batch is the next epoch's first
 
 
+class StopEpochOnLog(TrainerCallback):
+    """Ends the epoch from on_log (not on_step_end), at its `n`-th batch: the checkpoint saved at that step
+    must already say that the next batch is the next epoch's first."""
+
+    def __init__(self, n, batch):
+        self.samples = n * batch
+
+    def on_log(self, args, state, control, **kwargs):
+        if state.data_position.samples == self.samples:
+            control.should_epoch_stop = True
+
+
+def test_an_epoch_stop_set_in_on_log_is_in_the_checkpoint_of_that_step(tiny_gpt, tokens, make_args, tmp_path):
+    def run(out, seed=0):
+        args = make_args(output_dir=str(out), num_train_epochs=2, max_steps=-1, per_device_train_batch_size=2,
+                         save_steps=2, logging_steps=2)
+        return Trainer(model=tiny_gpt(seed), args=args, train_dataset=tokens(16), callbacks=[StopEpochOnLog(2, 2)])
+
+    straight = run(tmp_path / "a")
+    straight.train()
+    assert straight.state.global_step == 4
+    state = TrainerState.load_from_json(tmp_path / "a" / "checkpoint-2" / "trainer_state.json")
+    assert (state.data_position.epoch, state.data_position.samples) == (1, 0)
+    resumed = run(tmp_path / "b", seed=5)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for k, v in straight.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
 def test_epoch_stop_resume_is_bitwise_the_straight_run(tiny_gpt, tokens, make_args, tmp_path):
     def run(out, **kw):
         args = make_args(output_dir=str(out), num_train_epochs=3, max_steps=-1, per_device_train_batch_size=2,
