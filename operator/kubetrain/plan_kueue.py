@@ -44,6 +44,7 @@ from kubetrain.api import Job
 from kubetrain.draft import Draft, delete_pods, excerpt, fail
 from kubetrain.observe import Observed
 from kubetrain.plan import plan
+from kubetrain.spec import quantity_value
 from kubetrain.status import STARTED_PHASES, Status
 from kubetrain.values import format_time, parse_time
 
@@ -323,9 +324,17 @@ def _podsets(job: Job, body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def _counted(podsets: Any) -> list[tuple[Any, ...]]:
+    """What Kueue counts of podSets, with quantities as numbers: Kueue's webhook stores a created Workload in
+    canonical form (cpu: 4 as "4", 16384Mi as "16Gi"), which must not read as a changed gang."""
     return [(ps.get("name"), ps.get("count"),
-             [c.get("resources") or {} for c in ((ps.get("template") or {}).get("spec") or {}).get("containers") or ()])
+             [_numbers(c.get("resources") or {})
+              for c in ((ps.get("template") or {}).get("spec") or {}).get("containers") or ()])
             for ps in podsets]
+
+
+def _numbers(resources: Mapping[str, Any]) -> dict[str, Any]:
+    return {which: {name: quantity_value(v) for name, v in (amounts or {}).items()} if isinstance(amounts, Mapping)
+            else amounts for which, amounts in resources.items()}
 
 
 def _release(body: Mapping[str, Any]) -> PatchWorkload:

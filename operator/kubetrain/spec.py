@@ -313,6 +313,15 @@ def _quantity(value: Any, path: str) -> Fraction:
     return number
 
 
+def quantity_value(value: Any) -> Fraction | Any:
+    """A quantity as an exact number, so that "4", 4 and "4000m" (or "16Gi" and "16384Mi") compare equal;
+    a value that is not a quantity comes back as it is."""
+    try:
+        return _quantity(value, "")
+    except (SpecError, TypeError, ValueError, KeyError):
+        return value
+
+
 def _is_extended(name: str) -> bool:
     """A resource outside the kubernetes.io domain (e.g. nvidia.com/gpu): integer, never overcommitted."""
     return "/" in name and "kubernetes.io/" not in name

@@ -331,3 +331,28 @@ def test_a_gang_resized_while_admitted_is_queued_again_and_then_starts_at_the_ne
     assert (status.attempt, status.failures, status.preemptions, status.restarts) == (2, 1, 0, 1)
     queued_cond = status.condition("Queued")
     assert queued_cond is not None and (queued_cond.status, queued_cond.reason) == ("False", "Admitted")
+
+
+def test_a_workload_stored_in_canonical_quantities_is_not_a_changed_gang():
+    """Kueue's webhook stores a created Workload in canonical form (cpu: 4 as "4", 16384Mi as "16Gi"). Read
+    as raw JSON that was a 'changed gang': an admitted job nobody edited was deactivated and queued again."""
+    import copy
+
+    from kubetrain.actions import CreatePod
+
+    res = {"resources": {"limits": {"cpu": 4, "memory": "16384Mi", "nvidia.com/gpu": 8},
+                         "requests": {"cpu": 4, "memory": "16384Mi", "nvidia.com/gpu": 8}}}
+    j = queued(spec=res)
+    wl = workload(*ADMITTED, admitted=True)
+    podsets = [{"name": "workers", "count": 2, "template": copy.deepcopy(kueue.podset_template(j))}]
+    for c in podsets[0]["template"]["spec"]["containers"]:
+        c["resources"] = {"limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "8"},
+                          "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "8"}}
+    wl["spec"]["podSets"] = podsets
+    r = plan_queued(j, observed(), KueueObserved(workload=wl, flavors=FLAVORS), at(5))
+    assert r.status.phase == "Pending" and sum(isinstance(a, CreatePod) for a in r.actions) == 2
+    # A real change in the same canonical form still is one.
+    for c in podsets[0]["template"]["spec"]["containers"]:
+        c["resources"]["limits"]["nvidia.com/gpu"] = c["resources"]["requests"]["nvidia.com/gpu"] = "4"
+    r = plan_queued(j, observed(), KueueObserved(workload=wl, flavors=FLAVORS), at(5))
+    assert r.status.phase == "Queued" and not any(isinstance(a, CreatePod) for a in r.actions)
