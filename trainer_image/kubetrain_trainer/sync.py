@@ -114,6 +114,13 @@ class CheckpointUploader:
         raised (`OSError`): the folder was not snapshotted, and the caller may try it again later."""
         if self.fenced:
             return False
+        with self._lock:  # uploads go in step order: a folder tried again (after ENOSPC) behind a newer one is
+            newer = [j.step for j in self._queue] + ([self._current.step] if self._current else []) + \
+                ([self.last_committed.step] if self.last_committed else [])  # superseded, as on overflow
+            if any(n > step for n in newer):
+                self.dropped.append(step)
+                log.warning("checkpoint-%d superseded by checkpoint-%d before it could be uploaded", step, max(newer))
+                return False
         snap = self.staging_dir / f"{checkpoint_dirname(step)}.{time.monotonic_ns()}"
         try:
             _snapshot(folder, snap)

@@ -73,10 +73,9 @@ class Clock:
         return self.now
 
 
-def test_a_full_staging_disk_leaves_no_partial_copy_and_the_folder_is_tried_again(tmp_path, monkeypatch, mem_s3,
-                                                                                    mem_store):
+def _full_disk_then_room(tmp_path, monkeypatch, mem_store, steps):
     out = tmp_path / "mnt" / "checkpoints"  # another file system than staging: every file is copied
-    for step in (10, 20):
+    for step in steps:
         d = out / f"checkpoint-{step}"
         d.mkdir(parents=True)
         for i in range(3):
@@ -105,13 +104,36 @@ def test_a_full_staging_disk_leaves_no_partial_copy_and_the_folder_is_tried_agai
     loop.scan_once()  # checkpoint-10's copy hits the full disk: not raised
     assert not [p for p in staging.iterdir() if p.name.startswith("checkpoint-10.")]  # no partial copy
     monkeypatch.setattr(sync.shutil, "copyfile", copy)  # room again
+    return out, staging, up, loop, clock
+
+
+def test_a_full_staging_disk_leaves_no_partial_copy_and_the_folder_is_tried_again(tmp_path, monkeypatch, mem_s3,
+                                                                                    mem_store):
+    _, staging, up, loop, clock = _full_disk_then_room(tmp_path, monkeypatch, mem_store, (10,))
     loop.scan_once()
     assert up.wait(10)
     assert not any("checkpoint-10/" in k for k in mem_s3.objects)  # not at every poll: after a backoff
     clock.now += 60
     loop.scan_once()
     assert up.close(10)
-    assert {"ns/job/checkpoint-10/manifest.json", "ns/job/checkpoint-20/manifest.json"} <= set(mem_s3.objects)
+    assert "ns/job/checkpoint-10/manifest.json" in mem_s3.objects
+    assert list(staging.iterdir()) == []
+
+
+def test_a_folder_tried_again_behind_a_newer_one_is_superseded_not_uploaded_after_it(tmp_path, monkeypatch, mem_s3,
+                                                                                      mem_store):
+    """checkpoint-10 hit the full disk; checkpoint-20 (say the emergency checkpoint) went out meanwhile. The
+    retry must not queue 10 behind 20: on preemption `keep_only_newest` kept the last queued (10) and dropped
+    20, the resume went back to the older step."""
+    out, staging, up, loop, clock = _full_disk_then_room(tmp_path, monkeypatch, mem_store, (10, 20))
+    loop.scan_once()
+    clock.now += 60
+    loop.writers_exited(clean=True)
+    loop.scan_once()  # the last scan tries 10 again at once
+    assert 10 in up.dropped and up.keep_only_newest() == []
+    assert up.close(10)
+    assert "ns/job/checkpoint-20/manifest.json" in mem_s3.objects
+    assert not any("checkpoint-10/" in k for k in mem_s3.objects)
     assert list(staging.iterdir()) == []
 
 
