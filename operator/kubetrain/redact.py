@@ -12,7 +12,7 @@ import re
 _SECRET_SHAPED = re.compile(
     r"(?P<akid>\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b)"
     r"|(?P<kv>(?i:[\w.-]{0,64}(?:secret|password|passwd|token|credential|signature|api[_-]?key|access[_-]?key|session)"
-    r"[\w.-]{0,64})"
+    r"[\w.-]*+)"
     r"\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
     r"|(?P<bearer>(?i:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"
     r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"
@@ -20,13 +20,19 @@ _SECRET_SHAPED = re.compile(
 )
 
 
+REDACT_MARGIN = 2048
+"""How much text past a cut is redacted with it, so that a secret across the cut (a long token in a URL's
+user:password@) is still recognised whole."""
+
+
 def redact(text: str) -> str:
     """`text` with anything secret-shaped replaced by `***`: AWS access key ids, values of
     key=value / key: value pairs whose key names a secret, token or password, bearer/basic
     credentials, user:password@ in URLs and private keys. Applied to everything that pods or
     the API server say before it is copied into status or events. A key name is at most 64
-    characters either side of its secret word: unbounded, a long run of word characters (a
-    100 kB annotation) made the match quadratic, minutes of CPU per reconcile."""
+    characters before its secret word (the search may start inside a longer one) and is taken whole,
+    without backtracking, after it: unbounded, a long run of word characters (a 100 kB annotation) made
+    the match quadratic, minutes of CPU per reconcile. Callers cut long text first (`draft.excerpt`)."""
     def sub(m: re.Match[str]) -> str:
         if m.group("akid"):
             return "***"

@@ -120,7 +120,10 @@ def build_all(n: RealNodeLayout, *, log_path: Path, names: tuple[str, ...] = ("o
     with open(log_path, "a") as log:
         rows = [build(n, img, log=log, push=push) for img in IMAGES if img.name in names]
         if prune_old:
-            prune_builds(n, rows, pushed=push, log=log)
+            try:
+                prune_builds(n, rows, pushed=push, log=log)
+            except Exception as exc:  # noqa: BLE001 - tidying the caches never fails a build that succeeded
+                log.write(f"prune: skipped after an error: {exc!r}\n")
         return rows
 
 

@@ -51,3 +51,12 @@ def test_an_excerpt_of_a_huge_message_is_cut_before_it_is_redacted() -> None:
 
 def test_a_key_name_longer_than_the_bound_still_has_its_value_redacted() -> None:
     assert "SECRET1" not in redact("x" * 500 + "_token=SECRET1")
+
+
+def test_a_long_token_in_a_url_and_a_long_key_name_are_still_redacted() -> None:
+    from kubetrain.draft import excerpt
+
+    url = "pull failed: https://oauth2:" + "eyJ" + "a" * 700 + "@registry.example/v2/"
+    assert "eyJ" not in excerpt(url) and "https://***@" in excerpt(url)
+    long_key = "DB_PASSWORD_FOR_THE_PRODUCTION_READ_REPLICA_IN_EU_WEST_1_AND_US_EAST_1_FAILOVER=hunter2"
+    assert "hunter2" not in redact(long_key)
