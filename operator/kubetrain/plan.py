@@ -128,16 +128,18 @@ def _start_next_attempt(d: Draft, observed: Observed) -> None:
     attempt = d.status.attempt + 1
     blocking = [p for p in observed.pods if p.attempt != attempt or p.terminating]
     # Pods of this attempt made from an earlier spec (a launch cut short, then the job edited): made again.
-    outdated = [p for p in observed.pods if p.attempt == attempt and not p.terminating and p.generation is not None
+    outdated = [p for p in observed.pods if p.attempt == attempt and p.generation is not None
                 and d.job.generation is not None and p.generation != d.job.generation]
     if blocking or outdated:
         # Attempts never overlap: the old gang must be gone before the new one starts.
-        delete_pods(d, observed, blocking + outdated)
-        if d.status.phase != "Restarting" and blocking:
+        delete_pods(d, observed, blocking + [p for p in outdated if not p.terminating])
+        previous = [p for p in blocking if p.attempt != attempt]
+        if d.status.phase != "Restarting" and previous:
             d.update(phase="Restarting")
-        d.update(message=f"waiting for {len(blocking)} pod(s) of the previous attempt to be gone" if not outdated
+        d.update(message=f"waiting for {len(previous)} pod(s) of the previous attempt to be gone" if previous
                  else f"attempt {attempt}: the spec changed while its pods were being created: recreating "
-                      f"{len(outdated)} pod(s) made from generation {outdated[0].generation}")
+                      f"{len(outdated)} pod(s) made from generation {outdated[0].generation}" if outdated
+                 else f"attempt {attempt}: waiting for {len(blocking)} deleted pod(s) to be gone")
         return
     ready_at = parse_time(d.status.next_attempt_time)
     if ready_at is not None and d.now < ready_at:

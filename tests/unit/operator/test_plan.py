@@ -731,6 +731,9 @@ def test_a_launch_cut_short_and_then_edited_does_not_finish_with_pods_of_two_spe
     assert {a.name for a in first.actions if isinstance(a, DeletePod)} == {"tj-a1-n0", "tj-a1-n1", "tj-a1-n2"}
     assert not any(isinstance(a, CreatePod) for a in first.actions)
     assert "spec changed" in first.status.message and first.status.attempt == 0
+    going = plan(edited, observed(*(pod(rank=r, phase="Pending", annotations=gen1, deleting=True)
+                                    for r in range(3))), at(2))
+    assert going.status is None or (going.status.phase != "Restarting" and "previous attempt" not in going.status.message)
     fresh = plan(edited, observed(), at(5))
     assert [a.rank for a in fresh.actions if isinstance(a, CreatePod)] == [0, 1] and fresh.status.nodes_total == 2
     # Pods of the current generation (or unstamped ones, made before the stamp existed) are completed as before.
