@@ -15,7 +15,7 @@ from kubetrain.api import (
     ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY,
     METRICS_PORT_NAME, Job, pod_name,
 )
-from kubetrain.spec import DEFAULT_METRICS_PORT, Spec
+from kubetrain.spec import CONTRACT_ENV_NAMES, DEFAULT_METRICS_PORT, Spec
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
 
 DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
@@ -134,7 +134,7 @@ def get_env(*, job: Job, attempt: int, rank: int) -> list[dict[str, Any]]:
     env.append(_var("KUBETRAIN_TERMINATION_GRACE_SECONDS", spec.run_policy.termination_grace_period_seconds))
     env.append(_var("KUBETRAIN_METRICS_PORT", METRICS_PORT))
     env.append(_var("HOME", HOME_DIR))  # the root file system is read-only; /tmp is a volume
-    return env + [dict(e) for e in spec.env]
+    return env + [dict(e) for e in spec.env if e.get("name") not in CONTRACT_ENV_NAMES]  # the contract's win
 
 
 def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:

@@ -283,8 +283,10 @@ CONTRACT_ENV_NAMES: frozenset[str] = frozenset({
     "KUBETRAIN_STRATEGY", "KUBETRAIN_FSDP_CONFIG", "KUBETRAIN_DEEPSPEED_CONFIG", "KUBETRAIN_TRAINER_ARGS",
     "KUBETRAIN_RESUME_FROM", "KUBETRAIN_BUILTIN_TASK", "KUBETRAIN_TERMINATION_GRACE_SECONDS", "KUBETRAIN_METRICS_PORT",
 })
-"""The contract's variables (docs/contract.md), which spec.env cannot override: the user's env comes after
-them, and the kubelet lets the last of two equal names win. HOME is kubetrain's default, and a user's wins."""
+"""The contract's variables (docs/contract.md), which spec.env cannot override: the CRD refuses them, and the
+pod builder leaves out any that a spec stored before that rule has (the user's env comes after the contract's,
+and the kubelet lets the last of two equal names win). Not refused here: that would fail a running job at an
+operator upgrade. HOME is kubetrain's default, and a user's wins."""
 RESERVED_MOUNT_PATHS: frozenset[str] = frozenset({"/", "/dev", "/dev/termination-log", "/proc"})
 RESERVED_MOUNT_TREES: tuple[str, ...] = ("/proc", "/etc/kubetrain", "/tmp/kubetrain")
 """Mount points kubetrain or the runtime owns: the paths themselves and everything below them."""
@@ -368,9 +370,6 @@ def _env(raw: Any) -> tuple[Mapping[str, Any], ...]:
     env = tuple(raw or ())
     for i, var in enumerate(env):
         name = var.get("name") if isinstance(var, Mapping) else None
-        if name in CONTRACT_ENV_NAMES:
-            raise SpecError(f"env[{i}].name", f"{name} is set by kubetrain (docs/contract.md) and cannot be "
-                                              "overridden")
         if name in CREDENTIAL_ENV_NAMES and var.get("value"):
             raise SpecError(f"env[{i}].value", f"{name} is a credential and must not be written into the "
                                                "TrainingJob; take it from a Secret with valueFrom.secretKeyRef")

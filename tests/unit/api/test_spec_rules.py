@@ -136,10 +136,10 @@ def test_credential_names_are_the_crds(schema: dict) -> None:
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"} <= in_crd
 
 
-def test_contract_names_are_the_crds_and_the_operator_refuses_them_too(schema: dict) -> None:
+def test_contract_names_are_the_crds_and_the_pods_never_override_them(schema: dict) -> None:
     """A spec stored before the CRD's rule (or under an outdated CRD: a helm upgrade without the README's
-    `kubectl apply -f crds/`) must not override MASTER_ADDR & co.: the user's env comes after the contract's,
-    and the kubelet lets the last of two equal names win."""
+    `kubectl apply -f crds/`) must not override MASTER_ADDR & co. (the user's env comes after the contract's,
+    and the kubelet lets the last of two equal names win), nor fail the running job at the upgrade."""
     text = _crd_rule_text(schema, "spec", "env", "[]", "name")
     assert set(re.findall(r"'([A-Z][A-Z0-9_]+)'", text)) == CONTRACT_ENV_NAMES
     from kubetrain import builders
@@ -148,10 +148,12 @@ def test_contract_names_are_the_crds_and_the_operator_refuses_them_too(schema: d
     made = {e["name"] for e in builders.get_env(job=Job.from_storage(body, default_image="img:1"), attempt=1, rank=0)}
     assert CONTRACT_ENV_NAMES - {"KUBETRAIN_FSDP_CONFIG", "KUBETRAIN_DEEPSPEED_CONFIG", "KUBETRAIN_RESUME_FROM",
                                  "KUBETRAIN_BUILTIN_TASK", "KUBETRAIN_TRAINER_ARGS"} <= made
-    with pytest.raises(SpecError) as err:
-        Spec.from_storage({**BASE, "env": [{"name": "OMP_NUM_THREADS", "value": "1"},
-                                           {"name": "MASTER_ADDR", "value": "10.0.0.1"}]})
-    assert err.value.field_path == "env[1].name" and "MASTER_ADDR" in str(err.value)
+    # Stored before the rule: the job keeps running (an operator upgrade must not fail it), the contract wins.
+    stale = {**BASE, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "MASTER_ADDR", "value": "10.0.0.1"}]}
+    env = builders.get_env(job=Job.from_storage({**body, "spec": stale}, default_image="img:1"), attempt=1, rank=0)
+    assert [e for e in env if e["name"] == "MASTER_ADDR"] == [e for e in env if e["name"] == "MASTER_ADDR"][:1]
+    assert [e.get("value") for e in env if e["name"] == "MASTER_ADDR"] != ["10.0.0.1"]
+    assert {"name": "OMP_NUM_THREADS", "value": "1"} in env
 
 
 def test_reserved_mount_paths_are_the_crds(schema: dict) -> None:
