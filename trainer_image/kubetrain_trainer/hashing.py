@@ -212,9 +212,8 @@ def read_trainer_metrics(folder: Path, step: int) -> tuple[dict[str, float], Bes
     best = None
     best_value = state.get("best_metric")
     best_dir = state.get("best_model_checkpoint")
-    best_step = state.get("best_global_step")
-    if not isinstance(best_step, int) and isinstance(best_dir, str):
-        best_step = parse_checkpoint_dirname(PurePosixPath(best_dir.rstrip("/")).name)
+    # The best *checkpoint*'s step: best_global_step may be an evaluation at a step that saved nothing.
+    best_step = parse_checkpoint_dirname(PurePosixPath(best_dir.rstrip("/")).name) if isinstance(best_dir, str) else None
     if best_value is not None or best_step is not None:
         best = BestCheckpoint(
             metric=state.get("metric_for_best_model") if isinstance(state.get("metric_for_best_model"), str) else None,

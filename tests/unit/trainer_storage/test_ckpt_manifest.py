@@ -297,3 +297,14 @@ def test_a_checkpoint_without_the_eval_metric_is_never_the_best():
     plan = _plan(cps, save_total_limit=1, metric_for_best_model="loss")
     assert plan.protected == {300: "newest complete", 100: "best"}
     assert plan.delete == (200, 250)
+
+
+def test_the_manifest_s_best_step_is_a_saved_checkpoint_s(tmp_path):
+    """best_global_step may be an evaluation at a step that saved nothing (eval every 30, save every 100):
+    the manifest's best step is the best *checkpoint*'s, which retention protects, or none."""
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    for best_dir, expected in (("/out/checkpoint-100", 100), (None, None)):
+        state = {"global_step": 200, "best_metric": 0.5, "best_global_step": 90, "best_model_checkpoint": best_dir}
+        (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+        m = build_manifest(tmp_path, step=200, attempt=1, world_size=1, strategy="ddp")
+        assert m.best.step == expected
