@@ -157,8 +157,9 @@ def test_torn_and_mismatching_checkpoints_are_never_restored_and_torn_ones_are_c
     # the next commit cleans the torn folder below it; the one above may still be uploading
     up.submit(_checkpoint(tmp_path / "out", 40), 40)
     assert up.close(120)
-    # (checkpoint-10 no longer matches its manifest: it counts as torn too)
-    assert sorted(c.step for c in store.list_checkpoints()) == [30, 40, 50]
+    # (checkpoint-10 no longer matches its manifest: it counts as torn too; checkpoint-30, which the restore
+    # marked corrupt, goes as well, so no later attempt downloads it again)
+    assert sorted(c.step for c in store.list_checkpoints()) == [40, 50]
 
 
 def test_remote_retention_keeps_the_best_and_the_newest(ckpt_env, tmp_path):
