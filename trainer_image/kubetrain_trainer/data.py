@@ -120,14 +120,43 @@ _TENSOR = frozenset((torch.Tensor,))
 _LABEL_KEYS = ("label", "label_ids")
 
 
+def _is_numpy(value: Any) -> bool:
+    return type(value).__module__ == "numpy"  # an ndarray or a numpy scalar (numpy stays optional)
+
+
+def _stack_numpy(values: list) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.stack(values))
+
+
+def _labels(values: list, ids: bool) -> torch.Tensor:
+    """The `labels` of a batch from its rows' `label` (`ids` False) or `label_ids` (`ids` True) values.
+
+    HF's rules where they work: a Python int or a 0-dim non-float tensor is long, a Python float, a 0-dim
+    float tensor or a list under `label` float32, `label_ids` lists by their first item. Where HF fails or loses the type: a tensor with
+    dimensions (a multi-label row) is stacked as it is, numpy values keep their dtype (HF makes numpy ints
+    float32), and empty `label_ids` lists are long (HF raises IndexError)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if ids or first.dim():
+            return torch.stack(values)
+        return torch.stack(values).to(torch.float if first.is_floating_point() else torch.long)
+    if _is_numpy(first):
+        return _stack_numpy(values)
+    sample = (first[0] if first else 0) if ids and isinstance(first, (list, tuple)) else first
+    integral = isinstance(sample, int) or (_is_numpy(sample) and sample.dtype.kind in "biu")
+    return torch.tensor(values, dtype=torch.long if integral else torch.float)
+
+
 def default_data_collator(features: list) -> Any:
     """HF's `default_data_collator` (the HF Trainer's default), with torch's `default_collate` where HF has none.
 
     Rows that are mappings (or objects, through `vars`) become one dict: tensors are stacked, numpy arrays
     stacked, anything else (Python numbers, lists of them) goes through `torch.tensor`; keys whose first
-    value is None or a string are dropped, and `label` / `label_ids` become `labels`. A batch of dicts of
-    tensors only (the common case, every step) and rows that are tuples or tensors go to torch's
-    `default_collate` as before, so those batches are exactly what they were.
+    value is None or a string are dropped, and `label` / `label_ids` become `labels` (see `_labels`). A batch
+    of dicts of tensors only without those keys (the common case, every step) and rows that are tuples or
+    tensors go to torch's `default_collate` as before, so those batches are exactly what they were.
     """
     first = features[0]
     if (type(first) is dict and _TENSOR.issuperset(map(type, first.values()))
@@ -139,31 +168,25 @@ def default_data_collator(features: list) -> Any:
         features = [vars(f) for f in features]
         first = features[0]
     batch: dict[str, Any] = {}
-    label = first.get("label")
-    if label is not None:
-        value = label.item() if isinstance(label, torch.Tensor) else label
-        batch["labels"] = torch.tensor([f["label"] for f in features], dtype=torch.long if isinstance(value, int)
-                                       else torch.float)
+    if first.get("label") is not None:
+        batch["labels"] = _labels([f["label"] for f in features], ids=False)
     elif first.get("label_ids") is not None:
-        ids = first["label_ids"]
-        batch["labels"] = (torch.stack([f["label_ids"] for f in features]) if isinstance(ids, torch.Tensor) else
-                           torch.tensor([f["label_ids"] for f in features],
-                                        dtype=torch.long if isinstance(ids[0], int) else torch.float))
+        batch["labels"] = _labels([f["label_ids"] for f in features], ids=True)
     for key, value in first.items():
         if key in _LABEL_KEYS or value is None or isinstance(value, str):
             continue
         values = [f[key] for f in features]
         if isinstance(value, torch.Tensor):
             batch[key] = torch.stack(values)
-        elif type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":  # numpy stays optional
-            import numpy as np
-
-            batch[key] = torch.from_numpy(np.stack(values))
+        elif type(value).__name__ == "ndarray" and _is_numpy(value):
+            batch[key] = _stack_numpy(values)
         elif isinstance(value, Mapping):  # nested: HF has no rule; torch's
             batch[key] = default_collate(values)
         else:
             batch[key] = torch.tensor(values)
     return batch
+
+
 _DEVICE = attrgetter("device")
 _IS_CPU = attrgetter("is_cpu")  # a flag, where .device makes a device object per tensor
 

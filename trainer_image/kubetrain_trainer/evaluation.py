@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from . import distributed as dist_util
 from .args import ConfigError
 from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader
+from .layout import metric_key
 from .state import EvalPrediction, PredictionOutput
 
 
@@ -72,23 +73,41 @@ def label_names(model_class: type) -> tuple[str, ...]:
     return tuple(p for p in params if "label" in p or p in qa) or ("labels",)
 
 
-def check_eval_dataset(dataset: Any) -> None:
-    """Refuse a dict of eval sets (HF evaluates each under its name; kubetrain takes one), before any step."""
-    if isinstance(dataset, dict):
-        raise ConfigError(f"eval_dataset: a dict of datasets ({', '.join(map(repr, dataset))}) is not supported: "
-                          "pass one dataset, and evaluate the others with trainer.evaluate(dataset)")
+def check_eval_dataset(dataset: Any, trainer: Any) -> None:
+    """Refuse, before any step, a dict of eval sets that cannot work: keys that are not names, none to evaluate
+    periodically, or a `metric_for_best_model` that none of its sets' metrics (`eval_<name>_<metric>`) can be."""
+    if not isinstance(dataset, dict):
+        return
+    if not all(isinstance(name, str) for name in dataset):
+        raise ConfigError(f"eval_dataset: the keys of a dict of eval sets are their names (str), not "
+                          f"{', '.join(repr(k) for k in dataset if not isinstance(k, str))}")
+    args = trainer.args
+    if args.eval_strategy == "no":
+        return
+    if not dataset:
+        raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but eval_dataset is an empty dict: "
+                          "give it an eval set or set eval_strategy: no")
+    name, cls = args.metric_for_best_model, type(trainer)
+    if (name and cls.evaluate is EvaluationMixin.evaluate and cls.evaluation_loop is EvaluationMixin.evaluation_loop
+            and not any(metric_key(name).startswith(f"eval_{n}_") for n in dataset)):  # an override may name it
+        example = f"eval_{next(iter(dataset))}_loss"
+        raise ConfigError(f"metric_for_best_model {name!r} names no metric of a dict eval_dataset: each set's "
+                          f"metrics are named eval_<name>_<metric> (e.g. {example!r}): set metric_for_best_model "
+                          "to the one that ranks checkpoints")
 
 
 def plain_metrics(value: Any) -> Any:
-    """A compute_metrics value as HF logs it: numpy and one-element tensor numbers become Python numbers, in
-    lists, tuples and dicts too; anything else (a list of per-class scores, a string) is kept as it is."""
+    """A compute_metrics value as HF logs it (`denumpify_detensorize`), and JSON-able as trainer_state.json needs:
+    numpy scalars and one-element tensors become Python numbers, numpy arrays and other tensors lists, in
+    lists, tuples and dicts too; anything else (a string, a Python number) is kept as it is."""
     if isinstance(value, (list, tuple)):
         return type(value)(plain_metrics(v) for v in value)
     if isinstance(value, dict):
         return {k: plain_metrics(v) for k, v in value.items()}
-    if (type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0) or \
-            (isinstance(value, torch.Tensor) and value.numel() == 1):
-        return value.item()
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()  # an ndarray's nested lists; a numpy scalar's (or 0-d array's) .item()
     return value
 
 
@@ -109,12 +128,18 @@ class EvaluationMixin:
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """The eval set's loader; a str names one entry of a dict `eval_dataset` (as in HF)."""
-        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
-        if dataset is None:
-            dataset = self.eval_dataset
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                names = ", ".join(map(repr, self.eval_dataset)) if isinstance(self.eval_dataset, dict) else None
+                raise KeyError(f"eval set {eval_dataset!r}: " + (f"the eval_dataset dict has {names}" if names
+                                                                  else "eval_dataset is not a dict of eval sets"))
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
-        check_eval_dataset(dataset)
+        if isinstance(dataset, dict):
+            raise ValueError(f"eval_dataset is a dict: name one of its sets ({', '.join(map(repr, dataset))}), "
+                             "or call evaluate(), which evaluates each")
         return self._ordered_loader(dataset)
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
@@ -213,9 +238,21 @@ class EvaluationMixin:
             return None
         return _interleave(per_rank, dataset_len or sum(len(t) for t in per_rank))
 
-    def evaluate(self, eval_dataset: Dataset | None = None, ignore_keys=None,
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """*Collective.* Evaluate, log the metrics and fire `on_evaluate`."""
+        """*Collective.* Evaluate, log the metrics and fire `on_evaluate`.
+
+        As in HF, a dict (given, or the Trainer's `eval_dataset`) evaluates each set in turn under the prefix
+        `<metric_key_prefix>_<name>` (each logged and reported on its own) and returns all their metrics; a
+        str evaluates that set of the Trainer's dict, under `metric_key_prefix`."""
+        override = eval_dataset is not None
+        datasets = eval_dataset if override else self.eval_dataset
+        if isinstance(datasets, dict):
+            metrics: dict[str, float] = {}
+            for name, dataset in datasets.items():  # as HF: the Trainer's own sets go by name (a str)
+                metrics.update(self.evaluate(eval_dataset=dataset if override else name, ignore_keys=ignore_keys,
+                                             metric_key_prefix=f"{metric_key_prefix}_{name}"))
+            return metrics
         dataloader = self.get_eval_dataloader(eval_dataset)
         _, _, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix)
         self.log(metrics)

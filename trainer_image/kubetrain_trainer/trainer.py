@@ -65,7 +65,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but no eval_dataset was given: "
                               "pass one or set eval_strategy: no")
-        check_eval_dataset(eval_dataset)
+        check_eval_dataset(eval_dataset, self)
         if args.neftune_noise_alpha and not hasattr(model, "get_input_embeddings"):
             raise ConfigError("neftune_noise_alpha needs a model with get_input_embeddings(); unset it")
         if args.gradient_checkpointing:

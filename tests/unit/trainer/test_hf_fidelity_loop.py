@@ -7,12 +7,17 @@ Each test pins one behaviour an HF user relies on and kubetrain once differed in
   callback stops it mid-epoch; `control.should_epoch_stop` ends the epoch (the next one starts) and
   `num_train_epochs` bounds the epochs; a stop and resume is still bitwise the straight run;
 - `on_epoch_begin` fires when a run resumes mid-epoch;
-- without a `data_collator`, rows are collated by HF's `default_data_collator` rules;
-- `compute_metrics` may return lists (kept, numpy numbers made plain) and a dict `eval_dataset` is refused
-  when the Trainer is built.
+- without a `data_collator`, rows are collated by HF's `default_data_collator` rules (and multi-label
+  tensor rows, numpy labels and empty `label_ids`, where HF's fail, keep working as torch collated them);
+- `compute_metrics` values are made JSON-able as HF's `denumpify_detensorize` makes them (numpy arrays and
+  tensors become lists), so trainer_state.json is still written;
+- a dict `eval_dataset` is evaluated set by set under `eval_<name>_`, as in HF 5.x, in the loop too
+  (`metric_for_best_model` names one set's metric; one that names none is refused when the Trainer is built).
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -24,6 +29,7 @@ from kubetrain_trainer import Trainer, TrainerCallback
 from kubetrain_trainer.args import ConfigError
 from kubetrain_trainer.checkpoint import list_checkpoints
 from kubetrain_trainer.data import default_data_collator
+from kubetrain_trainer.evaluation import plain_metrics
 from kubetrain_trainer.state import TrainerState
 
 
@@ -223,6 +229,48 @@ def test_default_collator_keeps_tensor_rows_tuples_and_tensors_as_torch_collates
     assert torch.equal(default_data_collator([torch.ones(2)] * 2), torch.ones(2, 2))
 
 
+def test_default_collator_stacks_tensor_labels_and_keeps_numpy_label_dtypes():
+    multi = default_data_collator([{"x": torch.ones(2) * i, "label": torch.tensor([0.0, 1.0, float(i)])}
+                                   for i in range(3)])  # a multi-label row: HF's `.item()` fails on it
+    assert multi["labels"].dtype == torch.float32 and multi["labels"].tolist() == [[0, 1, 0], [0, 1, 1], [0, 1, 2]]
+    assert multi["x"].shape == (3, 2)
+    ints = default_data_collator([{"x": torch.ones(2), "label": torch.tensor([i, 1], dtype=torch.int32)}
+                                  for i in range(2)])
+    assert ints["labels"].dtype == torch.int32 and ints["labels"].tolist() == [[0, 1], [1, 1]]
+    for label, dtype in ((np.int64(3), torch.int64), (np.int32(3), torch.int32), (np.float64(0.5), torch.float64),
+                         (np.array([1, 0], dtype=np.int64), torch.int64)):
+        batch = default_data_collator([{"x": [1.0, 2.0], "label": label}] * 2)
+        assert batch["labels"].dtype == dtype and batch["labels"].shape == (2, *np.shape(label)), label
+    ids = default_data_collator([{"x": [1.0], "label_ids": np.array([i, 2], dtype=np.int32)} for i in range(2)])
+    assert ids["labels"].dtype == torch.int32 and ids["labels"].tolist() == [[0, 2], [1, 2]]
+    numpy_ints = default_data_collator([{"x": [1.0], "label_ids": [np.int64(i)]} for i in range(2)])
+    assert numpy_ints["labels"].dtype == torch.long
+    empty = default_data_collator([{"x": [1.0], "label_ids": []} for _ in range(2)])  # HF: IndexError
+    assert empty["labels"].dtype == torch.long and empty["labels"].shape == (2, 0)
+    # HF's rules stay where they hold: Python int long, Python float (and a list under `label`) float32,
+    # a 0-dim tensor by its value (an int32 one long).
+    assert default_data_collator([{"label": 1}] * 2)["labels"].dtype == torch.long
+    assert default_data_collator([{"label": 1.0}] * 2)["labels"].dtype == torch.float32
+    assert default_data_collator([{"label": [0, 1]}] * 2)["labels"].dtype == torch.float32
+    assert default_data_collator([{"label": torch.tensor(1, dtype=torch.int32)}] * 2)["labels"].dtype == torch.long
+
+
+def test_training_on_multi_label_tensor_rows_without_a_collator(make_args):
+    class MultiLabel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, x, labels=None):
+            logits = self.l(x)
+            return {"loss": nn.functional.binary_cross_entropy_with_logits(logits, labels), "logits": logits}
+
+    data = [{"x": r["x"], "label": (r["x"][:3] > 0).float()} for r in rows(8)]
+    trainer = Trainer(model=MultiLabel(), args=make_args(max_steps=2, save_strategy="no"), train_dataset=data)
+    assert trainer.train().global_step == 2
+
+
 @pytest.mark.parametrize("variant", ["lists", "label", "text"])
 def test_training_on_rows_of_python_values_without_a_collator(make_args, variant):
     class Rows(torch.utils.data.Dataset):  # as HF `datasets` yields them
@@ -251,13 +299,71 @@ def test_compute_metrics_may_return_lists_and_numpy_numbers(make_args):
     assert metrics["eval_n"] == 3
 
 
-def test_a_dict_eval_dataset_is_refused_when_the_trainer_is_built(make_args):
-    with pytest.raises(ConfigError, match="eval_dataset"):
-        Trainer(model=Linear(), args=make_args(max_steps=1, eval_strategy="steps", eval_steps=1),
-                train_dataset=rows(8), eval_dataset={"a": rows(4), "b": rows(4, seed=3)})
-    trainer = Trainer(model=Linear(), args=make_args(max_steps=1), train_dataset=rows(8))
-    with pytest.raises(ConfigError, match="eval_dataset"):
-        trainer.evaluate({"a": rows(4)})
+def test_compute_metrics_arrays_and_tensors_become_lists_and_the_state_is_still_written(make_args, tmp_path):
+    assert plain_metrics({"a": (np.array([0.5]), torch.tensor([1.0, 2.0])), "b": [torch.tensor([3]), np.bool_(True)],
+                          "m": np.array([[1, 2]], dtype=np.int64)}) == \
+        {"a": ([0.5], [1.0, 2.0]), "b": [3, True], "m": [[1, 2]]}
+    out = tmp_path / "state"
+    trainer = Trainer(model=Linear(), args=make_args(output_dir=str(out), max_steps=1, save_strategy="no"),
+                      train_dataset=rows(8), eval_dataset=rows(8, seed=2),
+                      compute_metrics=lambda p: {"f1": np.array([0.5]), "per_class": np.array([0.25, 0.75]),
+                                                 "t": torch.tensor([1.0, 2.0]), "one": torch.tensor([3.0])})
+    metrics = trainer.evaluate()
+    assert (metrics["eval_f1"], metrics["eval_per_class"], metrics["eval_t"], metrics["eval_one"]) == \
+        ([0.5], [0.25, 0.75], [1.0, 2.0], 3.0)
+    trainer.save_state()  # json.dumps of the log history: an ndarray left in it raised TypeError
+    saved = json.loads((out / "trainer_state.json").read_text())
+    assert [e["eval_per_class"] for e in saved["log_history"] if "eval_per_class" in e] == [[0.25, 0.75]]
+
+
+def test_a_dict_eval_dataset_is_evaluated_set_by_set_as_in_hf(make_args, tmp_path):
+    sets = {"a": rows(4, seed=2), "b": rows(6, seed=3)}
+    seen = []
+
+    class Seen(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen.append((state.global_step, sorted(k for k in metrics if k.endswith("_loss"))))
+
+    args = make_args(output_dir=str(tmp_path / "o"), max_steps=2, eval_strategy="steps", eval_steps=1,
+                     save_steps=1, load_best_model_at_end=True, metric_for_best_model="b_loss")
+    trainer = Trainer(model=Linear(), args=args, train_dataset=rows(8), eval_dataset=sets, callbacks=[Seen()])
+    trainer.train()
+    # The loop's evaluations: each set on its own (logged, on_evaluate), ranked by the named set's loss.
+    assert seen == [(1, ["eval_a_loss"]), (1, ["eval_b_loss"]), (2, ["eval_a_loss"]), (2, ["eval_b_loss"])]
+    b_losses = [e["eval_b_loss"] for e in trainer.state.log_history if "eval_b_loss" in e]
+    assert len(b_losses) == 2 and trainer.state.best_metric == min(b_losses)
+    merged = trainer.evaluate()
+    assert {"eval_a_loss", "eval_a_runtime", "eval_b_loss", "eval_b_samples_per_second"} <= set(merged)
+    assert "eval_loss" not in merged
+    one = trainer.evaluate("a")  # HF: a name picks the Trainer's set, under the plain prefix
+    assert one["eval_loss"] == pytest.approx(merged["eval_a_loss"]) and "eval_b_loss" not in one
+    assert trainer.get_eval_dataloader("b").dataset is sets["b"]
+    given = trainer.evaluate({"x": rows(4, seed=2)}, metric_key_prefix="test")  # a dict passed in: by its names
+    assert given["test_x_loss"] == pytest.approx(merged["eval_a_loss"])
+    with pytest.raises(KeyError, match="'c'"):
+        trainer.evaluate("c")
+    with pytest.raises(ValueError, match="name one of its sets"):
+        trainer.get_eval_dataloader()
+
+
+def test_a_dict_eval_dataset_refuses_a_metric_none_of_its_sets_has(make_args, tmp_path):
+    args = make_args(output_dir=str(tmp_path / "o"), max_steps=2, eval_strategy="steps", eval_steps=1,
+                     save_steps=1, load_best_model_at_end=True)  # metric_for_best_model: "loss", i.e. eval_loss
+    with pytest.raises(ConfigError, match="'eval_a_loss'"):
+        Trainer(model=Linear(), args=args, train_dataset=rows(8), eval_dataset={"a": rows(4), "b": rows(4, seed=3)})
+    with pytest.raises(ConfigError, match="empty dict"):
+        Trainer(model=Linear(), args=args, train_dataset=rows(8), eval_dataset={})
+    with pytest.raises(ConfigError, match="names"):
+        Trainer(model=Linear(), args=make_args(max_steps=1), train_dataset=rows(8), eval_dataset={0: rows(4)})
+
+    class OwnMetrics(Trainer):  # an evaluate() of one's own may return eval_loss: not refused
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            return {**metrics, "eval_loss": sum(v for k, v in metrics.items() if k.endswith("_loss"))}
+
+    trainer = OwnMetrics(model=Linear(), args=args, train_dataset=rows(8), eval_dataset={"a": rows(4)})
+    trainer.train()
+    assert trainer.state.best_metric is not None
 
 
 def test_save_strategy_epoch_with_max_steps_mid_epoch_saves_the_last_step(make_args, tmp_path):
