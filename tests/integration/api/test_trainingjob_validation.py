@@ -176,6 +176,8 @@ MALFORMED = [
      ["spec.resources.requests", "example.com/fpga must be a whole number"]),
     ("milli-byte-memory", spec(resources={"limits": {"memory": "64m"}}),
      ["spec.resources.limits.memory must be a size in bytes", "m is a thousandth, not mega"]),
+    ("zero-milli-bytes", spec(resources={"limits": {"memory": "0m"}}),
+     ["spec.resources.limits.memory must be a size in bytes"]),
     ("sub-byte-ephemeral-storage", spec(resources={"requests": {"ephemeral-storage": "0.5"}}),
      ["spec.resources.requests.ephemeral-storage must be a size in bytes"]),
     ("negative-integer-quantity", spec(resources={"limits": {"memory": -1}}),
