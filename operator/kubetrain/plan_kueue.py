@@ -333,8 +333,9 @@ def _counted(podsets: Any) -> list[tuple[Any, ...]]:
 
 
 def _numbers(resources: Mapping[str, Any]) -> dict[str, Any]:
-    return {which: {name: quantity_value(v) for name, v in (amounts or {}).items()} if isinstance(amounts, Mapping)
-            else amounts for which, amounts in resources.items()}
+    """Quantities as numbers; an empty requests/limits map is left out (Kueue stores none: omitempty)."""
+    return {which: {name: quantity_value(v) for name, v in amounts.items()} if isinstance(amounts, Mapping)
+            else amounts for which, amounts in resources.items() if amounts}
 
 
 def _release(body: Mapping[str, Any]) -> PatchWorkload:

@@ -20,7 +20,7 @@ _SECRET_SHAPED = re.compile(
 )
 
 
-REDACT_MARGIN = 2048
+REDACT_MARGIN = 1024
 """How much text past a cut is redacted with it, so that a secret across the cut (a long token in a URL's
 user:password@) is still recognised whole."""
 

@@ -356,3 +356,14 @@ def test_a_workload_stored_in_canonical_quantities_is_not_a_changed_gang():
         c["resources"]["limits"]["nvidia.com/gpu"] = c["resources"]["requests"]["nvidia.com/gpu"] = "4"
     r = plan_queued(j, observed(), KueueObserved(workload=wl, flavors=FLAVORS), at(5))
     assert r.status.phase == "Queued" and not any(isinstance(a, CreatePod) for a in r.actions)
+
+
+
+def test_an_empty_requests_map_the_workload_does_not_keep_is_not_a_changed_gang():
+    from kubetrain.plan_kueue import _counted
+
+    wanted = [{"name": "workers", "count": 2, "template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16384Mi"}, "requests": {}}}]}}}]
+    stored = [{"name": "workers", "count": 2, "template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": "1", "memory": "16Gi"}}}]}}}]
+    assert _counted(wanted) == _counted(stored)
