@@ -142,8 +142,9 @@ def _labels(values: list, ids: bool) -> torch.Tensor:
         if ids or first.dim():
             return torch.stack(values)
         return torch.stack(values).to(torch.float if first.is_floating_point() else torch.long)
-    if _is_numpy(first):
-        return _stack_numpy(values)
+    if _is_numpy(first):  # ints keep their type; floats are float32, as HF makes every float label
+        stacked = _stack_numpy(values)
+        return stacked.float() if stacked.is_floating_point() else stacked
     sample = (first[0] if first else 0) if ids and isinstance(first, (list, tuple)) else first
     integral = isinstance(sample, int) or (_is_numpy(sample) and sample.dtype.kind in "biu")
     return torch.tensor(values, dtype=torch.long if integral else torch.float)

@@ -255,7 +255,8 @@ class CheckpointSyncCallback(TrainerCallback):
         uploader = self._get()
         if uploader is not None and folder:
             try:
-                uploader.submit(Path(folder), state.global_step)
+                # The folder's own step: an async save's on_save fires when it lands, steps later.
+                uploader.submit(Path(folder), parse_checkpoint_dirname(Path(folder).name) or state.global_step)
             except OSError as e:  # training goes on regardless of the upload (a full staging disk)
                 log.error("checkpoint storage problem: checkpoint-%d not snapshotted for upload: %s",
                           state.global_step, e)

