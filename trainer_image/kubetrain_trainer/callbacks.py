@@ -155,7 +155,7 @@ class CallbackHandler:
             load(data)
             return
         name = type(cb).__name__
-        if not isinstance(data, dict) or not data.keys() <= {"args", "attributes"}:
+        if not isinstance(data, dict) or not ({"args", "attributes"} & data.keys()):
             logger.warning("callback %s: its saved state is not in HF's {args, attributes} layout; it starts afresh",
                            name)
             return
@@ -328,11 +328,13 @@ class EarlyStoppingCallback(TrainerCallback):
                 control.should_training_stop = True
 
     def state(self):
-        """HF's layout, under HF's class name: HF's EarlyStoppingCallback resumes from it, and this one from HF's."""
+        """HF's layout, under HF's class name: HF's EarlyStoppingCallback resumes from it, and this one from HF's;
+        plus the earlier kubetrain keys (`patience_counter`, `best`), so that an older image still resumes."""
         return {"args": {"early_stopping_patience": self.early_stopping_patience,
                          "early_stopping_threshold": self.early_stopping_threshold},
                 "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter,
-                               "best": self.best}}
+                               "best": self.best},
+                "patience_counter": self.early_stopping_patience_counter, "best": self.best}
 
     def load_state(self, state):
         """The counter (and best value) from HF's layout or from kubetrain's older {patience_counter, best};

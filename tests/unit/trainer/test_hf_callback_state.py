@@ -136,3 +136,23 @@ def test_callbacks_of_one_class_are_saved_as_a_list_and_restored_in_order(caplog
         CallbackHandler([a, b]).load_states(state)
     assert (a.count, b.count) == (1, 2)
     assert "Gone" in caplog.text
+
+
+def test_early_stopping_state_is_readable_by_an_older_image_and_by_hf():
+    """A job whose image is rolled back must still resume: the state keeps the earlier kubetrain keys beside
+    HF's layout (an older image's load_state read state["patience_counter"] and state["best"])."""
+    cb = EarlyStoppingCallback(early_stopping_patience=3)
+    cb.early_stopping_patience_counter, cb.best = 2, 0.5
+    saved = json.loads(json.dumps(cb.state()))
+
+    def older_load_state(state):  # kubetrain_trainer/callbacks.py before 2026-12-05
+        return state["patience_counter"], state["best"]
+
+    assert older_load_state(saved) == (2, 0.5)
+    handler = CallbackHandler([HFEarlyStopping(early_stopping_patience=5)])
+    handler.load_states(TrainerState(stateful_callbacks={"EarlyStoppingCallback": saved}))
+    restored = handler.callbacks[0]
+    assert isinstance(restored, HFEarlyStopping) and restored.early_stopping_patience_counter == 2
+    again = EarlyStoppingCallback(early_stopping_patience=3)
+    again.load_state(saved)
+    assert (again.early_stopping_patience_counter, again.best) == (2, 0.5)
