@@ -226,9 +226,6 @@ def test_deployment_runs_the_operator_non_root_with_liveness():
                    "KUBETRAIN_PROGRESS_INTERVAL_SECONDS": "30", "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS": "3",
                    "KUBETRAIN_PROGRESS_CONCURRENCY": "16"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    # A slow start on a busy node is not a failed liveness probe (the e2e tier saw a start killed).
-    assert c["startupProbe"]["httpGet"] == c["livenessProbe"]["httpGet"]
-    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
                           {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
