@@ -106,7 +106,11 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 @kopf.on.probe(id="api_writes")
 async def api_writes(memo: Any, **_: Any) -> dict[str, int]:
-    return dict(memo.api.writes)
+    # A probe may come before the startup handler has set memo.api: it must answer, not raise. kopf retries a
+    # raising probe handler with backoff while it holds the lock every /healthz request waits on, so one early
+    # probe left the endpoint hanging and the kubelet killed a healthy operator (seen in the e2e tier).
+    api = getattr(memo, "api", None)
+    return dict(api.writes) if api is not None else {}
 
 
 @kopf.index("nodes")
