@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from kubetrain.actions import Action, DeleteJob, DeletePod, Event, PatchStatus, Plan
 from kubetrain.api import Job
-from kubetrain.redact import REDACT_MARGIN, redact
+from kubetrain.redact import redacted_excerpt
 from kubetrain.status import Status
 from kubetrain.values import format_time, parse_time
 from kubetrain.observe import Observed, PodView
@@ -100,7 +100,7 @@ def ready_condition(status: Status, now: dt.datetime) -> Status:
 def excerpt(text: str, limit: int = MESSAGE_LIMIT) -> str:
     """What the kubelet or the API server said, redacted and cut short, for status and events (cut before
     it is redacted too, with a margin so that a secret across the cut is still recognised)."""
-    return redact(text.strip()[:limit + REDACT_MARGIN])[:limit]
+    return redacted_excerpt(text.strip(), limit)
 
 
 def delete_pods(d: Draft, observed: Observed, pods: list[PodView] | tuple[PodView, ...]) -> None:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from kubetrain.redact import REDACT_MARGIN, redact
+from kubetrain.redact import redacted_excerpt
 from kubetrain.status import LastCheckpoint
 from kubetrain.values import Progress, format_time, parse_time_or_none, real_number, whole_number
 
@@ -115,7 +115,7 @@ def next_progress(current: Progress | None, observation: ProgressObservation) ->
     if observation.report is None:
         base = current or Progress()
         return replace(base, reachable=False, reason=observation.reason,
-                       message=redact(observation.message[:MESSAGE_LIMIT + REDACT_MARGIN])[:MESSAGE_LIMIT])
+                       message=redacted_excerpt(observation.message, MESSAGE_LIMIT))
     new = observation.report.progress
     if current is not None and replace(current, observed_at=None) == replace(new, observed_at=None):
         return current

@@ -44,3 +44,9 @@ def redact(text: str) -> str:
             return f"{m.group('userinfo')}***@"
         return "-----PRIVATE KEY REDACTED-----"
     return _SECRET_SHAPED.sub(sub, text)
+
+
+def redacted_excerpt(text: str, limit: int) -> str:
+    """At most `limit` characters of `text`, redacted: cut first (with `REDACT_MARGIN`, so that a secret across
+    the cut is still recognised whole), redacted, cut again."""
+    return redact(text[:limit + REDACT_MARGIN])[:limit]
