@@ -134,8 +134,12 @@ def network_up(n: RealNodeLayout, *, api_port: int, minio_port: int) -> None:
     # What the host answers on the node address: the API server's calls to the kubelet (they come
     # from the host itself, on lo) and DNS from pods; nothing else, from pods or from outside. And
     # the guard kube-proxy keeps against CVE-2020-8558: loopback reached from the bridge only by DNAT.
+    # Replies to the host's own connections to pods (the kubelet's probes come from the node address)
+    # pass: without this the kubelet's httpGet probes never connected and it restarted healthy pods.
     _run("iptables", "-N", IN_CHAIN)
     _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-i", "lo", "-j", "ACCEPT")
+    _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-i", n.bridge, "-m", "conntrack", "--ctstate",
+         "ESTABLISHED,RELATED", "-j", "ACCEPT")
     for proto in ("udp", "tcp"):
         _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-i", n.bridge, "-p", proto, "--dport", "53", "-j", "ACCEPT")
     _run("iptables", "-A", IN_CHAIN, "-d", n.gateway, "-j", "DROP")

@@ -15,6 +15,7 @@ import json
 import secrets
 import subprocess
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,14 @@ def test_operator_chart_runs_from_its_image_with_the_in_cluster_service_account(
     assert holder
     logs = _kubectl(testbed_env, "logs", "-n", ns, pod.metadata.name)
     assert "Traceback" not in logs, logs
+    # The kubelet's liveness probe reaches /healthz on the pod IP from the node: so does this test (the
+    # node's firewall once dropped the replies, and the kubelet restarted a healthy operator every minute).
+    port = next(p.container_port for p in pod.spec.containers[0].ports if p.name == "health")
+    with urllib.request.urlopen(f"http://{pod.status.pod_ip}:{port}/healthz", timeout=5) as resp:
+        assert resp.status == 200 and "api_writes" in json.loads(resp.read()), "kopf's probe handler answers"
+    pod = core.read_namespaced_pod(pod.metadata.name, ns)
+    assert pod.status.container_statuses[0].restart_count == 0, _kubectl(testbed_env, "describe", "pod", "-n", ns,
+                                                                          pod.metadata.name)
 
 
 def _s3_secret(core, ns: str, testbed) -> None:
@@ -501,7 +510,6 @@ def test_sharded_examples_train_to_success_with_both_pods_parts_committed(
 def _registry_copy(registry: str, src_ref: str, dst_repo: str, dst_tag: str) -> None:
     """Give an image in the registry a second name, through the registry API (blob mounts and a
     manifest put): what a late `docker push`, or a mirror that catches up, does."""
-    import urllib.request
 
     src_repo, src_tag = src_ref.split("/", 1)[1].rsplit(":", 1)
     accept = ", ".join(("application/vnd.oci.image.index.v1+json", "application/vnd.oci.image.manifest.v1+json",
