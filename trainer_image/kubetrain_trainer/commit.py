@@ -12,8 +12,9 @@ The I/O around `decisions.plan_commit`, for one hard-linked snapshot
    (`ClaimsFence`, at most once per `fence_check_interval_s`);
 3. multi-node: write this node's part (`manifest.node-<r>.json`); node rank 0
    then waits up to `part_wait_s` for every node's part and merges them
-   (`decisions.merge_parts`, `MissingPartsError` while one is missing), or gives
-   the step up (`SupersededError`) once a missing node wrote a part of a newer
+   (`decisions.merge_parts`, `MissingPartsError` while one is missing; a path
+   several nodes wrote with other content is node rank 0's, uploaded again now),
+   or gives the step up (`SupersededError`) once a missing node wrote a part of a newer
    step (each node uploads in step order, so it skipped this one);
 4. re-check the fence against manifests and claims, then write `manifest.json`
    LAST: from then on the checkpoint exists for resume.
@@ -48,6 +49,7 @@ from kubetrain_trainer.decisions import (
     RetentionPolicy,
     check_fence,
     merge_parts,
+    rewrites,
     plan_commit,
 )
 from kubetrain_trainer.hashing import FolderHash, LocalFile, build_manifest
@@ -223,7 +225,7 @@ class CommitProtocol:
         # Without a manifest at this step the decision never compares files: the hashes may still be coming.
         decision = plan_commit(remote, step=job.step, files=job.files or (), attempt=s.attempt,
                                incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
-                               claims=self.fence.new_claims())
+                               claims=self.fence.new_claims(), node_rank=s.node_rank)
         if decision.action == "fenced":
             raise FencedError(decision.reason)
         if decision.action == "committed":
@@ -258,7 +260,12 @@ class CommitProtocol:
             if s.node_rank != 0:
                 log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
                 return CommitOutcome("part uploaded")
-            files = self._wait_for_parts(job.step)
+            files, again = self._wait_for_parts(job.step)
+            if again:  # another node wrote these paths too, with other content: node rank 0's copy is the one
+                log.info("checkpoint-%d: uploading node 0's copy of %s again (other nodes wrote other content)",
+                         job.step, ", ".join(again))
+                by_path = {f.path: f for f in files}
+                self.store.each_upload([by_path[p] for p in again], upload)
         manifest = build_manifest(
             job.folder, step=job.step, attempt=s.attempt, world_size=s.world_size, strategy=s.strategy, files=files,
             incarnation=s.incarnation,
@@ -269,13 +276,15 @@ class CommitProtocol:
         log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
         return CommitOutcome("committed", size_bytes=manifest.total_bytes)
 
-    def _wait_for_parts(self, step: int) -> tuple[FileEntry, ...]:
+    def _wait_for_parts(self, step: int) -> tuple[tuple[FileEntry, ...], tuple[str, ...]]:
+        """Every node's files, and the paths node rank 0 must upload again (`decisions.rewrites`)."""
         s = self.settings
         deadline = time.monotonic() + s.part_wait_s
         while True:
             parts = self.store.read_node_parts(step)
             try:
-                return merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes, incarnation=s.incarnation)
+                files = merge_parts(parts, step=step, attempt=s.attempt, nnodes=s.nnodes, incarnation=s.incarnation)
+                return files, rewrites(parts, files, step=step, attempt=s.attempt, incarnation=s.incarnation)
             except MissingPartsError as e:
                 if time.monotonic() > deadline:
                     raise

@@ -57,19 +57,24 @@ def newest_complete(checkpoints: Iterable[RemoteCheckpoint], *, exclude: Iterabl
 
 
 def is_already_committed(existing: RemoteCheckpoint | None, *, attempt: int, files: Iterable[FileEntry],
-                         nnodes: int, incarnation: int = 0) -> bool:
+                         nnodes: int, incarnation: int = 0, node_rank: int = 0) -> bool:
     """Whether `existing` is this attempt's complete commit of a checkpoint holding this node's `files`.
 
     Single node: the manifest lists exactly these files. Multi-node: the
     manifest is the merge of every node's part, so this node's files must be
-    a subset of it (same path, size and digest), never equal to it. Getting
-    this wrong on node rank 0 un-commits its own newest checkpoint on a retry.
+    a subset of it (same path, size and digest), never equal to it; another node's
+    paths only, since node rank 0's copy wins a path both wrote. Getting this
+    wrong un-commits this attempt's own checkpoint on a retry.
     """
     if existing is None or not existing.complete or existing.manifest is None \
             or existing.manifest.writer != (incarnation, attempt):
         return False
     own, committed = set(files), set(existing.manifest.files)
-    return own == committed if nnodes == 1 else own <= committed
+    if nnodes == 1:
+        return own == committed
+    if node_rank != 0:  # a path node rank 0 also wrote is its copy in the manifest (`merge_parts`)
+        return {f.path for f in own} <= {f.path for f in committed}
+    return own <= committed
 
 
 @dataclass(frozen=True)
@@ -249,28 +254,48 @@ def plan_retention(
     return RetentionPlan(delete=tuple(sorted(delete)), keep=tuple(sorted(keep)), protected=protected)
 
 
+def _parts_of(parts: Iterable[NodePart], *, step: int, attempt: int, incarnation: int) -> dict[int, NodePart]:
+    """This writer's parts of `step`, by node rank: parts of another attempt, incarnation or step never
+    count (a zombie's upload is not ours)."""
+    return {p.node_rank: p for p in parts if p.step == step and p.writer == (incarnation, attempt)}
+
+
 def merge_parts(parts: Iterable[NodePart], *, step: int, attempt: int, nnodes: int,
                 incarnation: int = 0) -> tuple[FileEntry, ...]:
     """All nodes' files for one checkpoint; MissingPartsError while some node has not written its part,
     ManifestError when the parts can never be committed.
 
-    Parts of another attempt, incarnation or step never count (a zombie's upload is not ours).
-    The same path from two nodes must have the same content: otherwise which
-    copy is in storage depends on upload order, and that is not a checkpoint.
+    A path that several nodes wrote with different content is node rank 0's: with HF's
+    `save_on_each_node=True` every node writes the whole folder, and `trainer_state.json` (its
+    `is_world_process_zero`) or `training_args.bin` differ by node. Node rank 0 then uploads its copy
+    again, after every part is in (`rewrites`), so storage holds the bytes the manifest names. A path
+    node rank 0 lacks must have one content: otherwise which copy is in storage depends on upload order.
     """
-    by_rank = {p.node_rank: p for p in parts if p.step == step and p.writer == (incarnation, attempt)}
+    by_rank = _parts_of(parts, step=step, attempt=attempt, incarnation=incarnation)
     missing = [r for r in range(nnodes) if r not in by_rank]
     if missing:
         raise MissingPartsError(missing)
     merged: dict[str, FileEntry] = {}
+    node_zero = {f.path for f in by_rank[0].files}
     for rank in sorted(by_rank):
         for f in by_rank[rank].files:
             other = merged.get(f.path)
-            if other is not None and (other.algorithm, other.digest) != (f.algorithm, f.digest):
-                raise ManifestError(f"{f.path}: written with different content by several nodes")
-            merged[f.path] = f
+            if other is None:
+                merged[f.path] = f
+            elif (other.algorithm, other.digest) != (f.algorithm, f.digest) and f.path not in node_zero:
+                raise ManifestError(f"{f.path}: written with different content by several nodes (not node rank 0)")
     return tuple(sorted(merged.values(), key=lambda f: f.path))
 
+
+def rewrites(parts: Iterable[NodePart], merged: Iterable[FileEntry], *, step: int, attempt: int,
+             incarnation: int = 0) -> tuple[str, ...]:
+    """The paths of `merged` (node rank 0's entries) that another node's part lists with other content:
+    that node may have uploaded its copy after node rank 0's, so node rank 0 uploads these again before
+    the manifest (each node writes its part only once its own uploads are done)."""
+    by_rank = _parts_of(parts, step=step, attempt=attempt, incarnation=incarnation)
+    mine = {f.path: (f.algorithm, f.digest) for f in merged}
+    return tuple(sorted({f.path for rank, part in by_rank.items() if rank != 0 for f in part.files
+                         if f.path in mine and mine[f.path] != (f.algorithm, f.digest)}))
 
 
 @dataclass(frozen=True)
@@ -296,6 +321,7 @@ def plan_commit(
     nnodes: int = 1,
     history: frozenset[tuple[int, int, int]] = frozenset(),
     claims: Iterable[tuple[int, int]] = (),
+    node_rank: int = 0,
 ) -> CommitPlan:
     """The commit decision for this node's `files` of checkpoint `step`, from the remote listing.
 
@@ -313,7 +339,8 @@ def plan_commit(
     existing = next((c for c in remote if c.step == step), None)
     if existing is None or existing.manifest is None:
         return CommitPlan("upload", "nothing committed at this step")
-    if is_already_committed(existing, attempt=attempt, files=files, nnodes=nnodes, incarnation=incarnation):
+    if is_already_committed(existing, attempt=attempt, files=files, nnodes=nnodes, incarnation=incarnation,
+                            node_rank=node_rank):
         return CommitPlan("committed", "already committed with the same content")
     return CommitPlan("upload", "another commit holds this step: uncommit it first", uncommit_first=True)
 
@@ -333,5 +360,6 @@ __all__ = [
     "merge_parts",
     "newest_complete",
     "plan_retention",
+    "rewrites",
     "stale_multipart_uploads",
 ]

@@ -16,6 +16,7 @@ from kubetrain_trainer.decisions import (
     RetentionPolicy,
     check_fence,
     merge_parts,
+    rewrites,
     newest_complete,
     plan_retention,
 )
@@ -234,9 +235,18 @@ def test_merge_parts_needs_every_node_of_this_attempt():
     with pytest.raises(MissingPartsError) as missing:
         merge_parts([], step=10, attempt=2, nnodes=3)
     assert missing.value.ranks == (0, 1, 2)
+    # A path node rank 0 wrote too is its copy (HF save_on_each_node: every node writes trainer_state.json,
+    # whose is_world_process_zero differs), and node rank 0 uploads it again before the manifest.
+    theirs = NodePart(1, 10, 2, (b, FileEntry("trainer_state.json", 5, "3" * 32)))
+    merged = merge_parts([parts[0], theirs], step=10, attempt=2, nnodes=2)
+    assert dict((f.path, f.digest) for f in merged)["trainer_state.json"] == "2" * 32
+    assert rewrites([parts[0], theirs], merged, step=10, attempt=2) == ("trainer_state.json",)
+    assert rewrites(parts, merge_parts(parts, step=10, attempt=2, nnodes=2), step=10, attempt=2) == ()
+    # Two other nodes disagreeing on a path node rank 0 lacks: which copy storage holds is a race.
+    c = FileEntry("extra.bin", 1, "4" * 32)
+    three = [NodePart(0, 10, 2, (a,)), NodePart(1, 10, 2, (c,)), NodePart(2, 10, 2, (FileEntry("extra.bin", 1, "5" * 32),))]
     with pytest.raises(ManifestError, match="different content") as conflict:
-        merge_parts([parts[0], NodePart(1, 10, 2, (FileEntry("trainer_state.json", 5, "3" * 32),))],
-                    step=10, attempt=2, nnodes=2)
+        merge_parts(three, step=10, attempt=2, nnodes=3)
     assert not isinstance(conflict.value, MissingPartsError)  # waiting cannot fix it: the step stays torn
     assert NodePart.from_json(parts[1].to_json()) == parts[1]
 

@@ -323,6 +323,40 @@ def test_multi_node_commit_waits_for_every_nodes_part(tmp_path: Path):
     assert [f.path for f in m.files] == ["rng_state_0.pth", "rng_state_1.pth"]
 
 
+def test_save_on_each_node_commits_node_zeros_copy_of_a_file_every_node_wrote(tmp_path: Path):
+    """HF `save_on_each_node=True`: every node writes the whole folder, and trainer_state.json differs by node
+    (`is_world_process_zero`). Node 1 uploads its copy after node 0's; the commit must still hold node 0's
+    bytes under node 0's digest (it refused such a checkpoint, so the job never had one to resume)."""
+    from kubetrain_trainer.hashing import file_digest
+
+    store = MemoryStore()
+    node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=10)
+    node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1)
+    folders = []
+    for rank in (0, 1):
+        f = tmp_path / f"o{rank}" / "checkpoint-3"
+        f.mkdir(parents=True)
+        (f / "model.safetensors").write_bytes(b"w" * 64)
+        (f / f"rng_state_{rank}.pth").write_bytes(b"%d" % rank)
+        (f / "trainer_state.json").write_text('{"global_step": 3, "is_world_process_zero": %s}'
+                                              % ("true" if rank == 0 else "false"))
+        folders.append(f)
+    node0.submit(folders[0], 3)
+    deadline = time.monotonic() + 10
+    while "checkpoint-3/manifest.node-0.json" not in store.objects:
+        assert time.monotonic() < deadline, store.writes
+        time.sleep(0.01)
+    node1.submit(folders[1], 3)  # its trainer_state.json lands after node 0's
+    assert node1.close(10) and node0.close(10)
+    m = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
+    assert [f.path for f in m.files] == ["model.safetensors", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+    ours = folders[0] / "trainer_state.json"
+    assert store.objects["checkpoint-3/trainer_state.json"] == ours.read_bytes()
+    assert {f.path: f.digest for f in m.files}["trainer_state.json"] == file_digest(ours)
+    assert store.writes.index("checkpoint-3/trainer_state.json", store.writes.index(
+        "checkpoint-3/manifest.node-1.json")) < store.writes.index("checkpoint-3/manifest.json")
+
+
 class DeleteFailsOnce(MemoryStore):
     """S3 answers everything but the first retention delete (a 503 in the middle of retention)."""
 
