@@ -142,7 +142,8 @@ class CheckpointStore:
         Files land in a sibling `.restoring` folder that is renamed into place
         only after every digest matched, so a crash never leaves a half
         restored folder under the final name. Files already present locally
-        with the right digest are not fetched again. With `node`, the files that
+        with the right digest (under the final name, or in the staging folder of
+        a try that a storage error cut short) are not fetched again. With `node`, the files that
         only other nodes' ranks load stay in storage (`rank_files.py`): the
         strategy's records are fetched first and say which. Once `cancelled()` (SIGTERM), every
         transfer stops at its next chunk (`TransferStopped`), leaving only the staging folder.
@@ -150,14 +151,12 @@ class CheckpointStore:
         final = dest / checkpoint_dirname(manifest.step)
         staging = dest / f".{checkpoint_dirname(manifest.step)}.restoring"
         dest.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            _rmtree(staging)
-        staging.mkdir()
+        staged = _keep_verified(staging, manifest.files)  # a try cut short (a storage error): its whole files stay
         for f in manifest.files:
             target = staging / f.path
             target.parent.mkdir(parents=True, exist_ok=True)
             existing = final / f.path
-            if existing.is_file() and existing.stat().st_size == f.size and file_digest(existing, f.algorithm) == f.digest:
+            if f.path not in staged and _verified(existing, f):
                 if _same_fs(existing, staging):
                     os.link(existing, target)
                 else:
@@ -409,6 +408,27 @@ def _make_client(config: StorageConfig) -> Any:
     return boto3.session.Session().client(
         "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config
     )
+
+
+def _verified(path: Path, f: FileEntry) -> bool:
+    return path.is_file() and path.stat().st_size == f.size and file_digest(path, f.algorithm) == f.digest
+
+
+def _keep_verified(staging: Path, files: Iterable[FileEntry]) -> set[str]:
+    """Empty `staging` but for the files that are whole and match `files` (the paths kept); created if missing.
+    A download cut short leaves its file partial (or full-sized with holes): its digest refetches it."""
+    if not staging.is_dir():
+        _rmtree(staging)
+        staging.mkdir()
+        return set()
+    keep = {f.path for f in files if _verified(staging / f.path, f)}
+    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.relative_to(staging).as_posix() not in keep:
+            path.unlink()
+    return keep
 
 
 def _same_fs(a: Path, b: Path) -> bool:

@@ -101,6 +101,42 @@ def test_a_large_file_restores_byte_exact_with_its_parts_in_flight_and_a_changed
     assert not (tmp_path / "again" / "checkpoint-40").exists()
 
 
+class _CutOnce(CheckpointStore):
+    """MinIO, but the connection of one object's download drops once mid-transfer (a reset socket)."""
+
+    def __init__(self, config, cut: str) -> None:
+        super().__init__(config)
+        self.cut, self.fetched = cut, []
+
+    def _download(self, key, target, step, parts, algorithm, cancelled=lambda: False):
+        self.fetched.append(key.rsplit("/", 1)[1])
+        if not key.endswith(self.cut):
+            return super()._download(key, target, step, parts, algorithm, cancelled)
+        self.cut = "\0"  # once
+
+        def drop() -> bool:
+            raise StorageTemporaryError(f"{key}: connection reset by peer")
+        return super()._download(key, target, step, parts, algorithm, drop)
+
+
+def test_a_restore_retried_after_a_storage_error_fetches_only_what_it_had_not_verified(ckpt_env, tmp_path: Path):
+    # A dropped connection mid-restore: the retry keeps the files that landed whole (each verified again
+    # against the manifest), and fetches the cut one, not the whole checkpoint again.
+    src = tmp_path / "out" / "checkpoint-9"
+    (src / "shards").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(2000))
+    (src / "shards" / "b.bin").write_bytes(os.urandom(MiB))
+    (src / "z-big.bin").write_bytes(os.urandom(12 * MiB))
+    up = _uploader(_store(ckpt_env), tmp_path)
+    assert up.submit(src, 9)
+    assert up.close(240), up.status_line()
+    flaky = _CutOnce(StorageConfig.from_env(ckpt_env, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB,
+                                            file_concurrency=1), cut="z-big.bin")
+    restored = restore_newest(flaky, tmp_path / "restore", deadline=time.monotonic() + 120)
+    assert flaky.fetched == ["a.bin", "b.bin", "z-big.bin", "z-big.bin"]
+    _same_tree(src, restored.path)
+
+
 def test_a_checkpoint_committed_with_sha256_digests_by_an_earlier_image_restores_and_is_verified(
         ckpt_env, minio, tmp_path: Path):
     # Buckets hold checkpoints whose manifests carry "sha256" (written before xxh128): the upgraded

@@ -41,7 +41,6 @@ class Case:
     history: frozenset = frozenset()
     claims: tuple = ()
     reason: str = ""
-    node_rank: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -59,11 +58,6 @@ CASES = [
          "committed", nnodes=2),
     Case("multi-node: a file of this node with other content is not", [committed(10, A2, B)], "upload",
          uncommit_first=True, nnodes=2),
-    Case("multi-node, node rank 1: a path node rank 0 also wrote is node 0's copy in the manifest: committed "
-         "(HF save_on_each_node; uncommitting here tore node 0's commit on a retry)", [committed(10, A2, B)],
-         "committed", nnodes=2, node_rank=1, files=(A, B)),
-    Case("multi-node, node rank 1: a path missing from the manifest is not committed", [committed(10, A)], "upload",
-         uncommit_first=True, nnodes=2, node_rank=1, files=(A, B)),
     Case("this writer's manifest whose files are not all listed: incomplete, rewrite it",
          [committed(10, A, B, torn_file=True)], "upload", uncommit_first=True, nnodes=2),
     Case("an older attempt's commit at this step: uncommit, then upload", [committed(10, A, attempt=1)], "upload",
@@ -87,6 +81,6 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_plan_commit(case: Case) -> None:
     plan = plan_commit(case.remote, step=10, files=case.files, attempt=case.attempt, incarnation=case.incarnation,
-                       nnodes=case.nnodes, history=case.history, claims=case.claims, node_rank=case.node_rank)
+                       nnodes=case.nnodes, history=case.history, claims=case.claims)
     assert (plan.action, plan.uncommit_first) == (case.action, case.uncommit_first), plan.reason
     assert case.reason in plan.reason
