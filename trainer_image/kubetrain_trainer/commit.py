@@ -222,10 +222,13 @@ class CommitProtocol:
         if job.files is None and any(c.step == job.step and c.manifest is not None for c in remote):
             job.files = job.hashing.result()  # only "already committed with these files?" needs them up front
             remote = self.store.list_checkpoints()  # the hash took a while: decide on a fresh listing
+        if s.nnodes > 1 and s.node_rank != 0 and self._part_already_written(job, remote):
+            log.info("checkpoint-%d: node %d's part is already in storage with these files", job.step, s.node_rank)
+            return CommitOutcome("part uploaded")
         # Without a manifest at this step the decision never compares files: the hashes may still be coming.
         decision = plan_commit(remote, step=job.step, files=job.files or (), attempt=s.attempt,
                                incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
-                               claims=self.fence.new_claims(), node_rank=s.node_rank)
+                               claims=self.fence.new_claims())
         if decision.action == "fenced":
             raise FencedError(decision.reason)
         if decision.action == "committed":
@@ -262,7 +265,7 @@ class CommitProtocol:
                 return CommitOutcome("part uploaded")
             files, again = self._wait_for_parts(job.step)
             if again:  # another node wrote these paths too, with other content: node rank 0's copy is the one
-                log.info("checkpoint-%d: uploading node 0's copy of %s again (other nodes wrote other content)",
+                log.warning("checkpoint-%d: uploading node 0's copy of %s again (other nodes wrote other content)",
                          job.step, ", ".join(again))
                 by_path = {f.path: f for f in files}
                 self.store.each_upload([by_path[p] for p in again], upload)
@@ -275,6 +278,22 @@ class CommitProtocol:
         self.store.commit(manifest)
         log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
         return CommitOutcome("committed", size_bytes=manifest.total_bytes)
+
+    def _part_already_written(self, job: UploadJob, remote: list[RemoteCheckpoint]) -> bool:
+        """This node's part of `job.step`, by this writer, is in storage and lists these very files: a retry
+        after node rank 0 committed, or the same step saved again, uploads nothing. Its files may differ from
+        the copies of node rank 0 that the manifest names (`merge_parts`), which node rank 0 may be uploading
+        again right now: uploading ours again, or uncommitting, would break the commit."""
+        s = self.settings
+        here = next((c for c in remote if c.step == job.step), None)
+        if here is None or node_part_name(s.node_rank) not in here.listing:
+            return False
+        part = next((p for p in self.store.read_node_parts(job.step) if p.node_rank == s.node_rank), None)
+        if part is None or part.writer != (s.incarnation, s.attempt):
+            return False
+        if job.files is None:
+            job.files = job.hashing.result()  # type: ignore[union-attr]
+        return set(part.files) == set(job.files)
 
     def _wait_for_parts(self, step: int) -> tuple[tuple[FileEntry, ...], tuple[str, ...]]:
         """Every node's files, and the paths node rank 0 must upload again (`decisions.rewrites`)."""

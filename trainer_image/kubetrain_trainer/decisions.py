@@ -57,24 +57,20 @@ def newest_complete(checkpoints: Iterable[RemoteCheckpoint], *, exclude: Iterabl
 
 
 def is_already_committed(existing: RemoteCheckpoint | None, *, attempt: int, files: Iterable[FileEntry],
-                         nnodes: int, incarnation: int = 0, node_rank: int = 0) -> bool:
+                         nnodes: int, incarnation: int = 0) -> bool:
     """Whether `existing` is this attempt's complete commit of a checkpoint holding this node's `files`.
 
     Single node: the manifest lists exactly these files. Multi-node: the
     manifest is the merge of every node's part, so this node's files must be
-    a subset of it (same path, size and digest), never equal to it; another node's
-    paths only, since node rank 0's copy wins a path both wrote. Getting this
-    wrong un-commits this attempt's own checkpoint on a retry.
+    a subset of it (same path, size and digest), never equal to it. Getting
+    this wrong on node rank 0 un-commits its own newest checkpoint on a retry
+    (another node first checks its own part: `commit.CommitProtocol`).
     """
     if existing is None or not existing.complete or existing.manifest is None \
             or existing.manifest.writer != (incarnation, attempt):
         return False
     own, committed = set(files), set(existing.manifest.files)
-    if nnodes == 1:
-        return own == committed
-    if node_rank != 0:  # a path node rank 0 also wrote is its copy in the manifest (`merge_parts`)
-        return {f.path for f in own} <= {f.path for f in committed}
-    return own <= committed
+    return own == committed if nnodes == 1 else own <= committed
 
 
 @dataclass(frozen=True)
@@ -321,7 +317,6 @@ def plan_commit(
     nnodes: int = 1,
     history: frozenset[tuple[int, int, int]] = frozenset(),
     claims: Iterable[tuple[int, int]] = (),
-    node_rank: int = 0,
 ) -> CommitPlan:
     """The commit decision for this node's `files` of checkpoint `step`, from the remote listing.
 
@@ -339,8 +334,7 @@ def plan_commit(
     existing = next((c for c in remote if c.step == step), None)
     if existing is None or existing.manifest is None:
         return CommitPlan("upload", "nothing committed at this step")
-    if is_already_committed(existing, attempt=attempt, files=files, nnodes=nnodes, incarnation=incarnation,
-                            node_rank=node_rank):
+    if is_already_committed(existing, attempt=attempt, files=files, nnodes=nnodes, incarnation=incarnation):
         return CommitPlan("committed", "already committed with the same content")
     return CommitPlan("upload", "another commit holds this step: uncommit it first", uncommit_first=True)
 

@@ -323,6 +323,18 @@ def test_multi_node_commit_waits_for_every_nodes_part(tmp_path: Path):
     assert [f.path for f in m.files] == ["rng_state_0.pth", "rng_state_1.pth"]
 
 
+def _every_node_writes(tmp_path: Path) -> list[Path]:
+    folders = []
+    for rank in (0, 1):
+        f = tmp_path / f"o{rank}" / "checkpoint-3"
+        f.mkdir(parents=True)
+        (f / "model.safetensors").write_bytes(b"w" * 64)
+        (f / f"rng_state_{rank}.pth").write_bytes(b"%d" % rank)
+        (f / "trainer_state.json").write_text('{"is_world_process_zero": %s}' % ("true" if rank == 0 else "false"))
+        folders.append(f)
+    return folders
+
+
 def test_save_on_each_node_commits_node_zeros_copy_of_a_file_every_node_wrote(tmp_path: Path):
     """HF `save_on_each_node=True`: every node writes the whole folder, and trainer_state.json differs by node
     (`is_world_process_zero`). Node 1 uploads its copy after node 0's; the commit must still hold node 0's
@@ -332,15 +344,7 @@ def test_save_on_each_node_commits_node_zeros_copy_of_a_file_every_node_wrote(tm
     store = MemoryStore()
     node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=10)
     node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1)
-    folders = []
-    for rank in (0, 1):
-        f = tmp_path / f"o{rank}" / "checkpoint-3"
-        f.mkdir(parents=True)
-        (f / "model.safetensors").write_bytes(b"w" * 64)
-        (f / f"rng_state_{rank}.pth").write_bytes(b"%d" % rank)
-        (f / "trainer_state.json").write_text('{"global_step": 3, "is_world_process_zero": %s}'
-                                              % ("true" if rank == 0 else "false"))
-        folders.append(f)
+    folders = _every_node_writes(tmp_path)
     node0.submit(folders[0], 3)
     deadline = time.monotonic() + 10
     while "checkpoint-3/manifest.node-0.json" not in store.objects:
@@ -355,6 +359,54 @@ def test_save_on_each_node_commits_node_zeros_copy_of_a_file_every_node_wrote(tm
     assert {f.path: f.digest for f in m.files}["trainer_state.json"] == file_digest(ours)
     assert store.writes.index("checkpoint-3/trainer_state.json", store.writes.index(
         "checkpoint-3/manifest.node-1.json")) < store.writes.index("checkpoint-3/manifest.json")
+
+
+class BeforeManifest(MemoryStore):
+    """Runs `hook` once when node rank 0 is about to write manifest.json (after its rewrites)."""
+
+    hook = None
+
+    def commit(self, manifest: Manifest) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().commit(manifest)
+
+
+def test_a_node_saving_the_same_step_again_never_overwrites_node_zeros_copy(tmp_path: Path):
+    # Node 1 hands the same step over again (the folder saved again) while node 0 is between its rewrite and
+    # the manifest, then once more after the commit: its part is there with these files, so it uploads nothing
+    # (its trainer_state.json over node 0's would fail every restore's digest check), and never uncommits.
+    from kubetrain_trainer.hashing import file_digest
+
+    store = BeforeManifest()
+    node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=10)
+    node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1)
+    folders = _every_node_writes(tmp_path)
+
+    during: list = []  # what node 1 wrote meanwhile (the hook runs on node 0's uploader thread)
+
+    def node1_again() -> None:
+        before = len(store.writes)
+        assert node1.submit(folders[1], 3) and node1.wait(10)
+        during.append(store.writes[before:])
+
+    store.hook = node1_again
+    node1.submit(folders[1], 3)
+    deadline = time.monotonic() + 10
+    while "checkpoint-3/manifest.node-1.json" not in store.objects:
+        assert time.monotonic() < deadline, store.writes
+        time.sleep(0.01)
+    node0.submit(folders[0], 3)
+    assert node0.close(10)
+    before = len(store.writes)
+    assert node1.submit(folders[1], 3)  # after the commit: a retry, or a late re-save
+    assert node1.close(10)
+    assert during == [[]] and store.writes[before:] == [], (during, store.writes[before:])
+    m = Manifest.from_json(store.objects["checkpoint-3/manifest.json"])
+    ours = folders[0] / "trainer_state.json"
+    assert {f.path: f.digest for f in m.files}["trainer_state.json"] == file_digest(ours)
+    assert store.objects["checkpoint-3/trainer_state.json"] == ours.read_bytes()
 
 
 class DeleteFailsOnce(MemoryStore):
