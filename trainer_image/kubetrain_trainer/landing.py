@@ -12,6 +12,8 @@ object. Written bytes go straight to the file; nothing is held in memory.
 
 Anything irregular (a chunk landing where its part's hash does not stand, bytes already hashed written
 again) is not trusted: `hexdigest` then hashes the whole file from disk.
+
+`keep_verified` is what a retried restore keeps of the staging folder an earlier try filled.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import hashlib
 import logging
 import os
 import threading
-from typing import BinaryIO, Protocol
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable, Protocol, cast
 
 import xxhash
 
-from kubetrain_trainer.hashing import DIGEST_PART, fd_digest, tree_hexdigest
-from kubetrain_trainer.manifest import SHA256, XXH128
+from kubetrain_trainer.hashing import DIGEST_PART, fd_digest, file_digest, tree_hexdigest
+from kubetrain_trainer.manifest import SHA256, XXH128, FileEntry
 
 logger = logging.getLogger(__name__)
 
@@ -226,3 +229,36 @@ class HashingFile(_DownloadFile):
             self._sha.update(block)
             start += len(block)
         return True
+
+
+class _Polled:
+    """`threading.Event.is_set` over a callable: what the hash loops poll."""
+
+    def __init__(self, fn: Callable[[], bool]) -> None:
+        self.is_set = fn
+
+
+def verified(path: Path, f: FileEntry, *, cancelled: Callable[[], bool] = lambda: False) -> bool:
+    """The regular file at `path` has `f`'s size and digest (`HashCancelled` once `cancelled()`)."""
+    return (path.is_file() and not path.is_symlink() and path.stat().st_size == f.size
+            and file_digest(path, f.algorithm, cancelled=cast(threading.Event, _Polled(cancelled))) == f.digest)
+
+
+def keep_verified(staging: Path, files: Iterable[FileEntry], *, cancelled: Callable[[], bool] = lambda: False) -> set[str]:
+    """Empty the restore's `staging` folder but for the files that are whole and match `files` (the paths
+    kept), or create it. What a restore keeps from a try that a storage error cut short: a download cut
+    short leaves its file partial (or full-sized with holes), and its digest has it fetched again. A
+    symlink is never followed (it is removed, not what it points to)."""
+    if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+        staging.unlink()
+    if not staging.exists():
+        staging.mkdir()
+        return set()
+    keep = {f.path for f in files if verified(staging / f.path, f, cancelled=cancelled)}
+    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.relative_to(staging).as_posix() not in keep:
+            path.unlink()
+    return keep

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
-from kubetrain_trainer.hashing import file_digest
-from kubetrain_trainer.landing import landing_file
+from kubetrain_trainer.hashing import HashCancelled
+from kubetrain_trainer.landing import keep_verified, landing_file, verified
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -151,16 +151,19 @@ class CheckpointStore:
         final = dest / checkpoint_dirname(manifest.step)
         staging = dest / f".{checkpoint_dirname(manifest.step)}.restoring"
         dest.mkdir(parents=True, exist_ok=True)
-        staged = _keep_verified(staging, manifest.files)  # a try cut short (a storage error): its whole files stay
-        for f in manifest.files:
-            target = staging / f.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            existing = final / f.path
-            if f.path not in staged and _verified(existing, f):
-                if _same_fs(existing, staging):
-                    os.link(existing, target)
-                else:
-                    _copy(existing, target)
+        try:  # a try cut short (a storage error) leaves its whole files in staging: they stay
+            staged = keep_verified(staging, manifest.files, cancelled=cancelled)
+            for f in manifest.files:
+                target = staging / f.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                existing = final / f.path
+                if f.path not in staged and verified(existing, f, cancelled=cancelled):
+                    if _same_fs(existing, staging):
+                        os.link(existing, target)
+                    else:
+                        _copy(existing, target)
+        except HashCancelled:
+            raise TransferStopped(f"checkpoint-{manifest.step}: stopped (SIGTERM) checking local files") from None
         try:
             wanted = list(manifest.files)
             if node is not None and (records := [f for f in wanted if is_rank_files_record(f.path)]):
@@ -408,27 +411,6 @@ def _make_client(config: StorageConfig) -> Any:
     return boto3.session.Session().client(
         "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config
     )
-
-
-def _verified(path: Path, f: FileEntry) -> bool:
-    return path.is_file() and path.stat().st_size == f.size and file_digest(path, f.algorithm) == f.digest
-
-
-def _keep_verified(staging: Path, files: Iterable[FileEntry]) -> set[str]:
-    """Empty `staging` but for the files that are whole and match `files` (the paths kept); created if missing.
-    A download cut short leaves its file partial (or full-sized with holes): its digest refetches it."""
-    if not staging.is_dir():
-        _rmtree(staging)
-        staging.mkdir()
-        return set()
-    keep = {f.path for f in files if _verified(staging / f.path, f)}
-    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_dir() and not path.is_symlink():
-            if not any(path.iterdir()):
-                path.rmdir()
-        elif path.relative_to(staging).as_posix() not in keep:
-            path.unlink()
-    return keep
 
 
 def _same_fs(a: Path, b: Path) -> bool:
