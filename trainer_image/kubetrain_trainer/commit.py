@@ -222,9 +222,9 @@ class CommitProtocol:
         if job.files is None and any(c.step == job.step and c.manifest is not None for c in remote):
             job.files = job.hashing.result()  # only "already committed with these files?" needs them up front
             remote = self.store.list_checkpoints()  # the hash took a while: decide on a fresh listing
-        if s.nnodes > 1 and s.node_rank != 0 and self._part_already_written(job, remote):
-            log.info("checkpoint-%d: node %d's part is already in storage with these files", job.step, s.node_rank)
-            return CommitOutcome("part uploaded")
+        if s.nnodes > 1 and s.node_rank != 0 and (done := self._done_by_this_writer(job, remote)) is not None:
+            log.info("checkpoint-%d: %s (node %d uploads nothing again)", job.step, done.action, s.node_rank)
+            return done
         # Without a manifest at this step the decision never compares files: the hashes may still be coming.
         decision = plan_commit(remote, step=job.step, files=job.files or (), attempt=s.attempt,
                                incarnation=s.incarnation, nnodes=s.nnodes, history=s.history,
@@ -279,21 +279,28 @@ class CommitProtocol:
         log.info("checkpoint-%d committed (%d files, %d bytes)", job.step, len(files), manifest.total_bytes)
         return CommitOutcome("committed", size_bytes=manifest.total_bytes)
 
-    def _part_already_written(self, job: UploadJob, remote: list[RemoteCheckpoint]) -> bool:
-        """This node's part of `job.step`, by this writer, is in storage and lists these very files: a retry
-        after node rank 0 committed, or the same step saved again, uploads nothing. Its files may differ from
-        the copies of node rank 0 that the manifest names (`merge_parts`), which node rank 0 may be uploading
-        again right now: uploading ours again, or uncommitting, would break the commit."""
+    def _done_by_this_writer(self, job: UploadJob, remote: list[RemoteCheckpoint]) -> CommitOutcome | None:
+        """For a node other than rank 0, what makes an upload of `job` needless (None: upload it).
+
+        This writer's commit of the step is in storage: node rank 0 committed it, and the step saved again
+        holds the same training state (uploading our copy of a path node rank 0 also wrote, or uncommitting,
+        would break it: `merge_parts`). Or our part of the step is there, every file it lists too, with these
+        very files: a retry, or the same folder saved again while node rank 0 uploads its copies again."""
         s = self.settings
         here = next((c for c in remote if c.step == job.step), None)
-        if here is None or node_part_name(s.node_rank) not in here.listing:
-            return False
+        if here is None:
+            return None
+        if here.complete and here.manifest is not None and here.manifest.writer == (s.incarnation, s.attempt):
+            return CommitOutcome("already committed")
+        if node_part_name(s.node_rank) not in here.listing:
+            return None
         part = next((p for p in self.store.read_node_parts(job.step) if p.node_rank == s.node_rank), None)
-        if part is None or part.writer != (s.incarnation, s.attempt):
-            return False
+        if part is None or part.writer != (s.incarnation, s.attempt) or any(
+                f.path not in here.listing for f in part.files):
+            return None
         if job.files is None:
             job.files = job.hashing.result()  # type: ignore[union-attr]
-        return set(part.files) == set(job.files)
+        return CommitOutcome("part uploaded") if set(part.files) == set(job.files) else None
 
     def _wait_for_parts(self, step: int) -> tuple[tuple[FileEntry, ...], tuple[str, ...]]:
         """Every node's files, and the paths node rank 0 must upload again (`decisions.rewrites`)."""

@@ -409,6 +409,35 @@ def test_a_node_saving_the_same_step_again_never_overwrites_node_zeros_copy(tmp_
     assert store.objects["checkpoint-3/trainer_state.json"] == ours.read_bytes()
 
 
+def _committed_on_two_nodes(tmp_path: Path):
+    store = MemoryStore()
+    node0 = _uploader(tmp_path / "n0", store, nnodes=2, node_rank=0, part_wait_s=10)
+    node1 = _uploader(tmp_path / "n1", store, nnodes=2, node_rank=1)
+    folders = _every_node_writes(tmp_path)
+    assert node1.submit(folders[1], 3) and node1.wait(10)
+    assert node0.submit(folders[0], 3) and node0.wait(10)
+    assert "checkpoint-3/manifest.json" in store.objects
+    return store, node0, node1, folders
+
+
+def test_a_node_saving_a_committed_step_again_with_other_bytes_leaves_the_commit_alone(tmp_path: Path):
+    # An emergency save right after a regular one, at the same step: the committed step holds that state.
+    # Node 1 once uncommitted node 0's manifest and overwrote its copies, leaving the step torn.
+    store, node0, node1, folders = _committed_on_two_nodes(tmp_path)
+    (folders[1] / "rng_state_1.pth").write_bytes(b"saved again")
+    before = len(store.writes)
+    assert node1.submit(folders[1], 3) and node1.close(10) and node0.close(10)
+    assert store.writes[before:] == [] and "checkpoint-3/manifest.json" in store.objects
+
+
+def test_a_node_whose_part_lost_a_file_uploads_again(tmp_path: Path):
+    # Its part alone says nothing: a file it lists is gone (a delete that stopped halfway), so node 1 uploads.
+    store, node0, node1, folders = _committed_on_two_nodes(tmp_path)
+    del store.objects["checkpoint-3/rng_state_1.pth"], store.objects["checkpoint-3/manifest.json"]
+    assert node1.submit(folders[1], 3) and node1.close(10) and node0.close(10)
+    assert store.objects["checkpoint-3/rng_state_1.pth"] == b"1"
+
+
 class DeleteFailsOnce(MemoryStore):
     """S3 answers everything but the first retention delete (a 503 in the middle of retention)."""
 
