@@ -32,10 +32,9 @@ REAL_PLACEMENT = {
     "nodeSelector": {REAL_NODE_LABEL: "true"},
     "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
 }
-#: The operator's CPU request on the real node, above the chart's default (250m): here two training pods
-#: (500m each) start `import torch` on 2 shared cores next to the whole control plane, and at 100m (the
-#: chart's default then) the operator was starved long enough for its liveness probe (4 x 5 s) to fail
-#: and the kubelet to restart it mid-test (a full run, 2026-12-04).
+#: The operator's CPU request on the real node, above the chart's default (250m): two training pods (500m
+#: each) start `import torch` on 2 shared cores next to the whole control plane. (The liveness-probe
+#: restarts once blamed on starvation here were the node's firewall dropping the probes' replies.)
 REAL_OPERATOR_RESOURCES = {"resources": {"requests": {"cpu": "500m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}}
 #: What PodSecurity "restricted" demands of every container.
 RESTRICTED = {
