@@ -266,7 +266,7 @@ class CommitProtocol:
             files, again = self._wait_for_parts(job.step)
             if again:  # another node wrote these paths too, with other content: node rank 0's copy is the one
                 log.warning("checkpoint-%d: uploading node 0's copy of %s again (other nodes wrote other content)",
-                         job.step, ", ".join(again))
+                            job.step, ", ".join(again))
                 by_path = {f.path: f for f in files}
                 self.store.each_upload([by_path[p] for p in again], upload)
         manifest = build_manifest(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Protocol, cast
@@ -239,8 +240,12 @@ class _Polled:
 
 
 def verified(path: Path, f: FileEntry, *, cancelled: Callable[[], bool] = lambda: False) -> bool:
-    """The regular file at `path` has `f`'s size and digest (`HashCancelled` once `cancelled()`)."""
-    return (path.is_file() and not path.is_symlink() and path.stat().st_size == f.size
+    """The regular file at `path` (not a symlink) has `f`'s size and digest (`HashCancelled` once `cancelled()`)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_size == f.size
             and file_digest(path, f.algorithm, cancelled=cast(threading.Event, _Polled(cancelled))) == f.digest)
 
 
