@@ -1,9 +1,8 @@
 """Thin kopf glue: settings, startup and cleanup, and the watches that feed the reconciler.
 
-kopf watches the TrainingJobs and the nodes (node health is a kopf index);
-our pods come from `informer.py`, a plain list+watch (pods are most of the
-events, and kopf's per-event cost dominated the operator's CPU on big
-launches). Every event is handed to `reconciler.Reconciler`, which keeps the
+kopf watches the nodes (node health is a kopf index); our pods and the
+TrainingJobs come from `informer.py`, a plain list+watch (kopf's per-event
+cost dominated the operator's CPU on big launches). Every event is handed to `reconciler.Reconciler`, which keeps the
 observed world in memory and runs plan -> apply per job.
 
 kopf itself writes nothing to our objects here: only event watchers and an
@@ -20,10 +19,10 @@ from typing import Any
 import kopf
 
 from kubetrain import k8s, metrics, poller
-from kubetrain.api import GROUP, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from kubetrain.api import LABEL_MANAGED_BY, MANAGED_BY
 from kubetrain.values import parse_time
 from kubetrain.config import Settings
-from kubetrain.informer import PodInformer, WorkloadInformer
+from kubetrain.informer import JobInformer, PodInformer, WorkloadInformer, key_of
 from kubetrain.observe import NodeView
 from kubetrain.reconciler import Reconciler
 
@@ -74,6 +73,10 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
                                 on_event=rec.pod_event)
     rec.pods_synced = memo.informer.synced
     memo.informer.start()
+    memo.job_informer = JobInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+                                    namespaces=config.namespaces,
+                                    on_event=lambda kind, body: rec.job_event(kind, key_of(body), body))
+    memo.job_informer.start()
     memo.workload_informer = None
 
     def watch_workloads() -> None:  # Kueue's Workloads, watched once a job asks for Kueue (issue 14)
@@ -94,6 +97,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
     memo.informer.stop()
+    memo.job_informer.stop()
     if memo.workload_informer is not None:
         memo.workload_informer.stop()
     memo.resync_task.cancel()
@@ -119,11 +123,6 @@ async def nodes_by_name(name: str, status: kopf.Status, **_: Any) -> dict[str, N
     is_ready = bool(ready and ready.get("status") == "True")
     return {name: NodeView(name=name, ready=is_ready,
                            since=None if is_ready else parse_time((ready or {}).get("lastTransitionTime")))}
-
-
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def job_event(type: str, body: kopf.Body, namespace: str, name: str, memo: Any, **_: Any) -> None:
-    _reconciler(memo).job_event(type, (namespace, name), dict(body))
 
 
 @kopf.on.event("nodes")

@@ -8,7 +8,7 @@ import time
 
 from kubernetes import client
 
-from kubetrain.informer import PodInformer
+from kubetrain.informer import JobInformer, PodInformer
 
 
 def _pod(ns: str, name: str, job: str) -> dict:
@@ -32,6 +32,22 @@ def test_relist_reports_vanished_pods_as_deleted_with_their_labels_and_sets_sync
     assert events == [("DELETED", "p0", "j"), ("DELETED", "p1", "j"), ("MODIFIED", "p2", "j")]
     informer._replace("b", [])
     assert events[-1] == ("DELETED", "q0", "k")
+
+
+def test_a_training_job_that_vanished_between_lists_comes_out_deleted_with_its_uid_and_labels():
+    """The reconciler releases a deleted Kueue job's Workload by the job's uid and queue label: a DELETED made up
+    after a relist must carry both, as the watch's own DELETED does."""
+    events: list[tuple[str, dict]] = []
+    informer = JobInformer(client.ApiClient(), namespaces=("a",), on_event=lambda kind, obj: events.append((kind, obj)))
+    job = {"metadata": {"namespace": "a", "name": "j", "uid": "u-1",
+                        "labels": {"kueue.x-k8s.io/queue-name": "q"}}, "spec": {}}
+    informer._replace("a", [job])
+    assert informer.synced.is_set() and events == [("MODIFIED", job)]
+    informer._replace("a", [])  # deleted while the watch was down
+    kind, obj = events[-1]
+    assert kind == "DELETED"
+    assert obj["metadata"] == {"namespace": "a", "name": "j", "uid": "u-1",
+                               "labels": {"kueue.x-k8s.io/queue-name": "q"}}
 
 
 class _Response:
