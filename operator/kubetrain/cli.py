@@ -78,7 +78,7 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
     metrics.LEADER.set(0)
     if not settings.leader_election:
         return _run_kopf(settings, liveness=liveness, identity=identity)
-    from kubetrain import k8s
+    from kubetrain import transport
     from kubetrain.leader import LeaderElector, LeaseTiming
 
 
@@ -90,7 +90,7 @@ def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
         os._exit(1)
 
     elector = LeaderElector(
-        k8s.load_client_config(threads=2), namespace=settings.leader_election_namespace,
+        transport.load_client_config(threads=2), namespace=settings.leader_election_namespace,
         name=settings.leader_election_id, identity=identity, on_lost=lost,
         timing=LeaseTiming(lease_duration=settings.lease_duration_seconds,
                            renew_deadline=settings.renew_deadline_seconds,

@@ -18,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from kubetrain import k8s, metrics, poller
+from kubetrain import k8s, metrics, poller, transport
 from kubetrain.api import LABEL_MANAGED_BY, MANAGED_BY
 from kubetrain.values import parse_time
 from kubetrain.config import Settings
@@ -64,23 +64,23 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     settings.scanning.disabled = True
     settings.watching.server_timeout = 270
     settings.networking.connect_timeout = 10
-    api = k8s.Api(k8s.load_client_config(threads=config.api_threads), threads=config.api_threads)
+    api = k8s.Api(transport.load_client_config(threads=config.api_threads), threads=config.api_threads)
     memo.api = api
     rec = memo.reconciler = Reconciler(api=api, settings=config)
     rec.nodes_index = nodes_by_name
-    memo.informer = PodInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+    memo.informer = PodInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
                                 namespaces=config.namespaces, label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}",
                                 on_event=rec.pod_event)
     rec.pods_synced = memo.informer.synced
     memo.informer.start()
-    memo.job_informer = JobInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+    memo.job_informer = JobInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
                                     namespaces=config.namespaces,
                                     on_event=lambda kind, body: rec.job_event(kind, key_of(body), body))
     memo.job_informer.start()
     memo.workload_informer = None
 
     def watch_workloads() -> None:  # Kueue's Workloads, watched once a job asks for Kueue (issue 14)
-        memo.workload_informer = WorkloadInformer(k8s.load_client_config(threads=len(config.namespaces) + 1),
+        memo.workload_informer = WorkloadInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
                                                   namespaces=config.namespaces, on_event=rec.workload_event)
         memo.workload_informer.start()
 
