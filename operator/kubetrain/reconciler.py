@@ -103,6 +103,7 @@ class Reconciler:
         """Starts the Kueue Workload watch (handlers.py); called once, when a job first asks for Kueue."""
         self._flavors: dict[str, tuple[dt.datetime, dict[str, Any]]] = {}
         self._releasing: set[tuple[str, str]] = set()
+        self._jobs_parsed: dict[tuple[str, str], tuple[tuple[Any, Any], Job]] = {}
 
     # ------------------------------------------------------------ queueing
 
@@ -113,6 +114,7 @@ class Reconciler:
 
     def forget(self, key: tuple[str, str]) -> None:
         self.jobs.pop(key, None)
+        self._jobs_parsed.pop(key, None)
         self.expectations.pop(key, None)
         self.gone.pop(key, None)
         self.rejections.pop(key, None)
@@ -333,13 +335,22 @@ class Reconciler:
 
     # ------------------------------------------------------------ reconciling
 
+    def _parsed(self, key: tuple[str, str], body: dict[str, Any]) -> Job:
+        """`Job.from_storage`, once per stored version (uid, resourceVersion): pod events re-plan an unchanged job."""
+        meta = body.get("metadata") or {}
+        stamp = (meta.get("uid"), meta.get("resourceVersion"))
+        hit = self._jobs_parsed.get(key)
+        if hit is None or hit[0] != stamp or not stamp[1]:
+            hit = self._jobs_parsed[key] = (stamp, Job.from_storage(body, default_image=self.settings.default_image))
+        return hit[1]
+
     async def reconcile(self, key: tuple[str, str]) -> None:
         for _ in range(CONFLICT_RETRIES):
             body = self.jobs.get(key)
             if body is None:
                 return
             now = utcnow()
-            job = Job.from_storage(body, default_image=self.settings.default_image)
+            job = self._parsed(key, body)
             observed = self.observe(job, now)
             if is_queued(job):
                 try:
