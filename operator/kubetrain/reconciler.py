@@ -84,7 +84,7 @@ class Reconciler:
         self.api, self.settings = api, settings
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods_index = PodIndex()
-        self.pods_synced = asyncio.Event()
+        self.synced = asyncio.Event()  # the pod list and the node index are in (handlers.py)
         self.nodes_index: Any = None
         self.missing_nodes: dict[str, dt.datetime] = {}
         self.gone: dict[tuple[str, str], dict[str, str]] = {}
@@ -153,7 +153,7 @@ class Reconciler:
 
     async def _run(self, key: tuple[str, str]) -> None:
         try:
-            await self.pods_synced.wait()  # until the pod list is in, a missing pod proves nothing
+            await self.synced.wait()  # until then a missing pod, or a pod's missing node, proves nothing
             while True:
                 self._dirty.discard(key)
                 async with self._sem:
