@@ -1,4 +1,4 @@
-"""A lean HTTPS path for the operator's hot writes: pod, Service and Event creates and the status patch.
+"""A lean HTTPS path for the operator's hot writes: pod, Service and Event creates and status patches.
 
 A launch of 200 four-node jobs is some 1,800 writes in a few seconds. Through the
 generated client each costs about 0.6 ms of the operator's CPU (its argument
@@ -13,15 +13,15 @@ client's own `update_params_for_auth`, so a refreshed service account token or
 exec credential is used), the same 30 s timeout, a non-2xx answer raised as the
 client's `ApiException` (status, reason, body), a connection error as `OSError`.
 One connection per API thread, kept alive. A kept connection the server closed
-while idle is noticed before it is used; a request whose kept connection breaks
-before an answer is sent once more on a new one, as urllib3 does.
+while idle is noticed before it is used; a request whose kept connection broke
+with no answer at all is sent once more on a new one (`Transport._send`).
+Timeouts are per socket operation (30 s each), where the client's is per request.
 """
 
 from __future__ import annotations
 
 import http.client
 import os
-import select
 import ssl
 import threading
 import urllib.parse
@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from urllib3.util.wait import wait_for_read
 
 TIMEOUT = 30.0
 _JSON = "application/json"
@@ -40,7 +41,11 @@ ROUTES: dict[str, tuple[str, str]] = {
     "create_namespaced_event": ("POST", "/api/v1/namespaces/{0}/events"),
     "patch_namespaced_custom_object_status": ("PATCH", "/apis/{0}/{1}/namespaces/{2}/{3}/{4}/status"),
 }
-_BROKEN = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+_BROKEN = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+class _Unanswered(Exception):
+    """A kept connection broke before any answer (see `Transport._send`)."""
 
 
 def load_client_config(*, threads: int) -> client.ApiClient:
@@ -74,10 +79,8 @@ class Transport:
             return None
         if url.scheme == "http":
             return cls(api_client, url, None)
-        if cfg.verify_ssl:
-            import certifi  # the client's own default when no CA is configured
-
-            context = ssl.create_default_context(cafile=cfg.ssl_ca_cert or certifi.where())
+        if cfg.verify_ssl:  # no CA configured: the system's store, as urllib3 loads it for the client
+            context = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
         else:
             context = ssl.create_default_context()
             context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
@@ -101,21 +104,21 @@ class Transport:
                    **self.api_client.default_headers}
         self.api_client.update_params_for_auth(headers, [], ["BearerToken"])
         payload = orjson.dumps(body)
-        conn, reused = self._connection()
-        try:
-            resp = self._send(conn, method, path, payload, headers)
-        except _BROKEN:
-            conn.close()
-            if not reused:
+        for last in (False, True):
+            conn, reused = self._connection()
+            try:
+                resp = self._send(conn, method, path, payload, headers)
+                break
+            except _Unanswered as exc:
+                conn.close()
+                if last or not reused:
+                    raise exc.__cause__ or exc from None
+            except http.client.HTTPException as exc:  # a malformed answer: not an OSError, so said as one
+                conn.close()
+                raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+            except BaseException:
+                conn.close()
                 raise
-            conn, _ = self._connection()  # the server closed a kept connection: once more on a new one
-            resp = self._send(conn, method, path, payload, headers)
-        except http.client.HTTPException as exc:  # a malformed answer: not an OSError, so said as one
-            conn.close()
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
         if not 200 <= resp.status < 300:
             exc = ApiException(status=resp.status, reason=resp.reason)
             exc.body, exc.headers = resp.data, dict(resp.getheaders())
@@ -125,18 +128,31 @@ class Transport:
     @staticmethod
     def _send(conn: http.client.HTTPConnection, method: str, path: str, payload: bytes,
               headers: dict[str, str]) -> http.client.HTTPResponse:
-        conn.request(method, path, body=payload, headers=headers)
-        resp = conn.getresponse()
+        """One exchange. `_Unanswered` when a kept connection broke with no answer at all: while sending, or
+        closed before a byte of the response (the server's idle close crossing our request). Only then is
+        the request sent again, once, on a new connection: a create is safe to repeat (fixed names: a 409
+        and the owner check), the status patch carries its resourceVersion (a 409: re-read), an Event may
+        come twice. A connection that broke later, mid-answer, is not retried."""
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+        except _BROKEN as exc:
+            raise _Unanswered() from exc
+        try:
+            resp = conn.getresponse()
+        except http.client.RemoteDisconnected as exc:
+            raise _Unanswered() from exc
         resp.data = resp.read()  # type: ignore[attr-defined]  (read whole: the connection is free again)
         return resp
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         conn = getattr(self._local, "conn", None)
         if conn is not None and conn.sock is not None:
-            readable, _, _ = select.select([conn.sock], [], [], 0)
-            if not readable:  # nothing to read on an idle connection: still open
-                return conn, True
-            conn.close()  # closed by the server (EOF) while idle
+            try:
+                if not wait_for_read(conn.sock, timeout=0):  # nothing to read on an idle connection: open
+                    return conn, True
+            except (OSError, ValueError):
+                pass
+            conn.close()  # closed by the server (EOF) while idle, or unusable
         if self.context is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT)
         else:
