@@ -179,13 +179,19 @@ class PodInformer:
         self.on_event(kind, obj)
 
     def _replace(self, scope: str | None, items: list[dict[str, Any]]) -> None:
-        """A (re)list: what is listed is ADDED/MODIFIED, what vanished since is DELETED."""
+        """A (re)list: what is listed is MODIFIED, what vanished since is DELETED (and so is an object of a
+        listed name with another uid: deleted and re-created while the watch was down)."""
         listed = {key_of(item) for item in items}
         for (namespace, name), kept in list(self._known[scope].items()):
             if (namespace, name) not in listed:
                 self._deliver("DELETED", scope, {"metadata": {"namespace": namespace, "name": name, **kept},
                                                  "status": {}})
         for item in items:
+            kept, uid = self._known[scope].get(key_of(item)), (item.get("metadata") or {}).get("uid")
+            if kept and kept["uid"] and uid and kept["uid"] != uid:  # deleted and re-created meanwhile
+                namespace, name = key_of(item)
+                self._deliver("DELETED", scope, {"metadata": {"namespace": namespace, "name": name, **kept},
+                                                 "status": {}})
             self._deliver("MODIFIED", scope, item)
         self._unsynced.discard(scope)
         if not self._unsynced and not self.synced.is_set():

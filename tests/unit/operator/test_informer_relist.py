@@ -50,6 +50,16 @@ def test_a_training_job_that_vanished_between_lists_comes_out_deleted_with_its_u
                                "labels": {"kueue.x-k8s.io/queue-name": "q"}}
 
 
+def test_a_training_job_deleted_and_re_created_between_lists_comes_out_deleted_then_new():
+    """The old incarnation must be forgotten (and its Kueue Workload released) before the new one is seen."""
+    events: list[tuple[str, str]] = []
+    informer = JobInformer(client.ApiClient(), namespaces=("a",),
+                           on_event=lambda kind, obj: events.append((kind, obj["metadata"]["uid"])))
+    informer._replace("a", [{"metadata": {"namespace": "a", "name": "j", "uid": "u-1"}}])
+    informer._replace("a", [{"metadata": {"namespace": "a", "name": "j", "uid": "u-2"}}])
+    assert events == [("MODIFIED", "u-1"), ("DELETED", "u-1"), ("MODIFIED", "u-2")]
+
+
 class _Response:
     """What the client returns with _preload_content=False: `.data` for a list, lines for a watch."""
 
