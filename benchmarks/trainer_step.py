@@ -19,11 +19,15 @@ processes cannot resolve 0.05 ms on a shared machine, so `--paired` measures it
 in one process: each Trainer step is followed by one raw step on a twin model,
 and the thread CPU time of each is taken; a raw-vs-raw control runs in the same
 steps (two more twins), and the overhead is reported net of it, run by run.
+`--count` measures it without a clock: the Python opcodes, calls into C and aten
+ops a Trainer step executes beyond a raw step, priced at this machine's cost of
+each, measured in the same run.
 Goals (issue 12): kubetrain / HF <= 1.00 in every cell; overhead <= 0.05 ms.
 Prints figures; not a test.
 
     python benchmarks/trainer_step.py [--repeats 3] [--threads 2] [--only overhead/tinygpt,...]
     python benchmarks/trainer_step.py --paired [--repeats 5]   # the overhead alone, paired in one process
+    python benchmarks/trainer_step.py --count                  # the overhead counted (opcodes, C calls, aten ops)
 """
 
 from __future__ import annotations
@@ -148,6 +152,170 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[
     return diffs[WARMUP:], controls[WARMUP:]
 
 
+COUNT_FROM, COUNT_STEPS = 5, 10
+
+
+class _Counts:
+    """Python opcodes (`sys.settrace`), aten ops (a `TorchDispatchMode`) and garbage collections in a window
+    of steps: what a step executes, the same on any machine, however loaded."""
+
+    def __init__(self, skip: tuple = ()) -> None:
+        import collections
+
+        self.opcodes, self.aten, self.ccalls, self.gcs = 0, collections.Counter(), collections.Counter(), 0
+        self.skip = set(skip)  # the probe's own code objects: not the Trainer's
+
+    def _tracer(self, frame, event, arg):
+        if frame.f_code in self.skip:
+            return None
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return self._local
+
+    def _local(self, frame, event, arg):
+        if event == "opcode":
+            self.opcodes += 1
+        return self._local
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "c_call" and frame.f_code not in self.skip:
+            self.ccalls[getattr(arg, "__qualname__", None) or repr(arg)] += 1
+
+    def _gc(self, phase, info) -> None:
+        if phase == "start":
+            self.gcs += 1
+
+    def start(self, what: str) -> None:
+        import gc
+
+        gc.callbacks.append(self._gc)
+        if what == "opcodes":
+            sys.setprofile(self._profile)
+            sys.settrace(self._tracer)
+            # settrace reaches new frames only: the frames running now (the Trainer's loop among them) are
+            # traced from here on too, or a loop body's own opcodes would never count.
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code not in self.skip:
+                    frame.f_trace, frame.f_trace_opcodes, frame.f_trace_lines = self._local, True, False
+                frame = frame.f_back
+        else:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            counts = self.aten
+
+            class Mode(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    counts[str(func)] += 1
+                    return func(*args, **(kwargs or {}))
+            self._mode = Mode()
+            self._mode.__enter__()
+
+    def stop(self, what: str) -> None:
+        import gc
+
+        if what == "opcodes":
+            sys.settrace(None)
+            sys.setprofile(None)
+        else:
+            self._mode.__exit__(None, None, None)
+        gc.callbacks.remove(self._gc)
+
+
+def _per_step(short: _Counts, long: _Counts) -> dict:
+    """Windows of COUNT_STEPS and 2 x COUNT_STEPS steps that start and end at the same point of a step: their
+    difference is exactly COUNT_STEPS whole steps."""
+    def diff(a, b):
+        return {k: v for k in set(a) | set(b) if (v := (a[k] - b[k]) / COUNT_STEPS)}
+    return {"opcodes": (long.opcodes - short.opcodes) / COUNT_STEPS, "aten": diff(long.aten, short.aten),
+            "ccalls": diff(long.ccalls, short.ccalls), "gcs": (long.gcs - short.gcs) / COUNT_STEPS}
+
+
+def run_count(model_name: str, what: str) -> tuple[dict, dict]:
+    """Per step, what a kubetrain Trainer step and a raw step execute (`what`: opcodes or aten ops)."""
+    from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments
+
+    windows = [(COUNT_FROM, COUNT_FROM + COUNT_STEPS), (3 * COUNT_STEPS, 5 * COUNT_STEPS)]
+    end = windows[-1][1] + 2
+    model, data = _setup(model_name, "overhead", 1)
+    counts: list[_Counts] = []
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            for first, last in windows:
+                if state.global_step == first:
+                    counts.append(_Counts(skip))
+                    counts[-1].start(what)
+                elif state.global_step == last:
+                    counts[-1].stop(what)
+
+    skip = (Probe.on_step_end.__code__,)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(**_common_args(out, end), report_to=["none"])
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[Probe()]).train()
+    trainer = _per_step(*counts)
+    model, data = _setup(model_name, "overhead", 1)
+    loop, raw = RawLoop(model, data, end), []
+
+    def probe(step: int) -> None:  # as the Trainer's probe: its own code is not counted
+        for first, last in windows:
+            if step == first:
+                raw.append(_Counts((probe.__code__,)))
+                raw[-1].start(what)
+            elif step == last:
+                raw[-1].stop(what)
+
+    for step in range(1, end):
+        loop.step()
+        probe(step)
+    return trainer, _per_step(*raw)
+
+
+def _unit_costs() -> dict:
+    """Seconds of this thread's CPU per Python opcode of call-heavy code (the kind a framework's step runs:
+    small methods, attribute and dict reads), per call into C (priced as a tensor method call, dearer than
+    most builtins: the binding parses its arguments), and per cheap aten op (a 0-dim tensor's `.detach()` and
+    `.item()`, the two a Trainer step adds), measured now, on this machine."""
+    import torch
+
+    class Box:
+        def __init__(self) -> None:
+            self.state, self.d = 0, {"a": 1}
+
+        def bump(self, x):
+            if x is not None:
+                self.state += self.d.get("a", 0)
+            return self.state
+
+    def work(box, n):
+        for i in range(n):
+            box.bump(i)
+            box.bump(None)
+
+    counter = _Counts()
+    counter.start("opcodes")
+    work(Box(), 1000)
+    counter.stop("opcodes")
+    per_call = counter.opcodes / 1000
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        work(Box(), 200_000)
+        best = min(best, (time.thread_time() - t0) / (200_000 * per_call))
+    x, aten, ccall = torch.tensor(1.5), float("inf"), float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(20_000):
+            x.is_floating_point()
+            x.dim()
+        ccall = min(ccall, (time.thread_time() - t0) / 40_000)
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(20_000):
+            x.detach().item()
+        aten = min(aten, (time.thread_time() - t0) / 40_000)
+    return {"opcode_s": best, "aten_op_s": aten, "ccall_s": ccall}
+
+
 def _common_args(out: str, steps: int) -> dict:
     return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
                 weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", save_strategy="no",
@@ -194,6 +362,14 @@ RUNNERS = {"kubetrain": run_kubetrain, "hf": run_hf, "raw": run_raw}
 
 def child(mode: str, model_name: str, regime: str, threads: int) -> None:
     steps = REGIMES[regime][2]
+    if mode == "count":
+        (t_ops, r_ops), (t_aten, r_aten) = run_count(model_name, "opcodes"), run_count(model_name, "aten")
+        t_ops["aten"], r_ops["aten"] = t_aten["aten"], r_aten["aten"]
+        for side in (t_ops, r_ops):  # per step, from the difference of two windows (see _per_step)
+            side["ccalls_total"] = sum(side.pop("ccalls").values())
+        print(json.dumps({"trainer": t_ops, "raw": r_ops,
+                          "units": _unit_costs()}))
+        return
     if mode == "paired":
         # A per-step difference is a few µs in a step of ms: more steps than the wall-time runs take.
         diffs, controls = run_paired(model_name, regime, PAIRED_STEPS, threads)
@@ -230,6 +406,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated regime/model cells, e.g. overhead/tinygpt")
     p.add_argument("--paired", action="store_true",
                    help="only the per-step overhead, paired in one process (overhead regime, both models)")
+    p.add_argument("--count", action="store_true",
+                   help="the per-step overhead counted: Python opcodes and aten ops of a Trainer step vs a raw step")
     p.add_argument("--child")
     p.add_argument("--model", default="tinygpt")
     p.add_argument("--regime", default="overhead")
@@ -238,6 +416,8 @@ def main() -> None:
         return child(a.child, a.model, a.regime, a.threads)
     if a.paired:
         return paired(a)
+    if a.count:
+        return count(a)
     cells = [(r, m) for r in REGIMES for m in MODELS]
     if a.only:
         cells = [tuple(c.split("/")) for c in a.only.split(",")]
@@ -286,6 +466,32 @@ def paired(a) -> None:
         print(f"  {model}: kubetrain step - raw step {_spread(got, '%+.3f')} ms/step CPU; control in the same steps, "
               f"raw - raw {_spread(control, '%+.3f')} ms; overhead net of the control {_spread(net, '%+.3f')} ms "
               "(goal <= 0.05)", flush=True)
+
+
+def count(a) -> None:
+    """The overhead goal, counted: what a Trainer step executes beyond a raw step, priced at this machine's
+    measured cost of an opcode and of a cheap aten op. Timing cannot resolve a few µs on a shared 2-core
+    machine (the paired control moves by more); a count is the same on every run."""
+    models = [c.split("/")[1] for c in a.only.split(",")] if a.only else list(MODELS)
+    print("per-step overhead, counted (overhead regime, 1 thread): the kubetrain Trainer's step minus a raw step",
+          flush=True)
+    for model in models:
+        r = measure("count", model, "overhead", 1)
+        t, w, u = r["trainer"], r["raw"], r["units"]
+        ops = t["opcodes"] - w["opcodes"]
+        aten = {k: t["aten"].get(k, 0) - w["aten"].get(k, 0) for k in set(t["aten"]) | set(w["aten"])}
+        extra = {k: v for k, v in aten.items() if v > 0}
+        fewer = -sum(v for v in aten.values() if v < 0)
+        ccalls = t["ccalls_total"] - w["ccalls_total"]
+        est = max(0.0, ops) * u["opcode_s"] + max(0.0, ccalls) * u["ccall_s"] + sum(extra.values()) * u["aten_op_s"]
+        print(f"  {model}: Python opcodes {t['opcodes']:.0f} vs {w['opcodes']:.0f} per step ({ops:+.0f}); aten ops "
+              f"{sum(t['aten'].values()):.1f} vs {sum(w['aten'].values()):.1f} (extra: "
+              f"{', '.join(f'{k} {v:+.1f}' for k, v in sorted(extra.items())) or 'none'}; {fewer:.1f} fewer); "
+              f"calls into C {t['ccalls_total']:.0f} vs {w['ccalls_total']:.0f} ({ccalls:+.0f}); "
+              f"garbage collections {t['gcs']:.2f} vs {w['gcs']:.2f} per step", flush=True)
+        print(f"    priced at {u['opcode_s'] * 1e9:.1f} ns per opcode of call-heavy code, {u['ccall_s'] * 1e9:.0f} ns per "
+              f"call into C and {u['aten_op_s'] * 1e6:.2f} µs per cheap aten op (measured now): overhead "
+              f"~{est * 1000:.3f} ms/step, not counting what it saves (goal <= 0.05)", flush=True)
 
 
 if __name__ == "__main__":
