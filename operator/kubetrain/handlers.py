@@ -71,8 +71,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     memo.informer = PodInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
                                 namespaces=config.namespaces, label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}",
                                 on_event=rec.pod_event)
-    memo.nodes_seen = asyncio.Event()
-    memo.synced_task = asyncio.get_running_loop().create_task(_synced(memo.informer.synced, memo.nodes_seen, rec.synced))
+    rec.pods_synced = memo.informer.synced
     memo.informer.start()
     memo.job_informer = JobInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
                                     namespaces=config.namespaces,
@@ -95,22 +94,6 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     log.info("kubetrain operator started (namespaces: %s)", ",".join(config.namespaces) or "all")
 
 
-NODES_SYNC_SECONDS = 60.0
-"""Longest reconciles wait for kopf's node index (a cluster without nodes sends no node event)."""
-
-
-async def _synced(pods: asyncio.Event, nodes: asyncio.Event, synced: asyncio.Event) -> None:
-    """Sets `synced` once the pods are listed and kopf has indexed the nodes. kopf calls a node event
-    handler only after its indexes are filled; before, every node would look missing to a reconcile, and
-    a job with `nodeLostGraceSeconds: 0` would restart at once after an operator restart."""
-    await pods.wait()
-    try:
-        await asyncio.wait_for(nodes.wait(), NODES_SYNC_SECONDS)
-    except asyncio.TimeoutError:
-        log.warning("no node event after %.0f s: reconciling without a node index", NODES_SYNC_SECONDS)
-    synced.set()
-
-
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
     memo.informer.stop()
@@ -118,7 +101,6 @@ async def cleanup(memo: Any, **_: Any) -> None:
     if memo.workload_informer is not None:
         memo.workload_informer.stop()
     memo.resync_task.cancel()
-    memo.synced_task.cancel()
     if memo.poller_task is not None:
         memo.poller_task.cancel()
     await memo.reconciler.stop()
@@ -147,5 +129,4 @@ async def nodes_by_name(name: str, status: kopf.Status, **_: Any) -> dict[str, N
 async def node_event(type: str, name: str, status: kopf.Status, memo: Any, **_: Any) -> None:
     ready = type != "DELETED" and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
-    memo.nodes_seen.set()  # kopf's node index is filled (see _synced)
     _reconciler(memo).node_event(type, name, ready)

@@ -37,8 +37,7 @@ from kubetrain.progress import ProgressObservation
 log = logging.getLogger("kubetrain.operator")
 EXPECTATION_TTL = dt.timedelta(seconds=60)
 POD_EVENT_DELAY = 0.3
-"""Pod events are coalesced: a gang's pods change state in bursts (scheduled, started,
-ready), and one reconcile per burst saves CPU and status writes."""
+"""Pod events are coalesced: a gang's pods change state in bursts; one reconcile per burst saves CPU and writes."""
 CONFLICT_RETRIES = 5
 REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
 """Seconds between pod creates the API server refused for a reason that can pass (quota)."""
@@ -84,8 +83,9 @@ class Reconciler:
         self.api, self.settings = api, settings
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods_index = PodIndex()
-        self.synced = asyncio.Event()  # the pod list and the node index are in (handlers.py)
+        self.pods_synced = asyncio.Event()
         self.nodes_index: Any = None
+        self.nodes_indexed = False  # kopf calls node_event only once its node index is filled
         self.missing_nodes: dict[str, dt.datetime] = {}
         self.gone: dict[tuple[str, str], dict[str, str]] = {}
         self.node_ready: dict[str, bool] = {}
@@ -96,11 +96,9 @@ class Reconciler:
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(settings.max_concurrent_reconciles)
-        self.progress: dict[tuple[str, str], ProgressObservation] = {}
-        """The newest read of each job's rank 0 /progress (poller.py), an observation like the pods."""
+        self.progress: dict[tuple[str, str], ProgressObservation] = {}  # each job's newest /progress (poller.py)
         self.active = 0
-        self.start_workload_watch: Callable[[], None] | None = None
-        """Starts the Kueue Workload watch (handlers.py); called once, when a job first asks for Kueue."""
+        self.start_workload_watch: Callable[[], None] | None = None  # called once, when a job first asks for Kueue
         self._flavors: dict[str, tuple[dt.datetime, dict[str, Any]]] = {}
         self._releasing: set[tuple[str, str]] = set()
         self._jobs_parsed: dict[tuple[str, str], tuple[tuple[Any, Any], Job]] = {}
@@ -153,7 +151,7 @@ class Reconciler:
 
     async def _run(self, key: tuple[str, str]) -> None:
         try:
-            await self.synced.wait()  # until then a missing pod, or a pod's missing node, proves nothing
+            await self.pods_synced.wait()  # until the pod list is in, a missing pod proves nothing
             while True:
                 self._dirty.discard(key)
                 async with self._sem:
@@ -226,8 +224,7 @@ class Reconciler:
         return KueueObserved(workload=body, priority=priority, priority_error=error, flavors=flavors)
 
     def workload_event(self, kind: str, body: dict[str, Any]) -> None:
-        """One Workload event: wake its job up. A Workload whose job is gone (deleted with it, held by
-        its finalizer) is let go once the job's pods are gone."""
+        """One Workload event: wake its job up; a Workload whose job is gone is let go once its pods are."""
         meta = body.get("metadata") or {}
         owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller") and o.get("kind") == KIND),
                      None)
@@ -252,6 +249,7 @@ class Reconciler:
         """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min);
         a conflict (Kueue wrote meanwhile) is tried again."""
         try:
+            await self.pods_synced.wait()  # after a restart, an empty index does not mean the pods are gone
             for _ in range(300):
                 if not any(owner == uid for owner, _ in self.pods_index[key]):
                     break
@@ -276,6 +274,8 @@ class Reconciler:
             for view in self.nodes_index[name]:
                 self.missing_nodes.pop(name, None)
                 return view
+        if not self.nodes_indexed:  # the jobs come before kopf has listed the nodes: none is missing yet
+            return NodeView(name=name)
         since = self.missing_nodes.setdefault(name, now)
         return NodeView(name=name, exists=False, ready=False, since=since)
 
@@ -294,6 +294,7 @@ class Reconciler:
     def node_event(self, kind: str, name: str, ready: bool) -> None:
         """One node event: a change of readiness (or a deletion) wakes up the jobs with a pod
         on that node; a heartbeat (no change) does nothing."""
+        self.nodes_indexed = True
         if kind == "DELETED":
             self.missing_nodes.setdefault(name, utcnow())
         if self.node_ready.get(name) == ready and kind != "DELETED":
@@ -439,8 +440,7 @@ class Reconciler:
 
     def _remember(self, key: tuple[str, str], uid: str, result: Plan, now: dt.datetime, *,
                   creates_only: bool = False) -> None:
-        """Expect the plan's writes in the informer's view (`creates_only`: the plan stopped at a permanent
-        error, and only its creations, which come first, may have happened)."""
+        """Expect the plan's writes in the informer's view (`creates_only`: it stopped at a permanent error)."""
         exp = self._expectations(key, uid)
         for action in result.actions:
             if isinstance(action, CreatePod):

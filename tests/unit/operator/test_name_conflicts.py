@@ -198,7 +198,7 @@ def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_del
         api.custom = SimpleNamespace(patch_namespaced_custom_object_status=record("status", {
             **body, "metadata": {**body["metadata"], "resourceVersion": "8"}}))
         rec = Reconciler(api=api, settings=Settings())
-        rec.synced.set()
+        rec.pods_synced.set()
         rec.jobs[("ml", "train")] = body
         try:
             await rec.reconcile(("ml", "train"))
