@@ -129,7 +129,7 @@ class Transport:
     def _send(conn: http.client.HTTPConnection, method: str, path: str, payload: bytes,
               headers: dict[str, str]) -> http.client.HTTPResponse:
         """One exchange. `_Unanswered` when a kept connection broke with no answer at all: while sending, or
-        closed before a byte of the response (the server's idle close crossing our request). Only then is
+        closed or reset before the response (the server's idle close crossing our request). Only then is
         the request sent again, once, on a new connection: a create is safe to repeat (fixed names: a 409
         and the owner check), the status patch carries its resourceVersion (a 409: re-read), an Event may
         come twice. A connection that broke later, mid-answer, is not retried."""
@@ -139,7 +139,7 @@ class Transport:
             raise _Unanswered() from exc
         try:
             resp = conn.getresponse()
-        except http.client.RemoteDisconnected as exc:
+        except (http.client.RemoteDisconnected, ConnectionResetError) as exc:  # a FIN, or an RST if unread
             raise _Unanswered() from exc
         resp.data = resp.read()  # type: ignore[attr-defined]  (read whole: the connection is free again)
         return resp

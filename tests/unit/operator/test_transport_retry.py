@@ -6,6 +6,7 @@ Against a local HTTP server that answers, drops or garbles each request as told.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import pytest
@@ -15,7 +16,7 @@ from kubetrain.transport import Transport
 
 
 class Server:
-    """Plain HTTP/1.1 on 127.0.0.1: per request, the next of `actions` ('ok', 'drop' or 'garbage')."""
+    """Plain HTTP/1.1 on 127.0.0.1: per request, the next of `actions` ('ok', 'drop', 'reset' or 'garbage')."""
 
     def __init__(self, actions: list[str]) -> None:
         self.actions, self.requests = list(actions), 0
@@ -49,6 +50,9 @@ class Server:
                 self.requests += 1
                 action = self.actions.pop(0)
                 if action == "drop":
+                    return
+                if action == "reset":  # closed with the request unread: the kernel sends an RST, not a FIN
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
                 if action == "garbage":
                     conn.sendall(b"NOT HTTP\r\n\r\n")
@@ -84,6 +88,13 @@ def test_a_kept_connection_dropped_without_an_answer_is_retried_once_on_a_new_on
     server, t = serve(["ok", "drop", "ok"])
     assert b'"p"' in _create(t)
     assert b'"p"' in _create(t)  # the kept connection dropped the request: sent again, answered
+    assert server.requests == 3
+
+
+def test_a_kept_connection_reset_without_an_answer_is_retried_too(serve):
+    server, t = serve(["ok", "reset", "ok"])
+    _create(t)
+    assert b'"p"' in _create(t)
     assert server.requests == 3
 
 
