@@ -176,22 +176,25 @@ class PodInformer:
         else:
             meta = obj.get("metadata") or {}
             self._known[scope][key_of(obj)] = {"labels": meta.get("labels") or {}, "uid": meta.get("uid") or ""}
-        self.on_event(kind, obj)
+        try:
+            self.on_event(kind, obj)
+        except Exception:  # a bad object or a handler bug must not stop the stream, nor the rest of a relist
+            log.exception("%s event %s of %s/%s could not be handled", self.what, kind, *key_of(obj))
+
+    def _gone(self, scope: str | None, key: tuple[str, str], kept: dict[str, Any]) -> None:
+        self._deliver("DELETED", scope, {"metadata": {"namespace": key[0], "name": key[1], **kept}, "status": {}})
 
     def _replace(self, scope: str | None, items: list[dict[str, Any]]) -> None:
         """A (re)list: what is listed is MODIFIED, what vanished since is DELETED (and so is an object of a
         listed name with another uid: deleted and re-created while the watch was down)."""
         listed = {key_of(item) for item in items}
-        for (namespace, name), kept in list(self._known[scope].items()):
-            if (namespace, name) not in listed:
-                self._deliver("DELETED", scope, {"metadata": {"namespace": namespace, "name": name, **kept},
-                                                 "status": {}})
+        for key, kept in list(self._known[scope].items()):
+            if key not in listed:
+                self._gone(scope, key, kept)
         for item in items:
             kept, uid = self._known[scope].get(key_of(item)), (item.get("metadata") or {}).get("uid")
             if kept and kept["uid"] and uid and kept["uid"] != uid:  # deleted and re-created meanwhile
-                namespace, name = key_of(item)
-                self._deliver("DELETED", scope, {"metadata": {"namespace": namespace, "name": name, **kept},
-                                                 "status": {}})
+                self._gone(scope, key_of(item), kept)
             self._deliver("MODIFIED", scope, item)
         self._unsynced.discard(scope)
         if not self._unsynced and not self.synced.is_set():

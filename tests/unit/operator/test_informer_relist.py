@@ -60,6 +60,19 @@ def test_a_training_job_deleted_and_re_created_between_lists_comes_out_deleted_t
     assert events == [("MODIFIED", "u-1"), ("DELETED", "u-1"), ("MODIFIED", "u-2")]
 
 
+def test_a_handler_error_on_one_listed_object_does_not_lose_the_rest_of_the_list():
+    seen: list[str] = []
+
+    def on_event(kind: str, obj: dict) -> None:
+        if obj["metadata"]["name"] == "bad":
+            raise ValueError("a handler bug")
+        seen.append(obj["metadata"]["name"])
+
+    informer = JobInformer(client.ApiClient(), namespaces=("a",), on_event=on_event)
+    informer._replace("a", [{"metadata": {"namespace": "a", "name": n, "uid": n}} for n in ("x", "bad", "y")])
+    assert seen == ["x", "y"] and informer.synced.is_set()
+
+
 class _Response:
     """What the client returns with _preload_content=False: `.data` for a list, lines for a watch."""
 
