@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import orjson
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -134,7 +135,7 @@ class Api:
             return await loop.run_in_executor(self.pool, blocking)
         except ApiException as exc:
             raise classify(exc, what) from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:  # the client's network errors are urllib3's
             raise TemporaryError(f"{what}: {type(exc).__name__}: {exc}") from None
 
     def spawn(self, coro: Any) -> None:

@@ -4,6 +4,7 @@ create can pass (wait) and which cannot (fail the job)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import json
 
 import pytest
@@ -64,6 +65,25 @@ def test_api_call_raises_one_typed_error_per_status(status: int, kind: type) -> 
     assert str(raised.value) == f"create_namespaced_pod: HTTP {status} Reason"
     if kind is errors.TemporaryError:
         assert raised.value.delay == (5.0 if status == 429 else 2.0)
+
+
+def test_an_api_server_that_cannot_be_reached_is_temporary_through_the_real_client() -> None:
+    """The generated client raises urllib3's errors (MaxRetryError on a refused connection), not OSError."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+
+    async def call() -> None:
+        api = Api(client.ApiClient(cfg), threads=2)
+        try:
+            await api.call("read pod", api.core.read_namespaced_pod, "p", "ns", write=False)
+        finally:
+            api.close()
+
+    with pytest.raises(errors.TemporaryError, match="read_namespaced_pod: MaxRetryError"):
+        asyncio.run(call())
 
 
 def test_network_trouble_is_temporary() -> None:
