@@ -71,7 +71,7 @@ class PodInformer:
                              name=f"kubetrain-watch-{self.what}-{scope or 'all'}").start()
 
     def stop(self) -> None:
-        """Readers notice at their next event or watch timeout; they are daemon threads."""
+        """Nothing more is delivered; readers notice at their next event or watch timeout (daemon threads)."""
         self._stop.set()
 
     # ------------------------------------------------------------ reader threads
@@ -160,7 +160,7 @@ class PodInformer:
 
     def _drain(self) -> None:
         self._scheduled = False
-        while self._queue:
+        while self._queue and not self._stop.is_set():  # stopped: the operator is shutting down
             kind, scope, payload = self._queue.popleft()
             try:
                 if kind == "SYNC":

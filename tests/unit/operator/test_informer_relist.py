@@ -73,6 +73,16 @@ def test_a_handler_error_on_one_listed_object_does_not_lose_the_rest_of_the_list
     assert seen == ["x", "y"] and informer.synced.is_set()
 
 
+def test_nothing_is_delivered_after_stop():
+    """Events already queued by a reader must not reach a reconciler that is shutting down."""
+    events: list[str] = []
+    informer = JobInformer(client.ApiClient(), namespaces=("a",), on_event=lambda kind, obj: events.append(kind))
+    informer._post("ADDED", "a", {"metadata": {"namespace": "a", "name": "j", "uid": "u"}})
+    informer.stop()
+    informer._drain()
+    assert events == []
+
+
 class _Response:
     """What the client returns with _preload_content=False: `.data` for a list, lines for a watch."""
 
@@ -102,17 +112,21 @@ def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished():
                      _Response()]
 
         def fake_call(scope, **kwargs):
+            if not responses:  # the scripted responses are spent: empty watches until stopped
+                informer._stop.wait(0.05)
+                return _Response()
             calls.append(kwargs)
-            if len(responses) == 1:
-                informer.stop()  # the reader ends after the last response
             return responses.pop(0)
 
         informer._call = fake_call
         informer.start()
         deadline = time.monotonic() + 10
-        while ("DELETED", "p0") not in events:
-            assert time.monotonic() < deadline, events
-            await asyncio.sleep(0.01)
+        try:
+            while len(events) < 4:
+                assert time.monotonic() < deadline, events
+                await asyncio.sleep(0.01)
+        finally:
+            informer.stop()
 
     asyncio.run(main())
     assert events == [("MODIFIED", "p0"), ("MODIFIED", "p1"), ("DELETED", "p0"), ("MODIFIED", "p1")]
