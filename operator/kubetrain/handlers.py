@@ -27,6 +27,7 @@ from kubetrain.observe import NodeView
 from kubetrain.reconciler import Reconciler
 
 log = logging.getLogger("kubetrain.operator")
+NODES_LISTED_WARNING_SECONDS = 60.0
 
 
 def _reconciler(memo: Any) -> Reconciler:
@@ -85,6 +86,13 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
         memo.workload_informer.start()
 
     rec.start_workload_watch = watch_workloads
+
+    def check_nodes() -> None:  # no node counts as missing until kopf has listed them (Reconciler.node_view)
+        if not rec.nodes_indexed:
+            log.warning("the nodes are not listed after %.0f s (RBAC on nodes? the API server?): a lost node goes "
+                        "unnoticed until they are", NODES_LISTED_WARNING_SECONDS)
+
+    memo.nodes_check = asyncio.get_running_loop().call_later(NODES_LISTED_WARNING_SECONDS, check_nodes)
     memo.resync_task = asyncio.get_running_loop().create_task(rec.resync())
     metrics.watch(jobs=lambda: list(rec.jobs.values()), queue_depth=lambda: rec.queue_depth,
                   writes=lambda: dict(api.writes))
@@ -101,6 +109,7 @@ async def cleanup(memo: Any, **_: Any) -> None:
     if memo.workload_informer is not None:
         memo.workload_informer.stop()
     memo.resync_task.cancel()
+    memo.nodes_check.cancel()
     if memo.poller_task is not None:
         memo.poller_task.cancel()
     await memo.reconciler.stop()
