@@ -68,8 +68,12 @@ def test_a_status_patch_with_an_old_resource_version_is_a_conflict(kube_api, nam
     assert custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "j")["status"]["message"] == "first"
 
 
-def test_a_kept_connection_is_reused_and_one_closed_underneath_is_replaced(kube_api, namespace):
+def test_a_kept_connection_is_reused_and_one_closed_underneath_is_replaced(kube_api, namespace, monkeypatch):
     t = Transport.for_client(kube_api)
+    exchanges: list[str] = []
+    send = Transport._send
+    monkeypatch.setattr(Transport, "_send", staticmethod(
+        lambda conn, method, path, *rest: (exchanges.append(path), send(conn, method, path, *rest))[1]))
     _send(t, "create_namespaced_pod", namespace, _pod("a"))
     first = t._local.conn
     _send(t, "create_namespaced_pod", namespace, _pod("b"))
@@ -77,5 +81,6 @@ def test_a_kept_connection_is_reused_and_one_closed_underneath_is_replaced(kube_
     first.sock.shutdown(socket.SHUT_RDWR)  # as if the server had closed it while idle
     _send(t, "create_namespaced_pod", namespace, _pod("c"))
     assert t._local.conn is not first
+    assert len(exchanges) == 3  # the closed connection was noticed before use: no failed send, no retry
     names = {p.metadata.name for p in client.CoreV1Api(kube_api).list_namespaced_pod(namespace).items}
     assert names == {"a", "b", "c"}

@@ -19,7 +19,7 @@ class Server:
     """Plain HTTP/1.1 on 127.0.0.1: per request, the next of `actions` ('ok', 'drop', 'reset' or 'garbage')."""
 
     def __init__(self, actions: list[str]) -> None:
-        self.actions, self.requests = list(actions), 0
+        self.actions, self.requests, self.heads = list(actions), 0, []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -48,6 +48,7 @@ class Server:
                     buf += conn.recv(65536)
                 buf = buf[length:]
                 self.requests += 1
+                self.heads.append(head.decode())
                 action = self.actions.pop(0)
                 if action == "drop":
                     return
@@ -73,10 +74,12 @@ def _create(t: Transport) -> bytes:
 def serve():
     servers: list[Server] = []
 
-    def make(actions: list[str]) -> tuple[Server, Transport]:
+    def make(actions: list[str], **settings) -> tuple[Server, Transport]:
         servers.append(Server(actions))
         cfg = client.Configuration()
         cfg.host = f"http://127.0.0.1:{servers[-1].port}"
+        for key, value in settings.items():
+            setattr(cfg, key, value)
         return servers[-1], Transport.for_client(client.ApiClient(cfg))
 
     yield make
@@ -119,3 +122,18 @@ def test_a_malformed_answer_is_a_connection_error(serve):
     with pytest.raises(ConnectionError):
         _create(t)
     assert b'"p"' in _create(t)
+
+
+def test_each_request_carries_the_clients_bearer_token_as_refreshed_by_its_hook(serve):
+    """The client's own auth: a service account token (or an exec credential) re-read by the refresh hook."""
+    tokens = iter(["first", "second"])
+
+    def refresh(cfg) -> None:
+        cfg.api_key["authorization"] = f"Bearer {next(tokens)}"
+
+    server, t = serve(["ok", "ok"], api_key={"authorization": "Bearer stale"}, refresh_api_key_hook=refresh)
+    _create(t)
+    _create(t)
+    auth = [next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                 if line.lower().startswith("authorization:")) for head in server.heads]
+    assert auth == ["Bearer first", "Bearer second"]
