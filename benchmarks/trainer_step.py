@@ -34,6 +34,7 @@ Prints figures; not a test.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -157,13 +158,13 @@ COUNT_FROM, COUNT_STEPS = 5, 10
 
 
 class _Counts:
-    """Python opcodes (`sys.settrace`), aten ops (a `TorchDispatchMode`) and garbage collections in a window
-    of steps: what a step executes, the same on any machine, however loaded."""
+    """Python opcodes (`sys.settrace`, per function), calls into C (`sys.setprofile`), aten ops (a
+    `TorchDispatchMode`) and garbage collections in a window of steps: what a step executes, the same on any
+    machine, however loaded."""
 
     def __init__(self, skip: tuple = ()) -> None:
-        import collections
-
         self.opcodes, self.aten, self.ccalls, self.gcs = 0, collections.Counter(), collections.Counter(), 0
+        self.by_code: collections.Counter = collections.Counter()  # opcodes per code object
         self.skip = set(skip)  # the probe's own code objects: not the Trainer's
 
     def _tracer(self, frame, event, arg):
@@ -175,6 +176,7 @@ class _Counts:
     def _local(self, frame, event, arg):
         if event == "opcode":
             self.opcodes += 1
+            self.by_code[frame.f_code] += 1
         return self._local
 
     def _profile(self, frame, event, arg) -> None:
@@ -227,8 +229,17 @@ def _per_step(short: _Counts, long: _Counts) -> dict:
     difference is exactly COUNT_STEPS whole steps."""
     def diff(a, b):
         return {k: v for k in set(a) | set(b) if (v := (a[k] - b[k]) / COUNT_STEPS)}
+    def named(counts):
+        out: dict = {}
+        for code, n in counts.items():
+            path = code.co_filename.split("site-packages/")[-1].split("kubetrain_trainer/")[-1]
+            where = f"{os.path.basename(path) if path.startswith('/') else path}:{code.co_name}"
+            out[where] = out.get(where, 0) + n
+        return out
+
     return {"opcodes": (long.opcodes - short.opcodes) / COUNT_STEPS, "aten": diff(long.aten, short.aten),
-            "ccalls": diff(long.ccalls, short.ccalls), "gcs": (long.gcs - short.gcs) / COUNT_STEPS}
+            "ccalls": diff(long.ccalls, short.ccalls), "gcs": (long.gcs - short.gcs) / COUNT_STEPS,
+            "functions": diff(collections.Counter(named(long.by_code)), collections.Counter(named(short.by_code)))}
 
 
 def run_count(model_name: str, what: str) -> tuple[dict, dict]:
@@ -408,7 +419,8 @@ def main() -> None:
     p.add_argument("--paired", action="store_true",
                    help="only the per-step overhead, paired in one process (overhead regime, both models)")
     p.add_argument("--count", action="store_true",
-                   help="the per-step overhead counted: Python opcodes and aten ops of a Trainer step vs a raw step")
+                   help="the per-step overhead counted: Python opcodes, calls into C and aten ops of a Trainer step "
+                        "vs a raw step")
     p.add_argument("--child")
     p.add_argument("--model", default="tinygpt")
     p.add_argument("--regime", default="overhead")
@@ -490,6 +502,11 @@ def count(a) -> None:
               f"{', '.join(f'{k} {v:+.1f}' for k, v in sorted(extra.items())) or 'none'}; {fewer:.1f} fewer); "
               f"calls into C {t['ccalls_total']:.0f} vs {w['ccalls_total']:.0f} ({ccalls:+.0f}); "
               f"garbage collections {t['gcs']:.2f} vs {w['gcs']:.2f} per step", flush=True)
+        functions = {k: t["functions"].get(k, 0) - w["functions"].get(k, 0)
+                     for k in set(t["functions"]) | set(w["functions"])}
+        print("    opcodes by function, Trainer step minus raw step (the largest; the probe's own callback dispatch "
+              "is in the Trainer's): " + ", ".join(f"{k} {v:+.0f}" for k, v in sorted(
+                  functions.items(), key=lambda kv: -abs(kv[1]))[:10]), flush=True)
         print(f"    priced at {u['opcode_s'] * 1e9:.1f} ns per opcode of call-heavy code, {u['ccall_s'] * 1e9:.0f} ns per "
               f"call into C and {u['aten_op_s'] * 1e6:.2f} µs per cheap aten op (measured now): overhead "
               f"~{est * 1000:.3f} ms/step, not counting what it saves: a lower bound (hot-cache prices; inside a "
