@@ -2,8 +2,9 @@
 
 kopf watches the nodes (node health is a kopf index); our pods and the
 TrainingJobs come from `informer.py`, a plain list+watch (kopf's per-event
-cost dominated the operator's CPU on big launches). Every event is handed to `reconciler.Reconciler`, which keeps the
-observed world in memory and runs plan -> apply per job.
+cost dominated the operator's CPU on big launches). Every event is handed to
+`reconciler.Reconciler`, which keeps the observed world in memory and runs
+plan -> apply per job.
 
 kopf itself writes nothing to our objects here: only event watchers and an
 index are used (no finalizers, no progress annotations); all writes go
@@ -69,20 +70,21 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     memo.api = api
     rec = memo.reconciler = Reconciler(api=api, settings=config)
     rec.nodes_index = nodes_by_name
-    memo.informer = PodInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
-                                namespaces=config.namespaces, label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}",
-                                on_event=rec.pod_event)
+    def watch_client() -> Any:  # an informer's own client: a reader thread per namespace
+        return transport.load_client_config(threads=len(config.namespaces) + 1)
+
+    memo.informer = PodInformer(watch_client(), namespaces=config.namespaces,
+                                label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}", on_event=rec.pod_event)
     rec.pods_synced = memo.informer.synced
     memo.informer.start()
-    memo.job_informer = JobInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
-                                    namespaces=config.namespaces,
+    memo.job_informer = JobInformer(watch_client(), namespaces=config.namespaces,
                                     on_event=lambda kind, body: rec.job_event(kind, key_of(body), body))
     memo.job_informer.start()
     memo.workload_informer = None
 
     def watch_workloads() -> None:  # Kueue's Workloads, watched once a job asks for Kueue (issue 14)
-        memo.workload_informer = WorkloadInformer(transport.load_client_config(threads=len(config.namespaces) + 1),
-                                                  namespaces=config.namespaces, on_event=rec.workload_event)
+        memo.workload_informer = WorkloadInformer(watch_client(), namespaces=config.namespaces,
+                                                  on_event=rec.workload_event)
         memo.workload_informer.start()
 
     rec.start_workload_watch = watch_workloads

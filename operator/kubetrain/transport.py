@@ -165,9 +165,3 @@ class Transport:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT)
         self._local.conn = conn
         return conn, False
-
-    def close(self) -> None:
-        """Closes this thread's connection (the others close with their sockets when the process ends)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
