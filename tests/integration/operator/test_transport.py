@@ -4,7 +4,13 @@ connections) holds here too."""
 
 from __future__ import annotations
 
+import copy
+import os
+import shutil
 import socket
+import ssl
+import threading
+from pathlib import Path
 
 import orjson
 import pytest
@@ -84,3 +90,49 @@ def test_a_kept_connection_is_reused_and_one_closed_underneath_is_replaced(kube_
     assert len(exchanges) == 3  # the closed connection was noticed before use: no failed send, no retry
     names = {p.metadata.name for p in client.CoreV1Api(kube_api).list_namespaced_pod(namespace).items}
     assert names == {"a", "b", "c"}
+
+
+def _in_a_new_thread(t: Transport, namespace: str, name: str) -> BaseException | None:
+    """One create from a thread of its own: a new connection, so a TLS context is asked for."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _send(t, "create_namespaced_pod", namespace, _pod(name))
+        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    return failure[0] if failure else None
+
+
+def test_the_threads_share_one_tls_context_until_a_file_it_was_read_from_is_swapped(
+        kube_api, namespace, tmp_path):
+    from kubetrain_testbed.pki import ensure_pki
+
+    cfg = copy.deepcopy(kube_api.configuration)
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(cfg.ssl_ca_cert, served / "ca.crt")
+    link = tmp_path / "ca.crt"  # as a projected volume: the file is a symlink, swapped on rotation
+    link.symlink_to(served / "ca.crt")
+    cfg.ssl_ca_cert = str(link)
+    t = Transport.for_client(client.ApiClient(configuration=cfg))
+    first = t.context()
+    assert _in_a_new_thread(t, namespace, "one") is None
+    assert _in_a_new_thread(t, namespace, "two") is None
+    assert t.context() is first  # built once, not once per connection
+
+    def swap(target: Path) -> None:
+        staged = tmp_path / "staged"
+        staged.symlink_to(target)
+        os.replace(staged, link)
+
+    swap(ensure_pki(tmp_path / "other").ca_crt)  # a CA that did not sign the API server's certificate
+    assert isinstance(_in_a_new_thread(t, namespace, "three"), ssl.SSLCertVerificationError)
+    swap(served / "ca.crt")
+    assert _in_a_new_thread(t, namespace, "four") is None
+    names = {p.metadata.name for p in client.CoreV1Api(kube_api).list_namespaced_pod(namespace).items}
+    assert names == {"one", "two", "four"}
