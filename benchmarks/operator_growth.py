@@ -19,6 +19,9 @@ the watch events of the namespace's pods and TrainingJobs (what the operator's w
 operator's API writes (its /metrics); at the end the process's peak RSS (VmHWM of /proc/<pid>/status).
 It prints CPU ms per job and µs per event per phase and N, and the growth ratios 200/50 and 800/200
 normalised by N (1.00 = linear; above 1 = each job costs more when there are more jobs).
+A canary process runs the same piece of Python work ten times a second throughout (`Canary`); its CPU per
+run in each phase's seconds shows how much slower the machine itself ran then, and the per-event growth is
+also printed divided by the canary's.
 
 The operator runs with KUBETRAIN_RESYNC_SECONDS=3600 and progress reads off: the periodic resync
 re-plans every job once a minute by design (one reconcile per job, what the touch phase measures), and
@@ -134,6 +137,52 @@ class Proc:
         return time.monotonic() - start
 
 
+CANARY = r"""
+import sys, time, orjson
+doc = sys.stdin.buffer.read()
+def unit():
+    for _ in range(40):  # a pod event's work, roughly: parse, read the fields a view keeps, build a tuple
+        pod = orjson.loads(doc)
+        meta, spec = pod["metadata"], pod["spec"]
+        env = {e["name"]: e.get("value") for c in spec["containers"] for e in c.get("env", ())}
+        sorted((meta.get("labels") or {}).items()), tuple(env), meta.get("name")
+for _ in range(20):
+    unit()
+while True:
+    t0 = time.thread_time()
+    unit()
+    print(time.monotonic(), (time.thread_time() - t0) * 1e6, flush=True)
+    time.sleep(0.1)
+"""
+
+
+class Canary:
+    """A fixed piece of Python work (parsing a pod and reading it, as the operator does per pod event), run
+    10 times a second in a process of its own: its CPU µs per run, taken in the same seconds as a phase, says
+    how much slower the machine runs the same code then (a busier control plane, the other vCPU's load,
+    colder caches), with the operator's code unchanged. The growth ratios are also printed divided by it."""
+
+    def __init__(self, pod: dict) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.proc = subprocess.Popen([sys.executable, "-c", CANARY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.proc.stdin.write(json.dumps(pod))
+        self.proc.stdin.close()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t, us = line.split()
+            self.samples.append((float(t), float(us)))
+
+    def median_us(self, start: float, end: float) -> float:
+        got = sorted(us for t, us in self.samples if start <= t <= end)
+        return got[len(got) // 2] if got else float("nan")
+
+    def stop(self) -> None:
+        self.proc.kill()
+
+
 def wait_for(what: str, cond: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -149,7 +198,7 @@ def loadavg() -> str:
 
 
 def run_n(env: Any, core: client.CoreV1Api, custom: client.CustomObjectsApi, namespace: str, pool: str, n: int,
-          args: argparse.Namespace, log_path: str) -> dict:
+          args: argparse.Namespace, log_path: str, canary: Canary) -> dict:
     """One N: a fresh operator, the five phases, then everything of this N deleted."""
     prefix, nodes = f"g{n}", args.nodes
     pod_names = {f"{prefix}-{j}-a1-n{r}" for j in range(n) for r in range(nodes)}
@@ -183,12 +232,12 @@ def run_n(env: Any, core: client.CoreV1Api, custom: client.CustomObjectsApi, nam
             wr1 = scrape_operator(metrics_port)
             rec = {"cpu_s": proc.cpu() - cpu0, "events": pods.events + jobs.events - ev0, "wall_s": wall,
                    "settle_s": settle, "writes": wr1.get("writes", 0) - wr0.get("writes", 0),
-                   "rss_mib": proc.mem_mib("VmRSS"), "ok": ok}
+                   "rss_mib": proc.mem_mib("VmRSS"), "ok": ok, "canary_us": canary.median_us(t0, t0 + wall)}
             out["phases"][name] = rec
             out["ok"] = out["ok"] and ok
             print(f"  N={n} {name:<6} {rec['cpu_s']:7.2f} s CPU  {rec['events']:6d} events  "
                   f"{rec['writes']:6.0f} writes  {wall:6.1f} s (+{settle:.0f} s to quiet)  RSS {rec['rss_mib']:.0f} MiB  "
-                  f"load {loadavg()}", flush=True)
+                  f"load {loadavg()}  canary {rec['canary_us']:.0f} µs", flush=True)
 
         def apply() -> None:
             list(pool_.map(lambda name: custom.create_namespaced_custom_object(
@@ -287,6 +336,20 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
               + ", ".join(f"{p} {v:.2f}" for p, v in job_r.items()) + f"); per event total {tot_e:.2f} ("
               + ", ".join(f"{p} {v:.2f}" for p, v in ev_r.items()) + f"); peak RSS {hwm_b / hwm_s:.2f}x "
               f"for {big['n'] / small['n']:.0f}x the jobs, RSS above start per job {rss:.2f}")
+    print("the canary (the same Python work each time, in the same seconds): median CPU µs per run, by phase:")
+    for r in results:
+        print(f"{r['n']:>5} " + " ".join(f"{r['phases'][p]['canary_us']:15.0f}" if p in r["phases"] else f"{'-':>15}"
+                                         for p in PHASES))
+    print("growth per event divided by the canary's (how much more the operator's code costs per event at the "
+          "larger N, net of how much slower the machine ran the same code then; 1.00 = linear):")
+    for small, big in zip(results, results[1:]):
+        net = {}
+        for p in PHASES:
+            if p == "idle" or p not in big["phases"] or p not in small["phases"]:
+                continue
+            slow = big["phases"][p]["canary_us"] / small["phases"][p]["canary_us"]
+            net[p] = (per(big, p, by="event") / per(small, p, by="event")) / slow
+        print(f"  {big['n']}/{small['n']}: " + ", ".join(f"{p} {v:.2f}" for p, v in net.items()))
     for r in results:
         print(f"  N={r['n']}: all phases completed: {r['ok']}; writes per job "
               + ", ".join(f"{p} {r['phases'][p]['writes'] / r['n']:.1f}" for p in PHASES if p in r["phases"])
@@ -331,16 +394,23 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
     log_path = f"/tmp/operator-growth-{tag}.log"
     print(f"namespace {namespace}, {args.fake_nodes} kwok nodes of {per_node} pods each; operator log {log_path}; "
           f"load average {loadavg()}", flush=True)
+    from kubetrain import builders
+    from kubetrain.api import Job
+
+    canary = Canary(builders.get_pod(job=Job.from_storage(
+        {"metadata": {"name": "canary", "namespace": namespace, "uid": ""}, "spec": job_spec(args.nodes, pool)}),
+        attempt=1, rank=0))
     try:
         make_nodes(env, node_names, pool=pool, per_node=per_node)
         wait_for("the namespace's ServiceAccount", lambda: bool(core.list_namespaced_service_account(namespace).items), 60)
         time.sleep(3)  # let kwok mark the new nodes Ready
         for n in sizes:
             print(f"N={n}: {n} TrainingJobs x {args.nodes} pods ...", flush=True)
-            results.append(run_n(env, core, custom, namespace, pool, n, args, log_path))
+            results.append(run_n(env, core, custom, namespace, pool, n, args, log_path, canary))
         report(results, args)
         return 0 if all(r["ok"] for r in results) else 1
     finally:
+        canary.stop()
         if not args.keep:
             remove_bench_objects(core, namespace, node_names)
 
