@@ -100,7 +100,9 @@ class Transport:
         read from has changed (path, inode, size or mtime), so a rotated CA or client certificate (in-cluster,
         a projected volume, swapped by a symlink) is picked up without a restart, as urllib3 does for the
         client by reading the files for each connection. Building one costs about 1 ms of CPU (OpenSSL's
-        context, the CA and the key parsed; 20 ms with the system's store), once per API thread before."""
+        context, the CA and the key parsed; 20 ms with the system's store), once per API thread before.
+        Not noticed: a file rewritten in place with the same size within one mtime tick, and a change to
+        the system's store (used when no CA is configured), which is read once."""
         cfg = self.api_client.configuration
         files = (cfg.ssl_ca_cert if cfg.verify_ssl else None, cfg.cert_file, cfg.key_file)
         key = (cfg.verify_ssl, tuple(_stamp(f) for f in files))

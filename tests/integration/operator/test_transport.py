@@ -102,9 +102,10 @@ def _in_a_new_thread(t: Transport, namespace: str, name: str) -> BaseException |
         except BaseException as exc:  # noqa: BLE001  (handed to the test)
             failure.append(exc)
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(60)
+    assert not thread.is_alive(), f"the create of {name} did not return in 60 s"
     return failure[0] if failure else None
 
 
@@ -112,13 +113,18 @@ def test_the_threads_share_one_tls_context_until_a_file_it_was_read_from_is_swap
         kube_api, namespace, tmp_path):
     from kubetrain_testbed.pki import ensure_pki
 
+    # The kubelet's atomic writer, as for the in-cluster CA: ca.crt -> ..data/ca.crt, ..data -> ..<timestamp>,
+    # and a rotation writes a new ..<timestamp> folder and swaps the ..data link (ca.crt itself never changes).
     cfg = copy.deepcopy(kube_api.configuration)
-    served = tmp_path / "served"
-    served.mkdir()
+    volume = tmp_path / "volume"
+    served, other = volume / "..2026_12_05_a", volume / "..2026_12_05_b"
+    served.mkdir(parents=True)
+    other.mkdir()
     shutil.copy(cfg.ssl_ca_cert, served / "ca.crt")
-    link = tmp_path / "ca.crt"  # as a projected volume: the file is a symlink, swapped on rotation
-    link.symlink_to(served / "ca.crt")
-    cfg.ssl_ca_cert = str(link)
+    shutil.copy(ensure_pki(tmp_path / "other").ca_crt, other / "ca.crt")  # did not sign the API server's cert
+    (volume / "..data").symlink_to(served.name)
+    (volume / "ca.crt").symlink_to("..data/ca.crt")
+    cfg.ssl_ca_cert = str(volume / "ca.crt")
     t = Transport.for_client(client.ApiClient(configuration=cfg))
     first = t.context()
     assert _in_a_new_thread(t, namespace, "one") is None
@@ -126,13 +132,13 @@ def test_the_threads_share_one_tls_context_until_a_file_it_was_read_from_is_swap
     assert t.context() is first  # built once, not once per connection
 
     def swap(target: Path) -> None:
-        staged = tmp_path / "staged"
-        staged.symlink_to(target)
-        os.replace(staged, link)
+        staged = volume / "..data_tmp"
+        staged.symlink_to(target.name)
+        os.replace(staged, volume / "..data")
 
-    swap(ensure_pki(tmp_path / "other").ca_crt)  # a CA that did not sign the API server's certificate
+    swap(other)
     assert isinstance(_in_a_new_thread(t, namespace, "three"), ssl.SSLCertVerificationError)
-    swap(served / "ca.crt")
+    swap(served)
     assert _in_a_new_thread(t, namespace, "four") is None
     names = {p.metadata.name for p in client.CoreV1Api(kube_api).list_namespaced_pod(namespace).items}
     assert names == {"one", "two", "four"}
