@@ -158,7 +158,8 @@ while True:
 
 class Canary:
     """A fixed piece of Python work (parsing a pod and reading it, as the operator does per pod event), run
-    10 times a second in a process of its own: its CPU µs per run, taken in the same seconds as a phase, says
+    10 times a second in a process of its own: its CPU µs per run, taken in the seconds a phase's CPU figure
+    covers (the phase and its settling), says
     how much slower the machine runs the same code then (a busier control plane, the other vCPU's load,
     colder caches), with the operator's code unchanged. The growth ratios are also printed divided by it."""
 
@@ -176,11 +177,14 @@ class Canary:
             self.samples.append((float(t), float(us)))
 
     def median_us(self, start: float, end: float) -> float:
-        got = sorted(us for t, us in self.samples if start <= t <= end)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the canary process exited ({self.proc.returncode})")
+        got = sorted(us for t, us in self.samples if start <= t <= end)  # CLOCK_MONOTONIC: one clock for all
         return got[len(got) // 2] if got else float("nan")
 
     def stop(self) -> None:
         self.proc.kill()
+        self.proc.wait()
 
 
 def wait_for(what: str, cond: Callable[[], bool], timeout: float) -> bool:
@@ -229,10 +233,11 @@ def run_n(env: Any, core: client.CoreV1Api, custom: client.CustomObjectsApi, nam
             ok = wait_for(f"{name} of {n} jobs", done, timeout)
             wall = time.monotonic() - t0
             settle = proc.quiet()
+            canary_us = canary.median_us(t0, time.monotonic())  # the seconds the CPU figure covers
             wr1 = scrape_operator(metrics_port)
             rec = {"cpu_s": proc.cpu() - cpu0, "events": pods.events + jobs.events - ev0, "wall_s": wall,
                    "settle_s": settle, "writes": wr1.get("writes", 0) - wr0.get("writes", 0),
-                   "rss_mib": proc.mem_mib("VmRSS"), "ok": ok, "canary_us": canary.median_us(t0, t0 + wall)}
+                   "rss_mib": proc.mem_mib("VmRSS"), "ok": ok, "canary_us": canary_us}
             out["phases"][name] = rec
             out["ok"] = out["ok"] and ok
             print(f"  N={n} {name:<6} {rec['cpu_s']:7.2f} s CPU  {rec['events']:6d} events  "
@@ -397,10 +402,11 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
     from kubetrain import builders
     from kubetrain.api import Job
 
-    canary = Canary(builders.get_pod(job=Job.from_storage(
-        {"metadata": {"name": "canary", "namespace": namespace, "uid": ""}, "spec": job_spec(args.nodes, pool)}),
-        attempt=1, rank=0))
+    canary: Canary | None = None
     try:
+        canary = Canary(builders.get_pod(job=Job.from_storage(
+            {"metadata": {"name": "canary", "namespace": namespace, "uid": ""}, "spec": job_spec(args.nodes, pool)}),
+            attempt=1, rank=0))
         make_nodes(env, node_names, pool=pool, per_node=per_node)
         wait_for("the namespace's ServiceAccount", lambda: bool(core.list_namespaced_service_account(namespace).items), 60)
         time.sleep(3)  # let kwok mark the new nodes Ready
@@ -410,7 +416,8 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
         report(results, args)
         return 0 if all(r["ok"] for r in results) else 1
     finally:
-        canary.stop()
+        if canary is not None:
+            canary.stop()
         if not args.keep:
             remove_bench_objects(core, namespace, node_names)
 

@@ -125,7 +125,7 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[
     built, data = _setup(model_name, regime, threads)
     # Four copies of one built model: the Trainer's and three raw twins. The model as built is not used: its
     # tensors lie where construction left them, and a raw step on it is slower than on a copy (GPT-2:
-    # +0.04-0.06 ms here, raw against raw), which the Trainer's figure would otherwise carry.
+    # +0.02-0.06 ms here, raw against raw; `--layout`), which the Trainer's figure would otherwise carry.
     model = copy.deepcopy(built)
     twin, first, second = (RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in (1, 2, 3))
     del built
@@ -167,11 +167,11 @@ def run_layout(model_name: str, regime: str, steps: int, threads: int) -> tuple[
     import copy
 
     built, data = _setup(model_name, regime, threads)
-    first, second = (RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in (1, 2))
+    first, second, third = (RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in (1, 2, 4))
     original = RawLoop(built, data, steps, seed=3)
     diffs: list = []
     controls: list = []
-    for _ in range(steps):
+    for _ in range(steps):  # the control shares no step with the figure
         t0 = time.thread_time()
         original.step()
         t1 = time.thread_time()
@@ -179,8 +179,10 @@ def run_layout(model_name: str, regime: str, steps: int, threads: int) -> tuple[
         t2 = time.thread_time()
         second.step()
         t3 = time.thread_time()
+        third.step()
+        t4 = time.thread_time()
         diffs.append(((t1 - t0) - (t2 - t1)) * 1000)
-        controls.append(((t2 - t1) - (t3 - t2)) * 1000)
+        controls.append(((t3 - t2) - (t4 - t3)) * 1000)
     return diffs[WARMUP:], controls[WARMUP:]
 
 
@@ -460,6 +462,8 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a.child, a.model, a.regime, a.threads)
+    if a.paired and a.layout:
+        p.error("--paired and --layout are two runs: give one")
     if a.paired or a.layout:
         return paired(a)
     if a.count:
@@ -503,7 +507,8 @@ def paired(a) -> None:
     """The overhead goal, resolved: a paired in-process figure per run (see run_paired), with its control."""
     models = [c.split("/")[1] for c in a.only.split(",")] if a.only else list(MODELS)
     mode = "layout" if a.layout else "paired"
-    print(f"per-step overhead, paired in one process: overhead regime, {a.threads} thread(s), {a.repeats} runs "
+    what = "the model as built vs a copy" if a.layout else "per-step overhead"
+    print(f"{what}, paired in one process: overhead regime, {a.threads} thread(s), {a.repeats} runs "
           f"each, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     for model in models:
         runs = [measure(mode, model, "overhead", a.threads) for _ in range(a.repeats)]
