@@ -23,7 +23,8 @@ steps (two more twins), and the overhead is reported net of it, run by run.
 `--count` measures what it is made of, without a clock: the Python opcodes, calls
 into C and aten ops a Trainer step executes beyond a raw step (the same on any
 machine: a regression check), priced at this machine's hot-cache cost of each,
-measured in the same run (a lower bound of the time).
+measured in the same run (a lower bound of the time), and the opcodes also at
+their price inside a step (loop-like bookkeeping added to raw steps, paired).
 Goals (issue 12): kubetrain / HF <= 1.00 in every cell; overhead <= 0.05 ms.
 Prints figures; not a test.
 
@@ -360,6 +361,67 @@ def _unit_costs() -> dict:
     return {"opcode_s": best, "aten_op_s": aten, "ccall_s": ccall}
 
 
+class _Ledger:
+    """Bookkeeping of the kind a training loop does per step (attribute and dict updates, a small record,
+    a few checks), spread over several functions: the stand-in `_in_step_price` adds to a raw step."""
+
+    def __init__(self) -> None:
+        self.loss, self.count, self.epoch, self.record, self.flags = 0.0, 0, 0.0, None, {"log": False, "save": False}
+
+    def add(self, value: float) -> None:
+        self.loss += value
+        self.count += 1
+        self.epoch = self.count / 1000 if self.count else 0.0
+
+    def mark(self) -> None:
+        self.record = {"step": self.count, "loss": self.loss / max(1, self.count), "epoch": self.epoch}
+
+    def check(self) -> bool:
+        flags = self.flags
+        flags["log"] = self.count % 50 == 0
+        flags["save"] = self.count % 500 == 0
+        return flags["log"] or flags["save"] or self.record is None
+
+
+def _bookkeeping(ledger: _Ledger, rounds: int) -> None:
+    for i in range(rounds):
+        ledger.add(0.5 + i)
+        ledger.mark()
+        ledger.check()
+
+
+IN_STEP_ROUNDS, IN_STEP_STEPS = 20, 600
+
+
+def _in_step_price(model_name: str) -> dict:
+    """CPU seconds per opcode of loop bookkeeping run inside a training step, where the forward and backward
+    have just swept the caches: raw steps with `_bookkeeping` appended, each paired with a plain raw step
+    before it, net of a raw-vs-raw control in the same steps (the same method as `--paired`); divided by
+    the opcodes the bookkeeping runs (counted). Noisier than a hot price, but it is the price that applies."""
+    import copy
+
+    built, data = _setup(model_name, "overhead", 1)
+    plain, padded, control = (RawLoop(copy.deepcopy(built), data, IN_STEP_STEPS, seed=s) for s in (1, 2, 3))
+    counter = _Counts()
+    counter.start("opcodes")
+    _bookkeeping(_Ledger(), IN_STEP_ROUNDS)
+    counter.stop("opcodes")
+    ledger, added, controls = _Ledger(), [], []
+    for _ in range(IN_STEP_STEPS):
+        t0 = time.thread_time()
+        plain.step()
+        t1 = time.thread_time()
+        padded.step()
+        _bookkeeping(ledger, IN_STEP_ROUNDS)
+        t2 = time.thread_time()
+        control.step()
+        t3 = time.thread_time()
+        added.append((t2 - t1) - (t1 - t0))
+        controls.append((t3 - t2) - (t1 - t0))
+    extra = statistics.median(added[WARMUP:]) - statistics.median(controls[WARMUP:])
+    return {"in_step_opcode_s": extra / counter.opcodes, "in_step_opcodes": counter.opcodes}
+
+
 def _common_args(out: str, steps: int) -> dict:
     return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
                 weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", save_strategy="no",
@@ -412,7 +474,7 @@ def child(mode: str, model_name: str, regime: str, threads: int) -> None:
         for side in (t_ops, r_ops):  # per step, from the difference of two windows (see _per_step)
             side["ccalls_total"] = sum(side.pop("ccalls").values())
         print(json.dumps({"trainer": t_ops, "raw": r_ops,
-                          "units": _unit_costs()}))
+                          "units": {**_unit_costs(), **_in_step_price(model_name)}}))
         return
     if mode in ("paired", "layout"):
         # A per-step difference is a few µs in a step of ms: more steps than the wall-time runs take.
@@ -556,6 +618,10 @@ def count(a) -> None:
               f"~{est * 1000:.3f} ms/step, not counting what it saves: a lower bound (hot-cache prices; inside a "
               "step the forward and backward evict the caches, and the same lines cost several times more)",
               flush=True)
+        in_step = u["in_step_opcode_s"]
+        print(f"    priced inside a step: {in_step * 1e9:.1f} ns per opcode ({u['in_step_opcodes']} opcodes of loop "
+              f"bookkeeping added to raw steps, paired, net of a control; measured now, noisier): the extra opcodes "
+              f"~{max(0.0, ops) * in_step * 1000:.3f} ms/step", flush=True)
 
 
 if __name__ == "__main__":
