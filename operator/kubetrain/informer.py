@@ -87,6 +87,10 @@ class PodInformer:
                 backoff = 1.0
             except ApiException as exc:
                 if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
+                    # Rare (watch bookmarks keep the version fresh); a relist re-delivers every object, a
+                    # burst of reconciles worth knowing about when a phase costs more than it should.
+                    log.info("%s watch (%s): resourceVersion expired (410), listing again", self.what,
+                             scope or "all namespaces")
                     rv = None
                     continue
                 log.warning("%s watch (%s): HTTP %s %s; retrying in %.0fs", self.what, scope or "all namespaces",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from kubernetes import client
@@ -96,12 +97,13 @@ class _Response:
         pass
 
 
-def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished():
+def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished(caplog):
     def listing(rv: str, *names: str) -> _Response:
         return _Response(data=json.dumps({"metadata": {"resourceVersion": rv},
                                           "items": [_pod("a", n, "j") for n in names]}).encode())
 
     expired = json.dumps({"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}).encode()
+    caplog.set_level(logging.INFO, logger="kubetrain")
     events: list[tuple[str, str]] = []
     calls: list[dict] = []
 
@@ -133,3 +135,5 @@ def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished():
     assert calls[1]["resource_version"] == "10" and calls[1]["watch"] is True
     assert "watch" not in calls[2]  # a list again, not a watch from the expired version
     assert calls[3]["resource_version"] == "20"
+    relists = [r for r in caplog.records if "410" in r.getMessage()]
+    assert len(relists) == 1 and relists[0].levelname == "INFO" and "(a)" in relists[0].getMessage()
