@@ -51,6 +51,8 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "testbed"), str(ROOT / "bench
 
 from kubernetes import client, config  # noqa: E402
 
+from kubetrain import builders  # noqa: E402
+from kubetrain.api import Job  # noqa: E402
 from kubetrain_testbed import EXIT_CODE_ANNOTATION, TestbedConfig, free_port, is_healthy, kubectl, load_env  # noqa: E402
 from kubetrain_testbed import cluster  # noqa: E402
 from operator_scale import (  # noqa: E402
@@ -159,9 +161,9 @@ while True:
 class Canary:
     """A fixed piece of Python work (parsing a pod and reading it, as the operator does per pod event), run
     10 times a second in a process of its own: its CPU µs per run, taken in the seconds a phase's CPU figure
-    covers (the phase and its settling), says
-    how much slower the machine runs the same code then (a busier control plane, the other vCPU's load,
-    colder caches), with the operator's code unchanged. The growth ratios are also printed divided by it."""
+    covers (the phase and its settling), says how much slower the machine runs the same code then (a busier
+    control plane, the other vCPU's load, colder caches), with the operator's code unchanged. The growth
+    ratios are also printed divided by it."""
 
     def __init__(self, pod: dict) -> None:
         self.samples: list[tuple[float, float]] = []
@@ -399,9 +401,6 @@ def measure(env: Any, sizes: list[int], args: argparse.Namespace) -> int:
     log_path = f"/tmp/operator-growth-{tag}.log"
     print(f"namespace {namespace}, {args.fake_nodes} kwok nodes of {per_node} pods each; operator log {log_path}; "
           f"load average {loadavg()}", flush=True)
-    from kubetrain import builders
-    from kubetrain.api import Job
-
     canary: Canary | None = None
     try:
         canary = Canary(builders.get_pod(job=Job.from_storage(

@@ -116,6 +116,23 @@ def run_raw(model_name: str, regime: str, steps: int, threads: int) -> list:
     return marks
 
 
+def _twins(built, data, steps: int, *seeds: int) -> list[RawLoop]:
+    """Raw loops on copies of one built model, one per data seed."""
+    import copy
+
+    return [RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in seeds]
+
+
+def _thread_cpu(*steps) -> list[float]:
+    """This thread's CPU seconds of each call, run back to back; the bookkeeping between the calls is in none."""
+    spent = []
+    for step in steps:
+        t0 = time.thread_time()
+        step()
+        spent.append(time.thread_time() - t0)
+    return spent
+
+
 def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[list, list]:
     """Per step, this thread's CPU ms of one kubetrain Trainer step minus one raw step on a twin model, the
     two interleaved in one process (a neighbour's load hits both alike); and, in the same steps, a control:
@@ -128,7 +145,7 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[
     # tensors lie where construction left them, and a raw step on it is slower than on a copy (GPT-2:
     # +0.02-0.06 ms here, raw against raw; `--layout`), which the Trainer's figure would otherwise carry.
     model = copy.deepcopy(built)
-    twin, first, second = (RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in (1, 2, 3))
+    twin, first, second = _twins(built, data, steps, 1, 2, 3)
     del built
     diffs: list = []
     controls: list = []
@@ -141,18 +158,12 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[
             last[0] = time.thread_time()  # the first steps (and the loop's setup in them) are the warm-up
 
         def on_step_end(self, args, state, control, **kwargs):
-            # Right after the measured step, inline (a call more would count as the Trainer's); the probe's
-            # own time between the clock reads is in neither figure.
+            # Read first, inline (a call more would count as the Trainer's); the probe's own time between the
+            # clock reads is in neither figure.
             measured = time.thread_time() - last[0]
-            t0 = time.thread_time()
-            twin.step()
-            t1 = time.thread_time()
-            first.step()
-            t2 = time.thread_time()
-            second.step()
-            t3 = time.thread_time()
-            diffs.append((measured - (t1 - t0)) * 1000)
-            controls.append(((t2 - t1) - (t3 - t2)) * 1000)
+            raw, control_a, control_b = _thread_cpu(twin.step, first.step, second.step)
+            diffs.append((measured - raw) * 1000)
+            controls.append((control_a - control_b) * 1000)
             last[0] = time.thread_time()
 
     with tempfile.TemporaryDirectory() as out:
@@ -165,25 +176,15 @@ def run_paired(model_name: str, regime: str, steps: int, threads: int) -> tuple[
 def run_layout(model_name: str, regime: str, steps: int, threads: int) -> tuple[list, list]:
     """Per step, CPU ms of a raw step on the model as built minus one on a copy of it, and of that copy minus a
     second copy (the control): why `run_paired` gives the Trainer a copy, not the model as built."""
-    import copy
-
     built, data = _setup(model_name, regime, threads)
-    first, second, third = (RawLoop(copy.deepcopy(built), data, steps, seed=s) for s in (1, 2, 4))
+    first, second, third = _twins(built, data, steps, 1, 2, 4)
     original = RawLoop(built, data, steps, seed=3)
     diffs: list = []
     controls: list = []
     for _ in range(steps):  # the control shares no step with the figure
-        t0 = time.thread_time()
-        original.step()
-        t1 = time.thread_time()
-        first.step()
-        t2 = time.thread_time()
-        second.step()
-        t3 = time.thread_time()
-        third.step()
-        t4 = time.thread_time()
-        diffs.append(((t1 - t0) - (t2 - t1)) * 1000)
-        controls.append(((t3 - t2) - (t4 - t3)) * 1000)
+        as_built, copy_a, copy_b, copy_c = _thread_cpu(original.step, first.step, second.step, third.step)
+        diffs.append((as_built - copy_a) * 1000)
+        controls.append((copy_b - copy_c) * 1000)
     return diffs[WARMUP:], controls[WARMUP:]
 
 
@@ -398,26 +399,22 @@ def _in_step_price(model_name: str) -> dict:
     have just swept the caches: raw steps with `_bookkeeping` appended, each paired with a plain raw step
     before it, net of a raw-vs-raw control in the same steps (the same method as `--paired`); divided by
     the opcodes the bookkeeping runs (counted). Noisier than a hot price, but it is the price that applies."""
-    import copy
-
     built, data = _setup(model_name, "overhead", 1)
-    plain, padded, control = (RawLoop(copy.deepcopy(built), data, IN_STEP_STEPS, seed=s) for s in (1, 2, 3))
+    plain, padded, control = _twins(built, data, IN_STEP_STEPS, 1, 2, 3)
     counter = _Counts()
     counter.start("opcodes")
     _bookkeeping(_Ledger(), IN_STEP_ROUNDS)
     counter.stop("opcodes")
     ledger, added, controls = _Ledger(), [], []
-    for _ in range(IN_STEP_STEPS):
-        t0 = time.thread_time()
-        plain.step()
-        t1 = time.thread_time()
+
+    def padded_step() -> None:
         padded.step()
         _bookkeeping(ledger, IN_STEP_ROUNDS)
-        t2 = time.thread_time()
-        control.step()
-        t3 = time.thread_time()
-        added.append((t2 - t1) - (t1 - t0))
-        controls.append((t3 - t2) - (t1 - t0))
+
+    for _ in range(IN_STEP_STEPS):
+        base, with_bookkeeping, again = _thread_cpu(plain.step, padded_step, control.step)
+        added.append(with_bookkeeping - base)
+        controls.append(again - base)
     extra = statistics.median(added[WARMUP:]) - statistics.median(controls[WARMUP:])
     return {"in_step_opcode_s": extra / counter.opcodes, "in_step_opcodes": counter.opcodes}
 

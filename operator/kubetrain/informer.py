@@ -196,9 +196,10 @@ class PodInformer:
             if key not in listed:
                 self._gone(scope, key, kept)
         for item in items:
-            kept, uid = self._known[scope].get(key_of(item)), (item.get("metadata") or {}).get("uid")
+            key, uid = key_of(item), (item.get("metadata") or {}).get("uid")
+            kept = self._known[scope].get(key)
             if kept and kept["uid"] and uid and kept["uid"] != uid:  # deleted and re-created meanwhile
-                self._gone(scope, key_of(item), kept)
+                self._gone(scope, key, kept)
             self._deliver("MODIFIED", scope, item)
         self._unsynced.discard(scope)
         if not self._unsynced and not self.synced.is_set():
