@@ -186,7 +186,10 @@ class PodInformer:
             log.exception("%s event %s of %s/%s could not be handled", self.what, kind, *key_of(obj))
 
     def _gone(self, scope: str | None, key: tuple[str, str], kept: dict[str, Any]) -> None:
-        self._deliver("DELETED", scope, {"metadata": {"namespace": key[0], "name": key[1], **kept}, "status": {}})
+        # client-go's DeletedFinalStateUnknown: the object went while the watch was down, its last state is
+        # not in this body (only its name, labels and uid); a handler takes it from what it kept itself.
+        self._deliver("DELETED", scope, {"metadata": {"namespace": key[0], "name": key[1], **kept}, "status": {},
+                                         FINAL_STATE_UNKNOWN: True})
 
     def _replace(self, scope: str | None, items: list[dict[str, Any]]) -> None:
         """A (re)list: what is listed is MODIFIED, what vanished since is DELETED (and so is an object of a
@@ -205,6 +208,11 @@ class PodInformer:
         if not self._unsynced and not self.synced.is_set():
             self.synced.set()
             log.info("%s informer synced (%d)", self.what, sum(len(k) for k in self._known.values()))
+
+
+FINAL_STATE_UNKNOWN = "kubetrain.io/final-state-unknown"
+"""Key set (True) in the body of a DELETED event made up by a relist: the object vanished while the
+watch was down, and the body has only its name, labels and uid, no status or owner."""
 
 
 def key_of(obj: dict[str, Any]) -> tuple[str, str]:

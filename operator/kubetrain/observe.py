@@ -9,7 +9,7 @@ the views by job and by node for the reconciler. Pure: no I/O.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from kubetrain.api import (
@@ -124,7 +124,8 @@ class PodView:
 
 
 def _generation(text: Any) -> int | None:
-    return int(text) if isinstance(text, str) and text.isdigit() and len(text) <= 19 else None
+    # ASCII digits only: str.isdigit() is also true of "²", which int() refuses.
+    return int(text) if isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 19 else None
 
 
 def _metrics_port(body: Mapping[str, Any]) -> int | None:
@@ -186,15 +187,17 @@ class PodIndex:
             if entry[1].node_name:
                 self._on_node.setdefault(entry[1].node_name, {}).setdefault(key, set()).add(name)
 
-    def discard(self, key: Key, name: str) -> None:
+    def discard(self, key: Key, name: str) -> tuple[str, PodView] | None:
+        """Forget the pod; returns its last entry, if it had one."""
         pods = self._by_job.get(key)
         if pods is None:
-            return
+            return None
         old = pods.pop(name, None)
         if old is not None:
             self._unplace(old[1].node_name, key, name)
         if not pods:
             del self._by_job[key]
+        return old
 
     def _unplace(self, node: str | None, key: Key, name: str) -> None:
         jobs = self._on_node.get(node or "")
@@ -215,3 +218,27 @@ class PodIndex:
 
     def __getitem__(self, key: Key) -> list[tuple[str, PodView]]:
         return list(self._by_job.get(key, {}).values())
+
+
+EXPECTATION_TTL = dt.timedelta(seconds=60)
+
+
+@dataclass
+class Expectations:
+    """Writes we made whose watch events have not arrived yet (as in kube-controller-manager):
+    a pod we just created is not 'missing', a pod we just deleted is not 'still running'."""
+
+    created: dict[str, tuple[dt.datetime, PodView]] = field(default_factory=dict)
+    deleted: dict[str, dt.datetime] = field(default_factory=dict)
+    uid: str = ""
+    """The job they were made for: a job re-created under the same name starts with none."""
+
+    def overlay(self, pods: list[PodView], now: dt.datetime) -> list[PodView]:
+        seen = {p.name for p in pods}
+        for name in [n for n, (t, _) in self.created.items() if n in seen or now - t > EXPECTATION_TTL]:
+            del self.created[name]
+        out = [replace(p, deletion_timestamp=self.deleted[p.name])
+               if p.name in self.deleted and p.deletion_timestamp is None else p for p in pods]
+        for name in [n for n, t in self.deleted.items() if n not in seen or now - t > EXPECTATION_TTL]:
+            del self.deleted[name]
+        return out + [view for _, view in self.created.values()]

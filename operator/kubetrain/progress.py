@@ -74,7 +74,7 @@ def parse_progress_record(text: bytes | str, *, at: dt.datetime, attempt: int | 
         raise RecordError("(record)", f"longer than {MAX_PROGRESS_BYTES} bytes")
     try:
         raw = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # "[[[[..." nests past the parser's depth
         raise RecordError("(record)", "not JSON") from None
     if not isinstance(raw, Mapping):
         raise RecordError("(record)", "not a JSON object")

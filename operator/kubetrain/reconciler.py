@@ -21,21 +21,20 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kubetrain import k8s, kueue, metrics
 from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
+from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
-from kubetrain.observe import GONE_SUCCEEDED, NodeView, Observed, PodIndex, PodView
+from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, plan, rejected_plan
 from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
 from kubetrain.progress import ProgressObservation
 
 log = logging.getLogger("kubetrain.operator")
-EXPECTATION_TTL = dt.timedelta(seconds=60)
 POD_EVENT_DELAY = 0.3
 """Pod events are coalesced: a gang's pods change state in bursts; one reconcile per burst saves CPU and writes."""
 CONFLICT_RETRIES = 5
@@ -53,27 +52,6 @@ def _rv(body: dict[str, Any] | None) -> int:
         return int((body or {}).get("metadata", {}).get("resourceVersion") or 0)
     except (TypeError, ValueError):
         return 0
-
-
-@dataclass
-class Expectations:
-    """Writes we made whose watch events have not arrived yet (as in kube-controller-manager):
-    a pod we just created is not 'missing', a pod we just deleted is not 'still running'."""
-
-    created: dict[str, tuple[dt.datetime, PodView]] = field(default_factory=dict)
-    deleted: dict[str, dt.datetime] = field(default_factory=dict)
-    uid: str = ""
-    """The job they were made for: a job re-created under the same name starts with none."""
-
-    def overlay(self, pods: list[PodView], now: dt.datetime) -> list[PodView]:
-        seen = {p.name for p in pods}
-        for name in [n for n, (t, _) in self.created.items() if n in seen or now - t > EXPECTATION_TTL]:
-            del self.created[name]
-        out = [replace(p, deletion_timestamp=self.deleted[p.name])
-               if p.name in self.deleted and p.deletion_timestamp is None else p for p in pods]
-        for name in [n for n, t in self.deleted.items() if n not in seen or now - t > EXPECTATION_TTL]:
-            del self.deleted[name]
-        return out + [view for _, view in self.created.values()]
 
 
 class Reconciler:
@@ -316,7 +294,9 @@ class Reconciler:
         view = PodView.from_storage(body)
         owner = next((o.get("uid") for o in meta.get("ownerReferences") or () if o.get("controller")), "")
         if kind == "DELETED":
-            self.pods_index.discard(key, name)
+            last = self.pods_index.discard(key, name)
+            if body.get(FINAL_STATE_UNKNOWN) and last is not None:  # gone during a watch gap: as last seen
+                owner, view = last
             job_uid = ((self.jobs.get(key) or {}).get("metadata") or {}).get("uid")
             if view is not None and owner and owner == job_uid and (view.phase == "Succeeded" or view.disruption):
                 # Kept for the Preempted event, or so that a rank that succeeded and was then deleted (PodGC,
@@ -393,6 +373,7 @@ class Reconciler:
                 except ApiError:
                     self.enqueue(key, 2.0)
                     return
+                result = failed  # what was written: the log, the metrics and the expectations below are its
             except RejectedError as exc:
                 metrics.ERRORS.labels("rejected").inc()
                 count = self.rejections[key] = self.rejections.get(key, 0) + 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from kubetrain.reconciler import EXPECTATION_TTL, Expectations
+from kubetrain.observe import EXPECTATION_TTL, Expectations
 from kubetrain.actions import CreatePod, DeletePod
 from kubetrain.observe import Observed, PodView
 from kubetrain.plan import plan

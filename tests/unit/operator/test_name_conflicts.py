@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -171,12 +172,13 @@ def test_a_read_that_finds_nothing_means_it_was_just_deleted_and_is_tried_again(
         _run(go)
 
 
-def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_deletes_them() -> None:
+def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_deletes_them(caplog) -> None:
     """The Service goes out after the pods (they are what a big launch waits for): when it turns out to be someone
     else's, the job fails as NameConflict, and the pods it had just created are deleted, not left holding GPUs."""
     from kubetrain.config import Settings
     from kubetrain.reconciler import Reconciler
 
+    caplog.set_level(logging.INFO, logger="kubetrain.operator")
     calls: list[str] = []
     body = copy.deepcopy(BODY)
     body["spec"]["strategy"] = {"type": "ddp"}
@@ -210,3 +212,7 @@ def test_a_name_conflict_found_after_the_pods_were_created_fails_the_job_and_del
     assert calls.count("create pod") == 2
     assert "status" in calls
     assert sorted(c for c in calls if c.startswith("delete")) == ["delete train-a1-n0", "delete train-a1-n1"]
+    # The operator's log tells what was written, the Failed plan, not the launch it replaced.
+    said = [r.getMessage() for r in caplog.records if r.name == "kubetrain.operator"]
+    assert any("ml/train Failed: " in m for m in said), said
+    assert not any(" Created: " in m for m in said), said

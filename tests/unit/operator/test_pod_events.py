@@ -75,3 +75,61 @@ def test_expectations_of_a_deleted_job_are_not_a_same_name_successor_s():
         return view("uid-new"), view("uid-old")
 
     assert asyncio.run(main()) == (0, 0)  # the new job's; and the old job's, dropped when the new one looked
+
+
+def test_a_succeeded_pod_deleted_while_the_watch_was_down_still_counts_as_done() -> None:
+    """After a 410 the informer lists again; a pod gone meanwhile comes as a DELETED event with only its name,
+    labels and uid (no owner, no status). The rank's last known state decides: a succeeded rank is done, and the
+    gang finishing is not restarted as 'deleted by someone else'."""
+    import datetime as dt
+
+    from kubetrain.api import Job
+    from kubetrain.informer import PodInformer
+    from kubetrain.plan import plan
+    from kubetrain_factories import T0
+
+    body = {"metadata": {"name": "tj", "namespace": "ns", "uid": "uid-1", "generation": 1, "resourceVersion": "5"},
+            "spec": {"image": "img:1", "nodes": 2, "trainer": {"builtin": {"task": "regression"}}},
+            "status": {"phase": "Running", "attempt": 1, "nodesTotal": 2, "nodesReady": 2,
+                       "startTime": "2026-01-01T12:00:00Z", "observedGeneration": 1}}
+
+    def pod(rank: int, phase: str, rv: int) -> dict:
+        b = pod_body(rank=rank, phase=phase, exit_code=0 if phase == "Succeeded" else None)
+        b["metadata"].update(namespace="ns", uid=f"pod-{rank}", resourceVersion=str(rv))
+        return _owned(b, "uid-1")
+
+    async def main(relist: bool) -> tuple[str, int, dict]:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - no API call on this path
+        key = ("ns", "tj")
+        rec.jobs[key] = body
+        informer = PodInformer(None, namespaces=("ns",), label_selector="", on_event=rec.pod_event)  # type: ignore[arg-type]
+        informer._replace("ns", [pod(0, "Running", 1), pod(1, "Running", 2)])
+        informer._deliver("MODIFIED", "ns", pod(0, "Succeeded", 3))
+        if relist:  # rank 0's pod deleted (PodGC) while the watch was down, rank 1 done meanwhile
+            informer._replace("ns", [pod(1, "Succeeded", 5)])
+        else:
+            informer._deliver("DELETED", "ns", pod(0, "Succeeded", 4))
+            informer._deliver("MODIFIED", "ns", pod(1, "Succeeded", 5))
+        now = T0 + dt.timedelta(seconds=300)
+        job = Job.from_storage(body)
+        try:
+            result = plan(job, rec.observe(job, now), now)
+            return result.status.phase, result.status.preemptions, dict(rec.gone.get(key, {}))
+        finally:
+            rec.forget(key)
+
+    for relist in (False, True):
+        assert asyncio.run(main(relist)) == ("Succeeded", 0, {"tj-a1-n0": GONE_SUCCEEDED}), relist
+
+
+def test_text_a_pod_writes_never_stops_its_view_from_being_read() -> None:
+    """A termination message is the pod's own log tail (FallbackToLogsOnError) and its annotations are its to
+    write: a text nested past the JSON parser's depth, or a generation of non-ASCII digits, must still leave a
+    view of the pod (else the informer drops the event, and a failed pod would stay Running in the index)."""
+    from kubetrain.observe import PodView
+
+    view = PodView.from_storage(pod_body(phase="Failed", exit_code=1, message="[" * 2000))
+    assert view is not None and view.phase == "Failed" and view.exit_code == 1
+    assert view.checkpoint is None and view.failure is None
+    view = PodView.from_storage(pod_body(annotations={"kubetrain.io/spec-generation": "\u00b2"}))
+    assert view is not None and view.generation is None

@@ -85,7 +85,7 @@ def test_an_invalid_record_is_refused_naming_the_field(overrides: dict, field: s
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("text", ["not json", "[1, 2]", json.dumps(record()) + " " * 70000])
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", json.dumps(record()) + " " * 70000, "[" * 5000])
 def test_what_is_not_one_json_record_is_refused(text: str) -> None:
     with pytest.raises(RecordError):
         parse_progress_record(text, at=at(0))
