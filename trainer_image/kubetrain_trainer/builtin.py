@@ -203,10 +203,9 @@ def drop_stale_checkpoints(output_dir: str, *, keep: str | None) -> None:
     `best_model_checkpoint`, which the launcher fetched for `load_best_model_at_end`) stays too.
     Call on one process per node."""
     import json
-    import shutil
     from pathlib import Path
 
-    from .checkpoint import list_checkpoints
+    from .checkpoint import list_local_checkpoints, remove_checkpoint
 
     kept = {Path(keep).resolve()} if keep else set()
     try:
@@ -215,10 +214,10 @@ def drop_stale_checkpoints(output_dir: str, *, keep: str | None) -> None:
         best = None
     if isinstance(best, str) and best.strip("/"):
         kept.add((Path(output_dir) / Path(best.rstrip("/")).name).resolve())
-    for _step, path in list_checkpoints(output_dir):
+    for _step, path in list_local_checkpoints(output_dir):  # a node's share too (nodes sharing no disk)
         if path.resolve() not in kept:
             logger.warning("removing %s: a local checkpoint storage did not decide to restore (stale)", path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_checkpoint(path)
 
 
 def run(env: dict[str, str], argv: Sequence[str]) -> int:

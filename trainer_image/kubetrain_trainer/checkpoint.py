@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import distributed as dist_util
-from .layout import TMP_PREFIX, TRAINER_STATE, by_step, checkpoint_dirname, tmp_dirname
-from .readiness import mark_ready
+from .layout import TMP_PREFIX, TRAINER_STATE, by_step, checkpoint_dirname, parse_checkpoint_dirname, tmp_dirname
+from .readiness import READY_MARKER, mark_ready
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -87,6 +87,17 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     return [(step, child) for step, child in by_step((c.name, c) for c in root.iterdir())
             if child.is_dir() and (child / COMPLETE_MARKER).is_file()]
+
+
+def list_local_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Checkpoints committed on this node, oldest first: with trainer_state.json, or this node's share of one
+    (`commit_folder` marks each node's folder ready; on nodes that share no disk with world rank 0 the folder
+    holds only the files their own ranks wrote). What `save_total_limit` counts, node by node."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return [(step, child) for step, child in by_step((c.name, c) for c in root.iterdir())
+            if child.is_dir() and ((child / COMPLETE_MARKER).is_file() or (child / READY_MARKER).is_file())]
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -190,8 +201,23 @@ def checkpoints_to_delete(checkpoints: list[tuple[int, Path]], *, limit: int | N
 
 def rotate_checkpoints(output_dir: str | Path, *, limit: int | None, keep: Iterable[str] = ()) -> list[Path]:
     """Apply `save_total_limit` on this node's folder (call on the local main process)."""
-    doomed = checkpoints_to_delete(list_checkpoints(output_dir), limit=limit, keep=keep)
+    doomed = checkpoints_to_delete(list_local_checkpoints(output_dir), limit=limit, keep=keep)
     for path in doomed:
         logger.info("deleting old checkpoint %s (save_total_limit=%s)", path, limit)
-        shutil.rmtree(path, ignore_errors=True)
+        remove_checkpoint(path)
     return doomed
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder: renamed first (one atomic step), then removed. The uploader's snapshot of it
+    either got every file or fails (its folder gone): never a part of it left by a removal half done."""
+    step = parse_checkpoint_dirname(path.name)
+    doomed = path.with_name(f"{TMP_PREFIX}-{path.name if step is None else step}-deleting")  # a save in progress's
+    # prefix: never listed nor uploaded, and cleared at the next start if this process dies before the removal
+    try:
+        path.rename(doomed)
+    except FileNotFoundError:
+        return
+    except OSError:  # e.g. a leftover of that name: remove in place, as before
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -46,17 +46,25 @@ class SavingMixin:
         self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
         return final
 
-    def _best_to_load(self) -> Path | None:
-        """*Collective.* The best checkpoint's folder for `load_best_model_at_end`, or None (warned) when some
-        rank lacks it: after a resume only what the restore fetched is local (the launcher fetches the best
-        too, `restore.fetch_best`); without it the last model is kept, as HF does, and training still succeeds."""
+    def _load_best_model(self) -> None:
+        """*Collective.* `load_best_model_at_end`: the best checkpoint loaded on every rank, from this node's
+        folder, or (DDP) from world rank 0's when nodes share no disk (the others' folders hold only their own
+        RNG states), else (warned) the last model kept, as HF does when the best is gone: training succeeds."""
         best = self._local_path(self.state.best_model_checkpoint)
-        if dist_util.any_rank(not best.is_dir(), self.device):
-            logger.warning("Could not locate the best model at %s (%s=%s) on every rank (after a resume, only what "
-                           "the restore fetched from checkpoint storage is on local disk); keeping the last model",
-                           best, self.args.metric_for_best_model, self.state.best_metric)
-            return None
-        return best
+        here = best.is_dir() and self.strategy.can_load_checkpoint(best)
+        if not dist_util.any_rank(not here, self.device):
+            logger.info("loading the best model from %s (%s=%s)", best, self.args.metric_for_best_model,
+                        self.state.best_metric)
+            self.strategy.load_checkpoint(best)
+            return
+        if dist_util.broadcast_object(here):  # world rank 0 has it: its weights, sent to every rank
+            if self.strategy.load_model_from_main_rank(best):
+                logger.info("loaded the best model from %s on world rank 0, sent to every rank (%s=%s)", best,
+                            self.args.metric_for_best_model, self.state.best_metric)
+                return
+        logger.warning("Could not locate the best model at %s (%s=%s) on every rank (after a resume, only what "
+                       "the restore fetched from checkpoint storage is on local disk); keeping the last model",
+                       best, self.args.metric_for_best_model, self.state.best_metric)
 
     def _local_path(self, path: str) -> Path:
         """A checkpoint path from trainer_state.json, as found under this run's output_dir (it may have moved)."""

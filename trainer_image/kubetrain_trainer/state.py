@@ -74,6 +74,9 @@ class TrainerState:
     loss_count: int = 0
     skipped_steps: int = 0
     """Steps whose update was dropped because the loss was NaN/inf."""
+    epoch_end_pending: dict[str, float | None] | None = None
+    """Set by a preemption at an epoch's last step: the epoch's batches are consumed (`data_position` at its
+    end), its end is not; the resumed run runs it, logging this step's `grad_norm` and `learning_rate`."""
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     """Saved state of callbacks that have some (e.g. early stopping patience), by class name as in HF: one
     callback's dict, or a list of them where several callbacks share a class."""
@@ -88,6 +91,22 @@ class TrainerState:
         data = {k: v for k, v in data.items() if k in known}  # tolerate HF's extra fields
         position = data.pop("data_position", None) or {}
         return cls(**data, data_position=DataPosition(**position))
+
+
+def defer_epoch_end(state: TrainerState, epoch: int, samples: int, grad_norm: Any, lr: Any) -> None:
+    """Preempted after an epoch's last step: the checkpoint resumes at that epoch's end (see `epoch_end_pending`)."""
+    state.data_position = DataPosition(epoch, samples)
+    state.epoch_end_pending = {"grad_norm": None if grad_norm is None else float(grad_norm),
+                               "learning_rate": None if lr is None else float(lr)}
+
+
+def take_epoch_end(state: TrainerState) -> tuple[Any, float | None]:
+    """(grad_norm, learning_rate) of the step before a deferred epoch end (see `defer_epoch_end`), else Nones."""
+    import torch
+
+    pending, state.epoch_end_pending = state.epoch_end_pending or {}, None
+    norm = pending.get("grad_norm")
+    return (None if norm is None else torch.tensor(norm)), pending.get("learning_rate")
 
 
 class TrainOutput(NamedTuple):

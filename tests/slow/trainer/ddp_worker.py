@@ -4,7 +4,9 @@ Usage: python ddp_worker.py '<json spec>' with RANK/WORLD_SIZE/MASTER_* set.
 Spec keys: out (output_dir), max_steps, stop_at (step to stop cleanly at),
 sigterm_at ({"rank": r, "step": s}: that rank signals itself mid-step s),
 resume (None, True or a path), result (folder for this rank's params + history),
-async_save, hold_writes (background writes wait until the loop waits for them).
+async_save, hold_writes (background writes wait until the loop waits for them), best (evaluate every
+save, load_best_model_at_end, save_total_limit 2), nodes (each rank its own node: output_dir <out>/node<rank>,
+as on nodes that share no disk).
 Exit code 83 when preempted, as the built-in entrypoint does.
 """
 
@@ -47,11 +49,15 @@ def main():
     spec = json.loads(sys.argv[1])
     set_seed(spec.get("init_seed", 0))
     model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, dropout=0.1))
-    args = TrainingArguments(output_dir=spec["out"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
+    out = f"{spec['out']}/node{os.environ['RANK']}" if spec.get("nodes") else spec["out"]
+    best = {"eval_strategy": "steps", "eval_steps": 3, "load_best_model_at_end": True,
+            "save_total_limit": 2} if spec.get("best") else {}
+    args = TrainingArguments(output_dir=out, max_steps=spec["max_steps"], per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                              lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
-                             report_to=["none"], async_save=spec.get("async_save", False))
-    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(30, 8, 32), callbacks=[Control(spec)])
+                             report_to=["none"], async_save=spec.get("async_save", False), **best)
+    trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(30, 8, 32), callbacks=[Control(spec)],
+                      eval_dataset=SyntheticTokens(8, 8, 32, seed=1) if best else None)
     if spec.get("hold_writes"):
         hold_background_writes(trainer)
     code = 0

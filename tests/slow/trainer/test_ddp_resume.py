@@ -30,7 +30,8 @@ def launch(spec: dict, world: int = 2, timeout: int = 400) -> list[int]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        local = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} if spec.get("nodes") else {"LOCAL_RANK": str(rank)}
+        env = {**os.environ, "RANK": str(rank), **local, "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -120,3 +121,21 @@ def test_async_save_in_flight_then_sigterm_commits_both_and_resumes_bitwise(stra
     assert launch({"out": str(out), "max_steps": STEPS, "resume": True, "init_seed": 5, "async_save": True,
                    "result": str(tmp_path / "r2")}) == [0, 0]
     _assert_equal_runs(straight, tmp_path / "r2")
+
+
+def test_nodes_sharing_no_disk_rotate_their_folders_and_load_the_best_model_at_the_end(tmp_path):
+    """Each rank its own node and output_dir: world rank 0 writes the model, optimizer and trainer state; node 1's
+    folders hold only its RNG state. save_total_limit applies on both nodes, and load_best_model_at_end gives
+    every rank the best checkpoint's weights (from rank 0), where node 1 crashed after training before."""
+    out = tmp_path / "out"
+    assert launch({"out": str(out), "max_steps": 12, "best": True, "nodes": True,
+                   "result": str(tmp_path / "res")}) == [0, 0]
+    node0, node1 = sorted(p.name for p in (out / "node0").iterdir()), sorted(p.name for p in (out / "node1").iterdir())
+    state = json.loads((out / "node0" / "checkpoint-12" / "trainer_state.json").read_text())
+    best = Path(state["best_model_checkpoint"]).name
+    assert node0 == node1 == sorted({best, "checkpoint-12"})  # the newest and the best, on either node
+    assert not (out / "node1" / "checkpoint-12" / "model.safetensors").exists()  # node 1's share only
+    weights = load_file(str(out / "node0" / best / "model.safetensors"))
+    for rank in (0, 1):
+        params, _ = _result(tmp_path / "res", rank)
+        assert all(torch.equal(params[k], weights[k]) for k in weights), f"rank {rank} did not load {best}"

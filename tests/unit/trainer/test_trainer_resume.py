@@ -126,3 +126,47 @@ def test_resume_skips_no_batch_and_repeats_none(tiny_gpt, tokens, make_args, tmp
     run("split", tmp_path / "b", stop=6)
     run("split", tmp_path / "b", resume=True)
     assert seen["straight"] == seen["split"]
+
+
+class EpochEvents(TrainerCallback):
+    def __init__(self):
+        self.ends = []
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.ends.append(state.global_step)
+
+
+@pytest.mark.parametrize("ignore_data_skip", [False, True])
+def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gpt, tokens, make_args, tmp_path,
+                                                                        ignore_data_skip):
+    """Preempted at the last step of an epoch, the run saved the next batch as the next epoch's first, and the
+    epoch's end (its evaluation, save and log with the "epoch" strategies, on_epoch_end) never ran: the best
+    checkpoint, early stopping and log_history then differed from a straight run. The resumed run runs it."""
+    def args(out):  # 30 samples / batch 4 = 8 micro-batches = 4 steps of 2 per epoch
+        return make_args(output_dir=str(out), max_steps=-1, num_train_epochs=3, gradient_accumulation_steps=2,
+                         eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch",
+                         ignore_data_skip=ignore_data_skip)
+
+    def evals(state):
+        return [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
+
+    straight, ends = Trainer(model=tiny_gpt(0), args=args(tmp_path / "a"), train_dataset=tokens(),
+                             eval_dataset=tokens(8, seed=1), callbacks=[EpochEvents()]), []
+    straight.train()
+    first = Trainer(model=tiny_gpt(0), args=args(tmp_path / "b"), train_dataset=tokens(),
+                    eval_dataset=tokens(8, seed=1), callbacks=[SigtermAt(4)])
+    with pytest.raises(TrainingPreempted) as info:
+        first.train()
+    assert info.value.step == 4 and evals(first.state) == []  # its epoch end had not run
+    resumed = Trainer(model=tiny_gpt(7), args=args(tmp_path / "b"), train_dataset=tokens(),
+                      eval_dataset=tokens(8, seed=1), callbacks=[EpochEvents()])
+    resumed.train(resume_from_checkpoint=True)
+    ends = [c for c in resumed.callback_handler.callbacks if isinstance(c, EpochEvents)][0].ends
+    assert ends == [4, 8, 12]
+    assert evals(resumed.state) == evals(straight.state) and len(evals(straight.state)) == 3
+    def logs(state):  # every log but the run's timings
+        return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in state.log_history]
+
+    assert logs(resumed.state)[:-1] == logs(straight.state)[:-1]  # the last: the train summary of this process
+    _assert_same(_params(straight.model), _params(resumed.model))
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]

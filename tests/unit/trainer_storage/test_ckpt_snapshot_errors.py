@@ -156,3 +156,39 @@ def test_the_last_scan_after_the_workers_exit_never_raises(tmp_path, monkeypatch
     monkeypatch.setattr(loop.watcher, "poll", lambda: 1 / 0)
     loop.stop()
     assert up.close(1)
+
+
+def test_a_folder_the_rotation_has_half_removed_is_never_snapshotted(tmp_path, monkeypatch):
+    """`shutil.rmtree` removes file by file and the folder last: a snapshot starting while it is half done found
+    the folder still there and committed what was left. The rotation renames the folder away first."""
+    from kubetrain_trainer import checkpoint
+
+    src = _deepspeed_like(tmp_path / "out")
+    (src / "model.safetensors").write_bytes(b"m" * 10)
+
+    def half_done(path, ignore_errors=False):  # the removal, caught after its first file
+        next(p for p in sorted(Path(path).rglob("*")) if p.is_file()).unlink()
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", half_done)
+    checkpoint.remove_checkpoint(src)
+    with pytest.raises(FileNotFoundError):
+        sync._snapshot(src, tmp_path / "snap")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["tmp-checkpoint-10-deleting"]  # cleared at next start
+
+
+def test_save_total_limit_counts_a_node_s_share_of_a_checkpoint(tmp_path):
+    """On nodes that share no disk with world rank 0, a committed folder holds this node's files and its ready
+    marker, no trainer_state.json: it still counts for save_total_limit (else such a node's disk filled up)."""
+    from kubetrain_trainer import checkpoint
+    from kubetrain_trainer.readiness import READY_MARKER
+
+    out = tmp_path / "out"
+    for step in (2, 4, 6):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "rng_state_1.pth").write_bytes(b"r")
+        (out / f"checkpoint-{step}" / READY_MARKER).write_text("")
+    (out / "checkpoint-8").mkdir()  # not committed: neither counted nor deleted
+    assert checkpoint.list_checkpoints(out) == []  # not a checkpoint to resume from on its own
+    doomed = checkpoint.rotate_checkpoints(out, limit=2, keep=[str(out / "checkpoint-2")])
+    assert [p.name for p in doomed] == ["checkpoint-4"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-6", "checkpoint-8"]

@@ -100,6 +100,17 @@ class Strategy(ABC):
     def load_checkpoint(self, directory: Path) -> None:
         """*Collective.* Restore what `save_checkpoint` wrote."""
 
+    def can_load_checkpoint(self, directory: Path) -> bool:
+        """Whether what `load_checkpoint` reads on this rank is in `directory`. Nodes that share no disk each
+        hold only what their own ranks wrote (world rank 0 writes what is not sharded): a node's committed
+        folder can lack it."""
+        return Path(directory).is_dir()
+
+    def load_model_from_main_rank(self, directory: Path) -> bool:
+        """*Collective.* Load the model weights in `directory` on world rank 0 and send them to every rank (for a
+        folder only rank 0's node holds whole); False, doing nothing, where this strategy cannot."""
+        return False
+
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """*Collective.* The consolidated model state dict on rank 0 (CPU tensors), None elsewhere.

@@ -134,18 +134,31 @@ class DDPStrategy(Strategy):
 
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
-        if (directory / WEIGHTS_NAME).is_file():
-            state = load_file(str(directory / WEIGHTS_NAME), device=str(self.device))
-        elif (directory / PICKLE_WEIGHTS_NAME).is_file():
-            state = torch.load(directory / PICKLE_WEIGHTS_NAME, map_location=self.device, weights_only=True)
-        else:
-            raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}")
-        self._module.load_state_dict(state)
+        self._module.load_state_dict(self._read_weights(directory))
         if (directory / OPTIMIZER_NAME).is_file():
             self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
                                                        weights_only=True))
         if self._scaler and (directory / SCALER_NAME).is_file():
             self._scaler.load_state_dict(torch.load(directory / SCALER_NAME, weights_only=True))
+
+    def can_load_checkpoint(self, directory: Path) -> bool:
+        return (Path(directory) / WEIGHTS_NAME).is_file() or (Path(directory) / PICKLE_WEIGHTS_NAME).is_file()
+
+    def load_model_from_main_rank(self, directory: Path) -> bool:
+        if dist_util.rank() == 0:
+            self._module.load_state_dict(self._read_weights(Path(directory)))
+        if dist_util.world_size() > 1:
+            with torch.no_grad():  # the replicas are the same model: rank 0's tensors, in place, everywhere
+                for tensor in self._module.state_dict().values():
+                    torch.distributed.broadcast(tensor, src=0)
+        return True
+
+    def _read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
+        if (directory / WEIGHTS_NAME).is_file():
+            return load_file(str(directory / WEIGHTS_NAME), device=str(self.device))
+        if (directory / PICKLE_WEIGHTS_NAME).is_file():
+            return torch.load(directory / PICKLE_WEIGHTS_NAME, map_location=self.device, weights_only=True)
+        raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if dist_util.rank() != 0:

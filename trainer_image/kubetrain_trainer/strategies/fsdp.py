@@ -292,6 +292,9 @@ class FSDPStrategy(Strategy):
             torch.save(self.scaler.state_dict(), directory / "scaler.pt")
         return lambda: [f.result() for f in futures]  # type: ignore[union-attr]
 
+    def can_load_checkpoint(self, directory: Path) -> bool:
+        return all((Path(directory) / sub / ".metadata").is_file() for sub in (MODEL_DIR, OPTIMIZER_DIR))
+
     def load_checkpoint(self, directory: Path) -> None:
         model, optimizer = self._fsdp_model(), self.optimizer
         directory = Path(directory)

@@ -362,6 +362,9 @@ class Zero3Strategy(Strategy):
             write_rank_files(engine, Path(directory))
         return write
 
+    def can_load_checkpoint(self, directory: Path) -> bool:
+        return (Path(directory) / "latest").is_file()  # written by world rank 0 (DeepSpeed's save_latest)
+
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
         if not (directory / "latest").is_file():
