@@ -41,13 +41,18 @@ def extract_loss(outputs: Any) -> torch.Tensor | None:
     return None
 
 
-def extract_logits(outputs: Any) -> torch.Tensor | None:
+def extract_logits(outputs: Any, ignore_keys: Any = ()) -> Any:
+    """The predictions in a model's outputs: its `logits`; else, as HF, every output but the loss and
+    `ignore_keys` (one tensor, or a tuple: a QA model's start and end logits); a tuple's second item on."""
     if isinstance(outputs, dict):
-        return outputs.get("logits")
+        if "logits" in outputs:
+            return outputs["logits"]
+        rest = tuple(v for k, v in outputs.items() if k != "loss" and k not in (ignore_keys or ()) and v is not None)
+        return None if not rest else rest[0] if len(rest) == 1 else rest
     if hasattr(outputs, "logits"):
         return outputs.logits
     if isinstance(outputs, (tuple, list)) and len(outputs) > 1:
-        return outputs[1]
+        return outputs[1] if len(outputs) == 2 else tuple(outputs[1:])
     return None
 
 
@@ -111,16 +116,50 @@ def plain_metrics(value: Any) -> Any:
     return value
 
 
-def _interleave(per_rank: list[torch.Tensor], total: int) -> torch.Tensor:
+PAD_INDEX = -100
+"""What fills predictions and labels of different lengths (per batch, per rank) up to one shape, as in HF."""
+
+
+def _nested(fn: Any, value: Any) -> Any:
+    """`fn` on each tensor of a tensor, or of a tuple/list of them (several outputs or label arguments)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_nested(fn, v) for v in value)
+    return None if value is None else fn(value)
+
+
+def _padded(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`t` with every dimension after the first filled up to `shape` with PAD_INDEX."""
+    if tuple(t.shape[1:]) == shape:
+        return t
+    out = t.new_full((len(t), *shape), PAD_INDEX)
+    out[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+    return out
+
+
+def _common_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(max(p.shape[d] for p in parts) for d in range(1, parts[0].dim()))
+
+
+def _concat(parts: list) -> Any:
+    """Batches of predictions (or labels) as one, in order; lengths that differ are padded (HF's nested_concat)."""
+    if isinstance(parts[0], (tuple, list)):
+        return type(parts[0])(_concat([p[i] for p in parts]) for i in range(len(parts[0])))
+    parts = [p.reshape(1) if p.dim() == 0 else p for p in parts]
+    shape = _common_shape(parts)
+    return torch.cat([_padded(p, shape) for p in parts])
+
+
+def _interleave(per_rank: list, total: int) -> Any:
     """Undo round-robin sharding: element j of rank r is global sample j*W + r."""
-    stacked = torch.stack(per_rank, dim=1)
+    if isinstance(per_rank[0], (tuple, list)):
+        return type(per_rank[0])(_interleave([r[i] for r in per_rank], total) for i in range(len(per_rank[0])))
+    shape = _common_shape(per_rank)
+    stacked = torch.stack([_padded(t, shape) for t in per_rank], dim=1)
     return stacked.reshape(-1, *stacked.shape[2:])[:total]
 
 
-def _numpy(t: torch.Tensor | None):
-    if t is None:
-        return None
-    return (t.float() if t.is_floating_point() else t).numpy()
+def _numpy(value: Any):
+    return _nested(lambda t: (t.float() if t.is_floating_point() else t).numpy(), value)
 
 
 class EvaluationMixin:
@@ -178,10 +217,10 @@ class EvaluationMixin:
         loss = loss.detach().float().mean() if loss is not None else None
         if prediction_loss_only:
             return loss, None, None
-        logits = extract_logits(outputs)
-        return loss, (logits.detach() if logits is not None else None), labels
+        return loss, _nested(torch.Tensor.detach, extract_logits(outputs, ignore_keys)), labels
 
-    def evaluation_loop(self, dataloader: DataLoader, *, prefix: str, prediction_loss_only: bool | None = None):
+    def evaluation_loop(self, dataloader: DataLoader, *, prefix: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None):
         args = self.args
         # evaluate() collects predictions only for compute_metrics; predict() always (whatever its prefix).
         loss_only = (args.prediction_loss_only or self.compute_metrics is None) if prediction_loss_only is None \
@@ -200,14 +239,14 @@ class EvaluationMixin:
             n = batch_size_of(batch)
             real = n if dataset_len is None else sum(1 for j in range(seen, seen + n) if j * world + rank < dataset_len)
             seen += n
-            loss, logits, label = self.prediction_step(model, batch, loss_only)
+            loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             if loss is not None and real:
                 loss_sum += loss.double() * real
                 count += real
             if logits is not None:
-                preds.append(logits.cpu())
+                preds.append(_nested(torch.Tensor.cpu, logits))
             if label is not None:
-                labels.append(label.cpu())
+                labels.append(_nested(torch.Tensor.cpu, label))
         if world > 1:
             totals = torch.stack([loss_sum, count])
             dist.all_reduce(totals)
@@ -219,7 +258,10 @@ class EvaluationMixin:
             metrics[f"{prefix}_loss"] = (loss_sum / count).item()
         all_preds = self._gather(preds, dataset_len)
         all_labels = self._gather(labels, dataset_len)
-        if self.compute_metrics is not None and all_preds is not None:
+        # As HF: no metrics of a set without the labels the model takes (predict() on a test set without them);
+        # a model that takes none (its targets under another name) gets them with label_ids None, as before.
+        if self.compute_metrics is not None and all_preds is not None and (all_labels is not None
+                                                                           or not self._takes_labels()):
             for key, value in self.compute_metrics(EvalPrediction(_numpy(all_preds), _numpy(all_labels))).items():
                 metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
         runtime = time.perf_counter() - start
@@ -228,9 +270,14 @@ class EvaluationMixin:
             metrics[f"{prefix}_samples_per_second"] = round(dataset_len / max(runtime, 1e-9), 3)
         return all_preds, all_labels, metrics
 
+    def _takes_labels(self) -> bool:
+        model_class = type(self.strategy.unwrap() if self._prepared else self.model)
+        params = inspect.signature(model_class.forward).parameters
+        return any(name in params for name in label_names(model_class))
+
     def _gather(self, chunks: list[torch.Tensor], dataset_len: int | None) -> torch.Tensor | None:
         """*Collective.* This rank's batches → the whole eval set's tensor in dataset order (every rank)."""
-        local = torch.cat(chunks) if chunks else None
+        local = _concat(chunks) if chunks else None
         if dist_util.world_size() == 1:
             return local
         per_rank = dist_util.gather_objects(local)
@@ -254,7 +301,7 @@ class EvaluationMixin:
                                              metric_key_prefix=f"{metric_key_prefix}_{name}"))
             return metrics
         dataloader = self.get_eval_dataloader(eval_dataset)
-        _, _, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix)
+        _, _, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix, ignore_keys=ignore_keys)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
@@ -262,6 +309,7 @@ class EvaluationMixin:
     def predict(self, test_dataset: Dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         """*Collective.* Predictions (numpy, dataset order), labels and metrics on `test_dataset`."""
         dataloader = self.get_test_dataloader(test_dataset)
-        preds, labels, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix, prediction_loss_only=False)
+        preds, labels, metrics = self.evaluation_loop(dataloader, prefix=metric_key_prefix, prediction_loss_only=False,
+                                                      ignore_keys=ignore_keys)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=metrics)
         return PredictionOutput(_numpy(preds), _numpy(labels), metrics)
