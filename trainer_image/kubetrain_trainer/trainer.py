@@ -130,6 +130,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         if dist_util.is_local_main_process():
             ckpt.remove_incomplete(args.output_dir)
         registry = self.resume_registry()
+        self._check_same_resume(resume_dir)
         if resume_dir is not None:
             logger.info("resuming from %s", resume_dir)
             registry.load_all(resume_dir)

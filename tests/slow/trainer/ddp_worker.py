@@ -23,6 +23,7 @@ torch.set_num_threads(1)
 from safetensors.torch import save_file  # noqa: E402
 
 from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments, TrainingPreempted  # noqa: E402
+from kubetrain_trainer.args import ConfigError  # noqa: E402
 from kubetrain_trainer.builtin import exit_at_once  # noqa: E402
 from kubetrain_trainer.models import SyntheticTokens, TinyGPT, TinyGPTConfig  # noqa: E402
 from kubetrain_trainer.rng import set_seed  # noqa: E402
@@ -65,6 +66,9 @@ def main():
         trainer.train(resume_from_checkpoint=spec.get("resume"))
     except TrainingPreempted:
         code = 83
+    except ConfigError as e:  # refused before training: said, and exit 2
+        print(f"ConfigError: {e}", flush=True)
+        exit_at_once(2)
     result = Path(spec["result"])
     result.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])

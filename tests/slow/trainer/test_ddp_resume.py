@@ -139,3 +139,12 @@ def test_nodes_sharing_no_disk_rotate_their_folders_and_load_the_best_model_at_t
     for rank in (0, 1):
         params, _ = _result(tmp_path / "res", rank)
         assert all(torch.equal(params[k], weights[k]) for k in weights), f"rank {rank} did not load {best}"
+
+
+def test_a_resume_that_only_some_nodes_can_make_is_refused_on_every_rank_not_hung(tmp_path):
+    """Without a shared disk node 1 holds no complete checkpoint (no trainer_state.json): it would start over
+    while node 0 resumed, and the gang would hang at the first collective that differs. Both ranks refuse."""
+    out = str(tmp_path / "out")
+    assert launch({"out": out, "max_steps": 6, "nodes": True, "result": str(tmp_path / "r1")}) == [0, 0]
+    assert launch({"out": out, "max_steps": 9, "nodes": True, "resume": True, "result": str(tmp_path / "r2")},
+                  timeout=120) == [2, 2]
