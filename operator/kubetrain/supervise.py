@@ -100,6 +100,13 @@ def supervise(d: Draft, observed: Observed) -> None:
     if disruptions:
         _restart_after_preemption(d, observed, disruptions)
         return
+    if failed and (unsettled := _unsettled_node(list(current.values()), observed)):
+        # A rank that fails while a node of the gang is unreachable most likely failed because of it (its
+        # collectives timed out): the node's verdict decides, at the end of its grace (a wake-up is set).
+        d.update(message=f"attempt {attempt}: pod {failed[0].name} exited with code {failed[0].exit_code} while "
+                         f"{unsettled}; waiting for the node (runPolicy.nodeLostGraceSeconds) before counting an "
+                         "application failure")
+        return
     if failed:
         _restart_after_failure(d, observed, failed[0])
         return
@@ -185,6 +192,17 @@ def _node_lost(pod: PodView, d: Draft, observed: Observed) -> str | None:
             return f"pod {pod.name} is in phase Unknown for more than {int(grace.total_seconds())}s"
         d.wake_at(since + grace)
     return None
+
+
+def _unsettled_node(pods: list[PodView], observed: Observed) -> str:
+    """What is unreachable in the gang, within its grace (past it, it is a disruption already): "" if nothing."""
+    for pod in pods:
+        node = observed.nodes.get(pod.node_name) if pod.node_name else None
+        if node is not None and not (node.ready and node.exists):
+            return f"node {node.name} (pod {pod.name}) is {'NotReady' if node.exists else 'gone'}"
+        if pod.phase == "Unknown":
+            return f"pod {pod.name} is in phase Unknown"
+    return ""
 
 
 def _evicted_for_own_usage(pod: PodView) -> bool:
