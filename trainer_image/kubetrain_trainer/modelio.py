@@ -33,6 +33,22 @@ def config_dict(module: nn.Module) -> dict[str, Any] | None:
     return None
 
 
+def save_model_config(module: nn.Module, out: Path, *, processing_class: Any = None) -> None:
+    """What `from_pretrained` needs next to a checkpoint's weights, as the HF Trainer writes it into each
+    checkpoint-N: the config (and a generation config), and the processing class (a tokenizer)."""
+    config = getattr(module, "config", None)
+    if hasattr(config, "save_pretrained"):  # a transformers config
+        config.save_pretrained(out)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained") and getattr(module, "can_generate",
+                                                                                          lambda: False)():
+            generation.save_pretrained(out)
+    elif (plain := config_dict(module)) is not None:
+        (out / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n")
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(out)
+
+
 def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | None, out: Path, *,
                      safe_serialization: bool = True, processing_class: Any = None) -> None:
     if state_dict is None:

@@ -36,7 +36,7 @@ from .data import default_data_collator
 from .evaluation import EvaluationMixin, check_eval_dataset
 from .hooks import autocast_factory, neftune_hook
 from .loglevels import apply_process_log_level
-from .modelio import save_model_files
+from .modelio import save_model_config, save_model_files
 from .overridable import OverridableMixin
 from .reporting import reporters_for
 from .saving import SavingMixin
@@ -383,7 +383,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         def save_args(d: Path) -> None:
             if main():
                 (d / "training_args.json").write_text(self.args.to_json_string() + "\n")
-        reg.register("training_args", save=save_args, load=lambda d: None)
+                save_model_config(self.strategy.unwrap(), d, processing_class=self.processing_class)  # as HF
+        reg.register("training_args and model config", save=save_args, load=lambda d: None)
 
         def save_state(d: Path) -> None:
             if main():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from kubetrain_trainer import Trainer
@@ -80,8 +81,8 @@ def test_checkpoint_layout_and_rotation_in_a_run(tiny_gpt, tokens, make_args, tm
     out = tmp_path / "out"
     assert [s for s, _ in list_checkpoints(out)] == [6, 8]
     files = sorted(p.name for p in (out / "checkpoint-8").iterdir())
-    assert files == [".kubetrain-ready", "model.safetensors", "optimizer.pt", "rng_state_0.pth", "scheduler.pt",
-                     "trainer_state.json", "training_args.json"]  # the marker: complete on arrival (readiness.py)
+    assert files == [".kubetrain-ready", "config.json", "model.safetensors", "optimizer.pt", "rng_state_0.pth",
+                     "scheduler.pt", "trainer_state.json", "training_args.json"]  # the marker: see readiness.py
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
     assert state["data_position"] == {"epoch": 1, "samples": 0}  # 30 samples / 4 = 8 batches: epoch 0 is done
@@ -105,3 +106,19 @@ def test_on_save_receives_the_committed_folder(tiny_gpt, tokens, make_args):
     Trainer(model=tiny_gpt(0), args=args, train_dataset=tokens(), callbacks=[Spy()]).train()
     assert [a.rsplit("/", 1)[1] for a, b in seen] == ["checkpoint-2", "checkpoint-4"]
     assert all(a == b for a, b in seen)
+
+
+def test_a_checkpoint_of_a_transformers_model_loads_with_from_pretrained(tokens, make_args, tmp_path):
+    """As with the HF Trainer, checkpoint-N holds the config (and generation config) next to the weights:
+    `AutoModelForCausalLM.from_pretrained("out/checkpoint-N")` evaluates or serves an intermediate step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1,
+                                                                 n_head=2))
+    Trainer(model=model, args=make_args(max_steps=2, save_steps=2), train_dataset=tokens()).train()
+    folder = tmp_path / "out" / "checkpoint-2"
+    assert (folder / "config.json").is_file() and (folder / "generation_config.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    trained = model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
