@@ -16,9 +16,11 @@ makes them (`default_data_collator` here; transformers is not needed).
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from operator import attrgetter
-from typing import Any, Callable, Iterator, Mapping, Sized
+from typing import Any, Callable, Iterator, Mapping, Sequence, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
@@ -114,6 +116,40 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
         worker_init_fn=seed_worker if num_workers else None,
         persistent_workers=False,
     )
+
+
+logger = logging.getLogger("kubetrain_trainer")
+
+
+class RemoveColumns:
+    """HF's `RemoveColumnsCollator` (`remove_unused_columns`): dict rows keep only the keys in `keep` (the model's
+    `forward` arguments and the label columns) before `collate` batches them; the first drop is logged."""
+
+    def __init__(self, collate: Callable, keep: frozenset[str], what: str) -> None:
+        self.collate, self.keep, self.what, self.told = collate, keep, what, False
+
+    def __call__(self, features: list) -> Any:
+        if features and isinstance(features[0], Mapping) and not self.keep.issuperset(features[0]):
+            if not self.told:
+                self.told = True
+                logger.info("the %s's columns %s are not arguments of the model's forward: ignored (as HF; set "
+                            "remove_unused_columns: false to keep them)", self.what,
+                            ", ".join(sorted(k for k in features[0] if k not in self.keep)))
+            features = [{k: v for k, v in f.items() if k in self.keep} for f in features]
+        return self.collate(features)
+
+
+def remove_unused_columns(collate: Callable | None, model: Any, label_names: Sequence[str] | None,
+                          what: str) -> Callable | None:
+    """`collate` (None: `default_data_collator`) behind `RemoveColumns`; as it is for a `forward(**kwargs)`."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing is known to be unused
+        return collate
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return collate  # it takes any keyword: no column is unused
+    keep = frozenset(params) | {"label", "label_ids"} | set(label_names or ())
+    return RemoveColumns(collate or default_data_collator, keep, what)
 
 
 _TENSOR = frozenset((torch.Tensor,))

@@ -191,7 +191,7 @@ class EvaluationMixin:
             sampler = ResumableDistributedSampler(len(dataset), num_replicas=dist_util.world_size(),
                                                   rank=dist_util.rank(), shuffle=False)
         return make_loader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                           collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                           collate_fn=self._collator("evaluation data"), num_workers=self.args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=False, generator_seed=self.args.data_seed)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
@@ -203,7 +203,7 @@ class EvaluationMixin:
         name still report an eval loss).
         """
         inputs = self._prepare_inputs(inputs)
-        names = label_names(type(self.strategy.unwrap() if self._prepared else self.model))
+        names = self._label_names()
         has_labels = isinstance(inputs, Mapping) and all(inputs.get(k) is not None for k in names)
         # Taken before compute_loss runs: an override may pop them (the guide's example does).
         labels = (inputs[names[0]] if len(names) == 1 else tuple(inputs[k] for k in names)) if has_labels else None
@@ -270,10 +270,14 @@ class EvaluationMixin:
             metrics[f"{prefix}_samples_per_second"] = round(dataset_len / max(runtime, 1e-9), 3)
         return all_preds, all_labels, metrics
 
+    def _label_names(self) -> tuple[str, ...]:
+        """`args.label_names`, else the model's label arguments as HF finds them."""
+        return tuple(self.args.label_names or label_names(type(self.strategy.unwrap() if self._prepared else self.model)))
+
     def _takes_labels(self) -> bool:
         model_class = type(self.strategy.unwrap() if self._prepared else self.model)
         params = inspect.signature(model_class.forward).parameters
-        return any(name in params for name in label_names(model_class))
+        return any(name in params for name in self._label_names())
 
     def _gather(self, chunks: list[torch.Tensor], dataset_len: int | None) -> torch.Tensor | None:
         """*Collective.* This rank's batches → the whole eval set's tensor in dataset order (every rank)."""

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from . import distributed as dist_util
 from . import optim
-from .data import ResumableDistributedSampler, has_length, make_loader, to_device
+from .data import ResumableDistributedSampler, has_length, make_loader, remove_unused_columns, to_device
 from .evaluation import call_model, count_items, extract_loss
 
 
@@ -75,9 +75,16 @@ class OverridableMixin:
                                                   rank=dist_util.rank(), shuffle=True, seed=args.data_seed,
                                                   drop_last=args.dataloader_drop_last)
         return make_loader(self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                           collate_fn=self.data_collator, num_workers=args.dataloader_num_workers,
+                           collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
                            generator_seed=args.data_seed)
+
+    def _collator(self, what: str):
+        """`data_collator`, behind HF's column removal with `remove_unused_columns` (the default)."""
+        if not self.args.remove_unused_columns:
+            return self.data_collator
+        model = self.strategy.unwrap() if self._prepared else self.model
+        return remove_unused_columns(self.data_collator, model, self.args.label_names, what)
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         """The batch on this process's device (HF's name, which overrides often call)."""

@@ -144,3 +144,40 @@ def test_ranks_predictions_of_different_lengths_are_padded_and_interleaved():
     both = _interleave([(rank0, rank0[:, 0]), (rank1, rank1[:, 0])], total=3)
     assert both[0].tolist() == [[1, 1, 1, PAD_INDEX, PAD_INDEX], [7] * 5, [2, 2, PAD_INDEX, PAD_INDEX, PAD_INDEX]]
     assert both[1].tolist() == [1, 7, 2]
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, target=None):
+        scores = self.lin(x)
+        return {"logits": scores, **({"loss": nn.functional.cross_entropy(scores, target)} if target is not None
+                                     else {})}
+
+
+def _rows(n: int = 8) -> list[dict]:  # GLUE-style rows carry an `idx` the model does not take
+    return [{"x": torch.randn(4, generator=torch.Generator().manual_seed(i)), "target": torch.tensor(i % 2),
+             "idx": i} for i in range(n)]
+
+
+def test_columns_the_model_does_not_take_are_dropped_as_hf_does(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kubetrain_trainer")
+    trainer = Trainer(model=Classifier(), args=_args(tmp_path, max_steps=2, per_device_train_batch_size=4,
+                                                     label_names=["target"]),
+                      train_dataset=_rows(), eval_dataset=_rows(), compute_metrics=lambda p: {"n": len(p.label_ids)})
+    trainer.train()  # forward() got an unexpected keyword argument 'idx', before
+    assert trainer.evaluate()["eval_n"] == 8  # label_names: `target` holds the labels
+    assert any("idx" in r.getMessage() and "remove_unused_columns" in r.getMessage() for r in caplog.records)
+    keep = Trainer(model=Classifier(), args=_args(tmp_path, max_steps=1, remove_unused_columns=False),
+                   train_dataset=_rows())
+    try:
+        keep.train()
+    except TypeError as e:  # kept, as asked: the model refuses it
+        assert "idx" in str(e)
+    else:
+        raise AssertionError("remove_unused_columns: false passed idx on")
