@@ -142,6 +142,8 @@ class UploadJob:
     failures: int = 0
     started: float | None = None
     """When the first upload try began (monotonic)."""
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    """Set when a newer checkpoint must have the time left (SIGTERM): no file starts, those going out stop."""
 
 
 @dataclass(frozen=True)
@@ -243,11 +245,11 @@ class CommitProtocol:
             # passed before a newer attempt claimed stops at its next file (and each file in flight
             # within one part), so what it can still overwrite under a newer commit is its in-flight
             # requests, not a whole (retried) upload.
-            if self.stopped.is_set():  # the uploader is closing: no file starts (nor delays the exit)
+            if self.stopped.is_set() or job.abandoned.is_set():  # closing, or a newer one goes first: no file starts
                 raise UploadStopped(f"checkpoint-{job.step}: the uploader stopped before {f.path} went out")
             self.fence.check(job.step, at_most_every_s=s.fence_check_interval_s)
             self.store.upload_file(job.step, job.folder / f.path, f.path, still_allowed=lambda: self._still_allowed(
-                job.step, f.path))
+                job, f.path))
             with done:
                 job.uploaded.add(f.path)
                 self.bytes_uploaded += f.size
@@ -263,7 +265,7 @@ class CommitProtocol:
             if s.node_rank != 0:
                 log.info("checkpoint-%d: node %d's part uploaded", job.step, s.node_rank)
                 return CommitOutcome("part uploaded")
-            files, again = self._wait_for_parts(job.step)
+            files, again = self._wait_for_parts(job)
             if again:  # another node wrote these paths too, with other content: node rank 0's copy is the one
                 log.warning("checkpoint-%d: uploading node 0's copy of %s again (other nodes wrote other content)",
                             job.step, ", ".join(again))
@@ -302,9 +304,9 @@ class CommitProtocol:
             job.files = job.hashing.result()  # type: ignore[union-attr]
         return CommitOutcome("part uploaded") if set(part.files) == set(job.files) else None
 
-    def _wait_for_parts(self, step: int) -> tuple[tuple[FileEntry, ...], tuple[str, ...]]:
+    def _wait_for_parts(self, job: UploadJob) -> tuple[tuple[FileEntry, ...], tuple[str, ...]]:
         """Every node's files, and the paths node rank 0 must upload again (`decisions.rewrites`)."""
-        s = self.settings
+        s, step = self.settings, job.step
         deadline = time.monotonic() + s.part_wait_s
         while True:
             parts = self.store.read_node_parts(step)
@@ -321,6 +323,8 @@ class CommitProtocol:
             if moved_on:
                 raise SupersededError(f"checkpoint-{step}: node(s) {sorted(moved_on)} skipped it for a newer "
                                       "checkpoint (their uploads lagged); it stays torn and the newer one is committed")
+            if job.abandoned.is_set():
+                raise UploadStopped(f"checkpoint-{step}: given up for a newer checkpoint while waiting for parts")
             if self.stopped.wait(2.0):
                 raise ManifestError(f"checkpoint-{step}: stopped while waiting for other nodes' parts")
 
@@ -340,10 +344,10 @@ class CommitProtocol:
                 return missing
         return set()
 
-    def _still_allowed(self, step: int, path: str) -> None:
+    def _still_allowed(self, job: UploadJob, path: str) -> None:
         """Called as a file's bytes go out: the transfer stops (its multipart upload aborted, a single PUT
         cut off) once the uploader is closing, its time up (a preempted pod must exit within its grace
         period, not when its largest file is out), or once a newer attempt has claimed."""
-        if self.stopped.is_set():
-            raise UploadStopped(f"checkpoint-{step}: the uploader stopped while {path} went out")
-        self.fence.check(step, at_most_every_s=self.settings.fence_check_interval_s)
+        if self.stopped.is_set() or job.abandoned.is_set():
+            raise UploadStopped(f"checkpoint-{job.step}: the uploader stopped while {path} went out")
+        self.fence.check(job.step, at_most_every_s=self.settings.fence_check_interval_s)

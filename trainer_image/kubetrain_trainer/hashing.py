@@ -202,10 +202,13 @@ def read_trainer_metrics(folder: Path, step: int) -> tuple[dict[str, float], Bes
     path = folder / TRAINER_STATE
     try:
         state = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}, None
+    if not isinstance(state, Mapping):  # `null`, a list: a command's own file, not a trainer state
+        return {}, None
+    history = state.get("log_history")
     metrics: dict[str, float] = {}
-    for entry in state.get("log_history") or []:
+    for entry in history if isinstance(history, list) else ():
         if isinstance(entry, Mapping) and entry.get("step") == step:
             metrics.update(_numeric_only(entry))
     metrics.pop("step", None)

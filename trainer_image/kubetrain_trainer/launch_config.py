@@ -9,6 +9,7 @@ variable, and the launcher exits 82 (invalid configuration) without starting any
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -208,6 +209,6 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}: must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name}: must be > 0, got {value}")
+    if not value > 0 or value == math.inf:  # NaN compares false: a wait that never ends, a rule never met
+        raise ConfigError(f"{name}: must be a finite number of seconds > 0, got {raw!r}")
     return value

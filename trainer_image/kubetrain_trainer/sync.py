@@ -171,7 +171,8 @@ class CheckpointUploader:
         return line
 
     def keep_only_newest(self) -> list[int]:
-        """Drop every waiting snapshot but the newest (on preemption the grace period is short)."""
+        """Drop every waiting snapshot but the newest, and stop an older upload in flight (on preemption the
+        grace period is short: the newest checkpoint, the emergency one, gets all of it)."""
         with self._lock:
             dropped = []
             while len(self._queue) > 1:
@@ -179,6 +180,12 @@ class CheckpointUploader:
                 shutil.rmtree(old.folder, ignore_errors=True)
                 dropped.append(old.step)
             self.dropped.extend(dropped)
+            current = self._current
+            if current is not None and self._queue and current.step < self._queue[-1].step:
+                current.abandoned.set()  # its files stop at their next progress callback (`UploadStopped`)
+                if current.hashing is not None:
+                    current.hashing.cancel()
+                dropped.append(current.step)
         if dropped:
             log.warning("no time for older checkpoints %s: uploading the newest first", dropped)
         return dropped
@@ -238,7 +245,9 @@ class CheckpointUploader:
                 finished = True
             except (UploadStopped, HashCancelled) as e:
                 log.warning("checkpoint-%d not committed: %s", job.step, e)
-                finished = False  # the loop ends: `close` gave up on it
+                finished = job.abandoned.is_set()  # the newer one goes on; else the loop ends: `close` gave up
+                if finished:
+                    self.dropped.append(job.step)
             except Exception as e:  # storage/OS errors, or a bug: retried, never a dead thread
                 finished = False
                 if not isinstance(e, (StorageError, OSError)):
@@ -249,7 +258,10 @@ class CheckpointUploader:
                 delay = self.settings.backoff.maximum_s if permanent else self.settings.backoff.delay(job.failures)
                 log.warning("checkpoint-%d upload failed (%s); retry %d in %.1fs", job.step, e, job.failures, delay)
                 self._maybe_status(force=True)
-                self._stop.wait(delay)
+                until = time.monotonic() + delay  # cut short when it is given up for a newer one (SIGTERM)
+                while (left := until - time.monotonic()) > 0 and not job.abandoned.is_set():
+                    if self._stop.wait(min(0.2, left)):
+                        break
             if finished or self._stop.is_set():
                 if job.hashing is not None:
                     job.hashing.cancel()  # done already, or no longer needed: never a thread hashing on
@@ -286,6 +298,8 @@ class CheckpointUploader:
                 self._last_status = now
 
     def _process(self, job: UploadJob) -> None:
+        if job.abandoned.is_set():
+            raise UploadStopped(f"checkpoint-{job.step}: given up for a newer checkpoint")
         job.started = job.started or time.monotonic()
         outcome = self._protocol.run(job)
         if outcome.action == "already committed":

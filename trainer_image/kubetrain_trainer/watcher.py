@@ -28,6 +28,7 @@ from typing import Callable, Literal
 from kubetrain_trainer.callbacks import TrainerCallback
 from kubetrain_trainer.commit import SyncSettings
 from kubetrain_trainer.layout import MANIFEST_NAME, TRAINER_STATE, parse_checkpoint_dirname
+from kubetrain_trainer.manifest import Manifest
 from kubetrain_trainer.readiness import (
     CommitMode,
     FolderView,
@@ -46,6 +47,14 @@ log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 60.0
 """A folder whose snapshot failed is tried again after 2, 4, 8... seconds, at most this many."""
+
+
+def _restored(path: Path, step: int) -> bool:
+    """Whether `path` was restored from storage: its manifest.json is a kubetrain manifest of this step."""
+    try:
+        return Manifest.from_json((path / MANIFEST_NAME).read_bytes()).step == step
+    except (OSError, ValueError, RecursionError):  # ManifestError is a ValueError
+        return False
 
 
 class FolderWatcher:
@@ -68,6 +77,8 @@ class FolderWatcher:
         self.clock = clock
         self._seen: dict[int, int] = {}
         """step -> inode of the folder already reported, given up, or left from before this launch."""
+        self._misnamed: dict[int, int] = {}
+        """step -> inode of a folder whose manifest.json is not ours (warned once)."""
         self._pending: dict[int, _Pending] = {}
         self._handed: dict[int, _Pending] = {}
         """step -> the folder the last poll reported, until the next poll (`retry` puts it back)."""
@@ -121,8 +132,14 @@ class FolderWatcher:
             if self._seen.get(step) == inode:
                 continue
             if (path / MANIFEST_NAME).exists():
-                self._seen[step] = inode
-                continue
+                if _restored(path, step):
+                    self._seen[step] = inode
+                    continue
+                if self._misnamed.get(step) != inode:  # a writer's own manifest.json: uploaded all the same
+                    self._misnamed[step] = inode
+                    log.warning("%s holds a manifest.json that is not a kubetrain manifest of step %d: that name "
+                                   "is reserved at a checkpoint's top level (the upload's own manifest), so the file "
+                                   "is left out of the upload; the rest goes up", path, step)
             pending = self._pending.get(step)
             if pending is None or pending.inode != inode:
                 self._pending[step] = _Pending(inode=inode, path=path, changed_at=now)

@@ -235,3 +235,18 @@ def test_marker_mode_commits_only_marked_folders_from_the_first(tmp_path: Path):
     watch.scan_once()
     assert uploader.close(10)
     assert [m.step for m in _manifests(store)] == [1]
+
+
+def test_a_writer_s_own_manifest_json_does_not_pass_for_a_restored_folder(tmp_path: Path, caplog):
+    """Only a kubetrain manifest of the folder's step says "restored from storage, committed already"; a
+    writer's own index of that name (reserved at a checkpoint's top level) is left out, and the rest goes up."""
+    store, clock, uploader, watch, out = _sync(tmp_path, mode="marker")
+    folder = out / "checkpoint-20"
+    folder.mkdir()
+    (folder / "model.pt").write_bytes(b"20")
+    (folder / "manifest.json").write_text('{"shards": ["model.pt"]}')
+    mark_ready(folder)
+    watch.scan_once()
+    assert uploader.close(10)
+    assert [(m.step, [f.path for f in m.files]) for m in _manifests(store)] == [(20, ["model.pt"])]
+    assert any("manifest.json" in r.getMessage() and "reserved" in r.getMessage() for r in caplog.records)

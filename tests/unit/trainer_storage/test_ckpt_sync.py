@@ -572,7 +572,9 @@ def test_retrying_gives_up_at_the_deadline_and_succeeds_before_it():
         retrying(lambda: (_ for _ in ()).throw(StoragePermanentError("no bucket")), deadline=None, backoff=FAST)
 
 
-def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
+def test_keep_only_newest_drops_waiting_snapshots_and_the_older_upload_in_flight_on_preemption(tmp_path: Path):
+    """The newest checkpoint (the emergency one) gets all the grace period: older ones waiting are dropped, and
+    the one being uploaded (here failing, between retries) is given up too, not retried ahead of it."""
     store = MemoryStore()
     store.fail_next = 10**9
     up = _uploader(tmp_path, store, max_queued=5)
@@ -580,10 +582,10 @@ def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
         up.submit(_local_checkpoint(tmp_path / "out", step), step)
     time.sleep(0.2)  # step 1 is being uploaded (and failing)
     dropped = up.keep_only_newest()
-    assert dropped == [2, 3]
+    assert dropped == [2, 3, 1]
     store.fail_next = 0
     assert up.close(10)
-    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [1, 4]
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [4]
 
 
 def test_sync_callback_uploads_on_save_unless_the_launcher_does(tmp_path: Path, monkeypatch):
@@ -624,3 +626,17 @@ def test_the_callback_uploads_a_landed_async_save_under_its_own_step(tmp_path, m
     cb.on_train_end(None, state, None)
     assert "checkpoint-9/manifest.json" in store.objects
     assert not any(k.startswith("checkpoint-11/") for k in store.objects)
+
+
+@pytest.mark.parametrize("state", ["null", "[]", '{"log_history": 5}', "[" * 3000])
+def test_a_trainer_state_that_is_not_one_commits_all_the_same(tmp_path: Path, state: str):
+    """A command's own trainer_state.json (valid JSON, not an HF trainer state) gives no metrics; it blocked the
+    queue before (an unexpected error retried forever, every later checkpoint waiting behind it)."""
+    store = MemoryStore()
+    up = _uploader(tmp_path, store)
+    for step in (10, 20):
+        folder = _local_checkpoint(tmp_path / "out", step)
+        (folder / "trainer_state.json").write_text(state if step == 10 else '{"log_history": []}')
+        up.submit(folder, step)
+    assert up.close(10)
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [10, 20]
