@@ -98,10 +98,15 @@ def classify(exc: ApiException, what: str) -> ApiError:
 
 
 def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:
-    """A 403 on a create: a full ResourceQuota or missing RBAC can pass (wait); PodSecurity,
-    a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
+    """A 403 on a create: a full ResourceQuota, a new one whose usage is not counted yet, a ServiceAccount
+    not made yet (a new namespace's `default`, one applied with the job) or missing RBAC can pass (wait);
+    PodSecurity, a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
     if "exceeded quota" in api_message:
         return RejectedError("QuotaExceeded", message)
+    if "status unknown for quota" in api_message:  # the quota controller has not counted a new quota's usage
+        return RejectedError("QuotaPending", message)
+    if "error looking up service account" in api_message:
+        return RejectedError("ServiceAccountMissing", message)
     if "cannot create resource" in api_message:
         return RejectedError("Forbidden", message)
     if "violates PodSecurity" in api_message:

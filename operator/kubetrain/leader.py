@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ class LeaderElector:
     def try_acquire_or_renew(self) -> bool:
         """One round: True when this identity holds the Lease afterwards."""
         now = dt.datetime.now(dt.timezone.utc)
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.lease_duration)),
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, math.ceil(self.timing.lease_duration)),
                 "acquireTime": format_time(now, micro=True), "renewTime": format_time(now, micro=True), "leaseTransitions": 0}
         try:
             lease = self._call(self.api.read_namespaced_lease, self.name, self.namespace)

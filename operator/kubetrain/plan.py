@@ -192,8 +192,9 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
         d.event("Warning", reason, f"attempt {job.status.attempt + 1}: "
                                    f"{'' if earlier else 'the API server refused a pod: '}{text}; retrying with backoff")
         d.cond("Created", "False", reason, text)
-    what = ("waiting for quota" if reason == "QuotaExceeded" else "waiting for an earlier job of this name to be "
-            "cleaned up" if earlier else "waiting for the API server to accept the pods")
+    what = ("waiting for quota" if reason in ("QuotaExceeded", "QuotaPending") else "waiting for an earlier job of "
+            "this name to be cleaned up" if earlier else "waiting for the ServiceAccount" if reason ==
+            "ServiceAccountMissing" else "waiting for the API server to accept the pods")
     # Pending only before the first attempt: with attempt >= 1, Pending would mean "attempt N's pods all
     # exist" (a resumed or restarting job whose next pods are refused stays Restarting).
     # The deadline counts from the first try to start (as a Job's startTime): a gang whose pods stay refused

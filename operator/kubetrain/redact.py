@@ -13,7 +13,7 @@ _SECRET_SHAPED = re.compile(
     r"(?P<akid>\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b)"
     r"|(?P<kv>(?i:[\w.-]{0,64}(?:secret|password|passwd|token|credential|signature|api[_-]?key|access[_-]?key|session)"
     r"[\w.-]*+)"
-    r"\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
+    r"[\"']?\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
     r"|(?P<bearer>(?i:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"
     r"|(?P<userinfo>\b[a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"
     r"|(?P<pem>-----BEGIN [A-Z ]*PRIVATE KEY-----)[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)"

@@ -20,6 +20,10 @@ CASES = [
      RejectedError, "QuotaExceeded"),
     ('pods is forbidden: User "system:serviceaccount:kt:kubetrain" cannot create resource "pods" in API group "" '
      'in the namespace "team-a"', RejectedError, "Forbidden"),
+    ('pods "tj-a1-n0" is forbidden: status unknown for quota: compute, resources: limits.cpu,pods',
+     RejectedError, "QuotaPending"),  # a quota made with the namespace, its usage not counted yet
+    ('pods "tj-a1-n0" is forbidden: error looking up service account ml/default: serviceaccount "default" not '
+     'found', RejectedError, "ServiceAccountMissing"),
     ('pods "tj-a1-n0" is forbidden: violates PodSecurity "restricted:latest": hostPath volumes (volume "data")',
      PermanentError, "PodSecurity"),
     ('pods "tj-a1-n0" is forbidden: maximum cpu usage per Container is 200m, but limit is 1',

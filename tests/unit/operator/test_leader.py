@@ -125,3 +125,14 @@ def test_the_renew_deadline_is_kept_by_the_clock_while_a_renewal_hangs() -> None
     assert not elector.is_leader and len(reasons) == 1
     elector.release()
     assert fake.spec is not None and fake.spec["holderIdentity"] == "me"  # a lost leader leaves the Lease alone
+
+
+def test_a_fractional_lease_is_written_rounded_up_so_no_standby_takes_over_while_the_leader_still_leads() -> None:
+    """The Lease holds whole seconds: 2.5 s written as 2 let a standby take over 2 s after the last renewal it
+    saw, while the leader (renew deadline 2.4 s) still reconciled. Rounded up, the Lease outlasts the deadline."""
+    fake = FakeLeases()
+    elector = LeaderElector(client.ApiClient(), namespace="ops", name="kubetrain", identity="me",
+                            timing=LeaseTiming(lease_duration=2.5, renew_deadline=2.4, retry_period=0.5))
+    elector.api = fake  # type: ignore[assignment]
+    assert elector.try_acquire_or_renew()
+    assert fake.spec is not None and fake.spec["leaseDurationSeconds"] == 3 >= 2.4

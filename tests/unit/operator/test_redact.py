@@ -17,6 +17,9 @@ SECRETS = [
     ("X-Amz-Security-Token: FQoGZXIvYXdzEJr//////////", "FQoGZXIvYXdzEJr"),
     ("GET https://b.s3.example/k?X-Amz-Signature=0a1b2c3d4e5f&X-Amz-Date=20261205", "0a1b2c3d4e5f"),
     ("-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----", "MIIEow"),
+    ('config: {"password": "hunter2", "user": "x"}', "hunter2"),  # quoted keys: JSON, a Python dict's repr
+    ("{'aws_secret_access_key': 'wJalrXUtnFEMIK7MDENG'}", "wJalrXUtnFEMIK7MDENG"),
+    ('{"api_key":"sk-live-0123456789"}', "sk-live-0123456789"),
 ]
 
 
