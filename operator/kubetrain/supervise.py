@@ -100,9 +100,10 @@ def supervise(d: Draft, observed: Observed) -> None:
     if disruptions:
         _restart_after_preemption(d, observed, disruptions)
         return
-    if failed and (unsettled := _unsettled_node(list(current.values()), observed)):
-        # A rank that fails while a node of the gang is unreachable most likely failed because of it (its
-        # collectives timed out): the node's verdict decides, at the end of its grace (a wake-up is set).
+    if failed and (unsettled := _unsettled_node([p for p in current.values() if p.active], observed)):
+        # A rank that fails while a peer's node is unreachable most likely failed because of it (its collectives
+        # timed out): the node's verdict decides, at the end of its grace (`_node_lost` set the wake-up; past it,
+        # that peer is a disruption above). Finished pods are no such peer (nor the failed one's own node).
         d.update(message=f"attempt {attempt}: pod {failed[0].name} exited with code {failed[0].exit_code} while "
                          f"{unsettled}; waiting for the node (runPolicy.nodeLostGraceSeconds) before counting an "
                          "application failure")
@@ -195,7 +196,7 @@ def _node_lost(pod: PodView, d: Draft, observed: Observed) -> str | None:
 
 
 def _unsettled_node(pods: list[PodView], observed: Observed) -> str:
-    """What is unreachable in the gang, within its grace (past it, it is a disruption already): "" if nothing."""
+    """What is unreachable under these (running) pods, within its grace (past it, a disruption): "" if nothing."""
     for pod in pods:
         node = observed.nodes.get(pod.node_name) if pod.node_name else None
         if node is not None and not (node.ready and node.exists):

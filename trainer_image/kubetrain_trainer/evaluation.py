@@ -47,7 +47,9 @@ def extract_logits(outputs: Any, ignore_keys: Any = ()) -> Any:
     if isinstance(outputs, dict):
         if "logits" in outputs:
             return outputs["logits"]
-        rest = tuple(v for k, v in outputs.items() if k != "loss" and k not in (ignore_keys or ()) and v is not None)
+        # Tensors only: a nested output (a vision tower's own ModelOutput) or a KV cache is not a prediction.
+        rest = tuple(v for k, v in outputs.items() if k != "loss" and k not in (ignore_keys or ())
+                     and isinstance(v, torch.Tensor))
         return None if not rest else rest[0] if len(rest) == 1 else rest
     if hasattr(outputs, "logits"):
         return outputs.logits
@@ -149,6 +151,11 @@ def _concat(parts: list) -> Any:
     return torch.cat([_padded(p, shape) for p in parts])
 
 
+def _rows(value: Any) -> int:
+    """Samples in a tensor, or in the first of a tuple/list of them (several outputs: as many rows each)."""
+    return _rows(value[0]) if isinstance(value, (tuple, list)) else len(value)
+
+
 def _interleave(per_rank: list, total: int) -> Any:
     """Undo round-robin sharding: element j of rank r is global sample j*W + r."""
     if isinstance(per_rank[0], (tuple, list)):
@@ -217,6 +224,9 @@ class EvaluationMixin:
         loss = loss.detach().float().mean() if loss is not None else None
         if prediction_loss_only:
             return loss, None, None
+        if ignore_keys is None:  # as HF: what the model's config says is no prediction (a KV cache)
+            ignore_keys = getattr(getattr(self.strategy.unwrap() if self._prepared else self.model, "config", None),
+                                  "keys_to_ignore_at_inference", None)
         return loss, _nested(torch.Tensor.detach, extract_logits(outputs, ignore_keys)), labels
 
     def evaluation_loop(self, dataloader: DataLoader, *, prefix: str, prediction_loss_only: bool | None = None,
@@ -287,7 +297,7 @@ class EvaluationMixin:
         per_rank = dist_util.gather_objects(local)
         if any(t is None for t in per_rank):
             return None
-        return _interleave(per_rank, dataset_len or sum(len(t) for t in per_rank))
+        return _interleave(per_rank, dataset_len or sum(_rows(t) for t in per_rank))
 
     def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:

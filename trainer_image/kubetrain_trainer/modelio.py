@@ -43,8 +43,8 @@ def save_model_config(module: nn.Module, out: Path, *, processing_class: Any = N
         if generation is not None and hasattr(generation, "save_pretrained") and getattr(module, "can_generate",
                                                                                           lambda: False)():
             generation.save_pretrained(out)
-    elif (plain := config_dict(module)) is not None:
-        (out / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True) + "\n")
+    elif (plain := config_dict(module)) is not None:  # a value JSON has no type for (a torch.dtype) as its str
+        (out / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True, default=str) + "\n")
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(out)
 
@@ -63,6 +63,6 @@ def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | No
             torch.save(state_dict, out / "pytorch_model.bin")
         config = config_dict(module)
         if config is not None:
-            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(out)

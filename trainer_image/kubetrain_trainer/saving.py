@@ -19,7 +19,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist_util
 from .background_save import CheckpointWriteError
 from .args import ConfigError
-from .state import TrainerState, TrainingPreempted
+from .state import TrainerState, TrainingPreempted, take_epoch_end
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -93,8 +93,17 @@ class SavingMixin:
             self.control = self.callback_handler.on_save(self.args, self.state, self.control, checkpoint_dir=str(folder),
                                                          save_seconds=self._saves.last_seconds)
 
+    def _end_deferred_epoch(self, registry: ckpt.ResumeRegistry) -> None:
+        """Resumed from a preemption right after an epoch's last step: that epoch's end first (`on_epoch_end` and
+        the "epoch" strategies' eval, save and log), as the run would have had it (`state.epoch_end_pending`)."""
+        if self.state.epoch_end_pending is not None:
+            grad_norm, lr = take_epoch_end(self.state)
+            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+            self._maybe_log_save_evaluate(grad_norm, registry, lr)
+
     def _preempt(self, registry: ckpt.ResumeRegistry) -> None:
-        """Emergency checkpoint (unless this step was just saved), then raise TrainingPreempted."""
+        """Emergency checkpoint (unless this step was just saved, and saved as it stands now: an epoch end left to
+        the resumed run is in the state since), then raise TrainingPreempted."""
         state, args = self.state, self.args
         saved = None
         if args.save_strategy != "no":
@@ -104,7 +113,8 @@ class SavingMixin:
                 # but the training state is fine: the emergency checkpoint still saves it
                 logger.error("SIGTERM: %s; writing the emergency checkpoint", exc)
             already = state.last_checkpoint_dir and Path(state.last_checkpoint_dir).name == \
-                ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir()
+                ckpt.checkpoint_name(state.global_step) and Path(state.last_checkpoint_dir).is_dir() \
+                and state.epoch_end_pending is None
             saved = state.last_checkpoint_dir if already else str(self._save_checkpoint(registry, background=False))
         logger.warning("SIGTERM: stopped after step %d; emergency checkpoint: %s", state.global_step, saved)
         self.control = self.callback_handler.on_train_end(args, state, self.control, preempted=True)

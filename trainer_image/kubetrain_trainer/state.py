@@ -75,8 +75,9 @@ class TrainerState:
     skipped_steps: int = 0
     """Steps whose update was dropped because the loss was NaN/inf."""
     epoch_end_pending: dict[str, float | None] | None = None
-    """Set by a preemption at an epoch's last step: the epoch's batches are consumed (`data_position` at its
-    end), its end is not; the resumed run runs it, logging this step's `grad_norm` and `learning_rate`."""
+    """Set by a preemption right after an epoch's last step: the epoch's end (on_epoch_end, the "epoch"
+    strategies' eval, save and log) had not run; the resumed run runs it first, logging this step's
+    `grad_norm` and `learning_rate` (`data_position` is already the next epoch's start)."""
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     """Saved state of callbacks that have some (e.g. early stopping patience), by class name as in HF: one
     callback's dict, or a list of them where several callbacks share a class."""
@@ -93,9 +94,8 @@ class TrainerState:
         return cls(**data, data_position=DataPosition(**position))
 
 
-def defer_epoch_end(state: TrainerState, epoch: int, samples: int, grad_norm: Any, lr: Any) -> None:
-    """Preempted after an epoch's last step: the checkpoint resumes at that epoch's end (see `epoch_end_pending`)."""
-    state.data_position = DataPosition(epoch, samples)
+def defer_epoch_end(state: TrainerState, grad_norm: Any, lr: Any) -> None:
+    """Preempted after an epoch's last step: the resumed run ends that epoch first (see `epoch_end_pending`)."""
     state.epoch_end_pending = {"grad_norm": None if grad_norm is None else float(grad_norm),
                                "learning_rate": None if lr is None else float(lr)}
 

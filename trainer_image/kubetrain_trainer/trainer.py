@@ -40,7 +40,7 @@ from .modelio import save_model_config, save_model_files
 from .overridable import OverridableMixin
 from .reporting import reporters_for
 from .saving import SavingMixin
-from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput, defer_epoch_end, take_epoch_end
+from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput, defer_epoch_end
 from .steps import StepPlan, epoch_batches, plan_steps
 from .strategies import Strategy, get_strategy, strategy_options
 
@@ -159,25 +159,23 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        self._end_deferred_epoch(registry)
         preempted = False
         while state.global_step < state.max_steps and not self.control.should_training_stop and not preempted:
             epoch = state.data_position.epoch
             if args.max_steps <= 0 and epoch >= plan.num_epochs:  # epochs cut short (should_epoch_stop): HF
                 break  # trains num_train_epochs of them; a max_steps run trains its steps
-            skip = state.data_position.samples
-            if args.ignore_data_skip and not (plan.batches_per_epoch and skip >= plan.batches_per_epoch * samples_per_batch):
-                skip = 0  # (an epoch whose batches were all consumed is skipped, as HF skips whole epochs)
+            skip = 0 if args.ignore_data_skip else state.data_position.samples
             batches = epoch_batches(dataloader, epoch=epoch, skip_samples=skip, args=args, world_size=world)
             done = skip // samples_per_batch  # micro-batches of this epoch already consumed (per rank)
             self.control.should_epoch_stop = False  # before on_epoch_begin, which fires on a resume too (as HF)
             self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
             epoch_done = False
-            grad_norm, lr = take_epoch_end(state)  # (None, None) but right after a preemption at an epoch's end
+            grad_norm = lr = None
             while state.global_step < state.max_steps:
                 micro = list(itertools.islice(batches, ga))
-                if not micro:  # the iterator ran dry (iterable dataset, a shorter custom loader, or a resume
-                    epoch_done = True  # at the end of an epoch preempted at its last step: its end comes now)
-                    state.data_position = DataPosition(epoch + 1, 0)
+                if not micro:  # the iterator ran dry (an iterable dataset, or a shorter custom loader)
+                    epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                     break
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 self.current_gradient_accumulation_steps = len(micro)
@@ -235,8 +233,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                         epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                 if stop and state.global_step < state.max_steps:  # at the last step: just finish
                     preempted = True
-                    if epoch_done and done >= (plan.batches_per_epoch or done + 1) and not self.control.should_epoch_stop:
-                        defer_epoch_end(state, epoch, done * samples_per_batch, grad_norm, lr)  # resumed: no batch left
+                    if epoch_done:  # its end (on_epoch_end, the "epoch" eval/save/log) is the resumed run's first
+                        defer_epoch_end(state, grad_norm, lr)
                     break
                 if epoch_done or self.control.should_training_stop or self.control.should_epoch_stop:
                     break

@@ -181,3 +181,36 @@ def test_columns_the_model_does_not_take_are_dropped_as_hf_does(tmp_path, caplog
         assert "idx" in str(e)
     else:
         raise AssertionError("remove_unused_columns: false passed idx on")
+
+
+class TwoTowers(nn.Module):
+    """CLIP-shaped: no `logits`, two tensors of scores, a tower's own nested output and a cache-like object."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+        self.config = type("Config", (), {"keys_to_ignore_at_inference": ["embeds"]})()
+
+    def forward(self, x, labels=None):
+        scores = self.lin(x)
+        out = {"scores_a": scores, "scores_b": -scores, "embeds": x, "tower": {"hidden": x}, "cache": object()}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(scores, labels)
+        return out
+
+
+def test_nested_outputs_caches_and_the_config_s_ignored_keys_are_no_predictions(tmp_path):
+    rows = [{"x": torch.randn(4, generator=torch.Generator().manual_seed(i)), "labels": torch.tensor(i % 2)}
+            for i in range(6)]
+    out = Trainer(model=TwoTowers(), args=_args(tmp_path)).predict(rows)
+    a, b = out.predictions  # the two tensors; `embeds` ignored as the config says, the rest no tensor
+    assert a.shape == b.shape == (6, 2) and np.allclose(a, -b)
+
+
+def test_an_iterable_set_s_tuple_predictions_keep_every_row_when_ranks_are_interleaved():
+    from kubetrain_trainer.evaluation import _rows
+
+    per_rank = [(torch.zeros(8, 3), torch.zeros(8)), (torch.ones(8, 3), torch.ones(8))]  # 16 samples, no length
+    both = _interleave(per_rank, sum(_rows(t) for t in per_rank))
+    assert both[0].shape == (16, 3) and both[1].tolist() == [0, 1] * 8

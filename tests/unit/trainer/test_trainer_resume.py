@@ -8,6 +8,7 @@ logging accumulators) breaks `torch.equal`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -136,16 +137,17 @@ class EpochEvents(TrainerCallback):
         self.ends.append(state.global_step)
 
 
-@pytest.mark.parametrize("ignore_data_skip", [False, True])
+@pytest.mark.parametrize("saves", [{"save_strategy": "epoch"}, {"save_strategy": "epoch", "ignore_data_skip": True},
+                                   {"save_strategy": "steps", "save_steps": 2}],  # step 4 saved before the SIGTERM
+                         ids=["epoch saves", "ignore_data_skip", "a step save at the epoch's end"])
 def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gpt, tokens, make_args, tmp_path,
-                                                                        ignore_data_skip):
+                                                                        saves):
     """Preempted at the last step of an epoch, the run saved the next batch as the next epoch's first, and the
     epoch's end (its evaluation, save and log with the "epoch" strategies, on_epoch_end) never ran: the best
     checkpoint, early stopping and log_history then differed from a straight run. The resumed run runs it."""
     def args(out):  # 30 samples / batch 4 = 8 micro-batches = 4 steps of 2 per epoch
         return make_args(output_dir=str(out), max_steps=-1, num_train_epochs=3, gradient_accumulation_steps=2,
-                         eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch",
-                         ignore_data_skip=ignore_data_skip)
+                         eval_strategy="epoch", logging_strategy="epoch", **saves)
 
     def evals(state):
         return [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
@@ -158,6 +160,10 @@ def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gp
     with pytest.raises(TrainingPreempted) as info:
         first.train()
     assert info.value.step == 4 and evals(first.state) == []  # its epoch end had not run
+    # The emergency checkpoint (saved again after a step save at 4) says so; its data position is as it always
+    # was, the next epoch's start: a trainer without the deferral resumes there.
+    emergency = json.loads((tmp_path / "b" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert emergency["data_position"] == {"epoch": 1, "samples": 0} and emergency["epoch_end_pending"] is not None
     resumed = Trainer(model=tiny_gpt(7), args=args(tmp_path / "b"), train_dataset=tokens(),
                       eval_dataset=tokens(8, seed=1), callbacks=[EpochEvents()])
     resumed.train(resume_from_checkpoint=True)
@@ -169,4 +175,4 @@ def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gp
 
     assert logs(resumed.state)[:-1] == logs(straight.state)[:-1]  # the last: the train summary of this process
     _assert_same(_params(straight.model), _params(resumed.model))
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(p.name for p in (tmp_path / "a").iterdir())
