@@ -124,6 +124,9 @@ class TrainingArguments(ProcessLogLevels):
     """Drop the last incomplete batch of each epoch."""
     remove_unused_columns: bool = True
     """Drop the keys of dict rows that the model's `forward` does not take (and no label column), as HF does."""
+    average_tokens_across_devices: bool = True
+    """With a model that normalises its loss by `num_items_in_batch`: count the step's label tokens over every
+    rank (HF's default), so each token weighs the same wherever it was trained."""
     label_names: list[str] | None = None
     """The batch keys that hold the labels; default: the model's `forward` arguments named like "label"."""
 

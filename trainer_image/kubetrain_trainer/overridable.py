@@ -15,12 +15,19 @@ Two HF conventions need care:
   and so breaks the guide's; here an override's signature is inspected (once
   per function) and the argument is passed only where it is declared. The
   same goes for `training_step`.
-- `num_items_in_batch` is the number of label items (`labels != -100`) in
-  the micro-batch at hand, or None when the batch has no "labels". HF counts
-  the whole optimizer step on all ranks and then skips its division by the
-  gradient-accumulation steps; kubetrain always divides each micro-batch's
-  loss by the step's micro-batch count and averages over ranks, so a loss
-  normalised by this count and a plain mean both come out at the right scale.
+- `num_items_in_batch`, for a model whose `forward` takes loss keyword
+  arguments (HF's `model_accepts_loss_kwargs`: a transformers model), is as
+  in HF 5.x: the label tokens of the whole optimizer step (after the causal
+  shift for a causal LM), summed over ranks (`average_tokens_across_devices`),
+  passed to the model, which normalises its loss by it; the loss is then not
+  divided by the accumulation steps, and is multiplied by the world size (the
+  gradients are averaged over ranks). A step of several micro-batches of
+  different lengths so trains as one batch of them would. With one
+  micro-batch and one process the model's own mean is the same number, and
+  nothing is counted. For any other model it is the label items of the
+  micro-batch at hand (or None without "labels"), passed to an override that
+  declares it; each micro-batch's loss is divided by the step's micro-batch
+  count and averaged over ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,31 @@ def _declares(function: Any, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def accepts_loss_kwargs(model: nn.Module) -> bool:
+    """HF's `model_accepts_loss_kwargs`: the model says so (`accepts_loss_kwargs`), else its forward takes **kwargs."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's loss is transformers' causal-LM loss (its labels shifted: position 0 is no target).
+    As the model's `loss_function` resolves it: a class name without a known loss type (GPT2LMHeadModel) gets
+    the causal-LM loss, which HF 5.x's Trainer does not count as shifted (its token count is then too high)."""
+    if "transformers" not in sys.modules:  # a transformers model has imported it
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    loss = vars(model).get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM")
+    return loss is ForCausalLMLoss and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
 def accepts(method: Any, name: str) -> bool:
     """Whether `method` (bound or not) takes the keyword `name`; inspected once per function."""
     return _declares(getattr(method, "__func__", method), name)
@@ -59,6 +93,10 @@ class OverridableMixin:
     """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
     _step_loss = None
     """`compute_loss` while train() runs, when it takes `num_items_in_batch` (checked once); else `_compute_loss`."""
+    _loss_kwargs = False
+    """The model takes `num_items_in_batch` (HF's `model_accepts_loss_kwargs`), checked per train()."""
+    _shifted_labels = False
+    _count_always = False
 
     def _overrides(self, name: str) -> bool:
         """Whether this Trainer's class replaces the method `name` of this mixin."""
@@ -125,6 +163,8 @@ class OverridableMixin:
     # ------------------------------------------------------------ loss and step
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
+        if num_items_in_batch is not None and self._loss_kwargs and model.training:  # HF: the step's tokens
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}  # normalise the model's loss
         # The common shapes (a dict batch; a dict or ModelOutput back) without a call: this runs every step.
         outputs = model(**inputs) if type(inputs) is dict else call_model(model, inputs)
         loss = outputs.get("loss") if isinstance(outputs, dict) else extract_loss(outputs)
@@ -151,8 +191,11 @@ class OverridableMixin:
         else:
             with self._autocast():
                 loss = compute(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
-        if self.current_gradient_accumulation_steps != 1:  # x / 1 is x: no op to run (and none to backprop)
+        counted = num_items_in_batch is not None and self._loss_kwargs  # normalised by the step's tokens (HF)
+        if self.current_gradient_accumulation_steps != 1 and not counted:  # x / 1 is x: no op to run
             loss = loss / self.current_gradient_accumulation_steps
+        elif counted and self._world > 1 and self.args.average_tokens_across_devices:
+            loss = loss * self._world  # by every rank's tokens, and the gradients are averaged over ranks
         self.strategy.backward(loss)
         return loss.detach()
 
@@ -167,6 +210,9 @@ class OverridableMixin:
 
     def _training_step_caller(self, count: bool):
         """`_training_step` as a function of (model, inputs), its signature checks done once (the loop's per-step call)."""
+        model = self.strategy.unwrap() if self._prepared else self.model
+        self._loss_kwargs = accepts_loss_kwargs(model)
+        self._shifted_labels, self._count_always = self._loss_kwargs and shifts_labels(model), count
         self._step_loss = self.compute_loss if accepts(self.compute_loss, "num_items_in_batch") else None
         step = self.training_step
         if not accepts(step, "num_items_in_batch"):
@@ -174,6 +220,27 @@ class OverridableMixin:
         if count:
             return lambda model, inputs: step(model, inputs, num_items_in_batch=count_items(inputs))
         return functools.partial(step, num_items_in_batch=None)
+
+    def _counted_step_caller(self):
+        """`training_step` as a function of (model, inputs, num_items_in_batch) for `_step_items`' counts."""
+        step = self.training_step
+        if accepts(step, "num_items_in_batch"):
+            return lambda model, inputs, items: step(model, inputs, num_items_in_batch=items)
+        return lambda model, inputs, items: step(model, inputs)
+
+    def _step_items(self, micro: list) -> torch.Tensor | None:
+        """HF's `num_items_in_batch` of a step, for a model that takes it (see the module's docstring): the label
+        tokens of every micro-batch (`shift_labels` if given, else `labels`, after the causal shift for a causal
+        LM) on every rank. None for any other model, a step without labels, or one micro-batch on one process."""
+        if not self._loss_kwargs or (len(micro) == 1 and self._world == 1 and not self._count_always):
+            return None
+        if not all(isinstance(b, Mapping) and isinstance(b.get("labels"), torch.Tensor) for b in micro):
+            return None
+        n = sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if self._shifted_labels
+                 else b["labels"]).ne(-100).sum() for b in micro).to(self.device)
+        if self._world > 1 and self.args.average_tokens_across_devices:
+            torch.distributed.all_reduce(n)
+        return n
 
     # --------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -157,6 +157,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         ga = args.gradient_accumulation_steps
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
+        counted_fn = self._counted_step_caller()  # for a model normalising its loss by the step's tokens (HF)
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         self._end_deferred_epoch(registry)
@@ -180,13 +181,13 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 self.control = self.callback_handler.on_step_begin(args, state, self.control)
                 self.current_gradient_accumulation_steps = len(micro)
                 last = len(micro) - 1
-                step_loss = None
+                step_loss, items = None, self._step_items(micro)
                 for i, batch in enumerate(micro):
                     if i < last:  # gradients are synchronised on the last micro-batch only
                         with strategy.no_sync(True):
-                            loss = step_fn(model, batch)
+                            loss = step_fn(model, batch) if items is None else counted_fn(model, batch, items)
                     else:
-                        loss = step_fn(model, batch)
+                        loss = step_fn(model, batch) if items is None else counted_fn(model, batch, items)
                     # The step's loss sum, in float32 over several micro-batches (one needs no sum and no cast:
                     # `.item()` reads a bf16 value exactly; the collective of several ranks casts it).
                     if step_loss is None:
