@@ -350,6 +350,8 @@ def _drain(session: CheckpointSession, budget_s: float, stop: threading.Event,
         cut = grace_end()
         limit = end if cut is None else min(end, cut)
         left = limit - time.monotonic()
+        if stop.is_set() and left > 0:
+            session.give_way_if_late(left)  # the emergency checkpoint first, when both cannot go out in time
         if left <= 0 or session.wait_uploads(min(left, 0.5)):
             break
     return session.close(0.0, join_s=join_after_sigterm_s if stop.is_set() else 5.0)

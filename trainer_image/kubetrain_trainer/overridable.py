@@ -15,10 +15,11 @@ Two HF conventions need care:
   and so breaks the guide's; here an override's signature is inspected (once
   per function) and the argument is passed only where it is declared. The
   same goes for `training_step`.
-- `num_items_in_batch`, for a model whose `forward` takes loss keyword
-  arguments (HF's `model_accepts_loss_kwargs`: a transformers model), is as
-  in HF 5.x: the label tokens of the whole optimizer step (after the causal
-  shift for a causal LM), summed over ranks (`average_tokens_across_devices`),
+- `num_items_in_batch`, for a model whose loss normalises by it (a
+  transformers causal LM; `counts_label_tokens`, or the settable
+  `model_accepts_loss_kwargs`), is as in HF 5.x: the label tokens of the whole
+  optimizer step (after the causal shift), summed over ranks
+  (`average_tokens_across_devices`),
   passed to the model, which normalises its loss by it; the loss is then not
   divided by the accumulation steps, and is multiplied by the world size (the
   gradients are averaged over ranks). A step of several micro-batches of
@@ -67,18 +68,24 @@ def accepts_loss_kwargs(model: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def shifts_labels(model: nn.Module) -> bool:
-    """Whether the model's loss is transformers' causal-LM loss (its labels shifted: position 0 is no target).
-    As the model's `loss_function` resolves it: a class name without a known loss type (GPT2LMHeadModel) gets
-    the causal-LM loss, which HF 5.x's Trainer does not count as shifted (its token count is then too high)."""
-    if "transformers" not in sys.modules:  # a transformers model has imported it
+def counts_label_tokens(model: nn.Module) -> bool:
+    """Whether the model's loss normalises by `num_items_in_batch`: a transformers decoder whose loss is the
+    causal-LM loss (labels shifted: position 0 is no target), as its `loss_function` resolves it (a class name
+    without a known loss type, GPT2LMHeadModel, gets it; HF 5.x's Trainer counts those unshifted, a token per
+    row too many). Any other model's loss is its own mean whatever it is passed (sequence classification, a
+    plain module taking **kwargs; HF 5.17 counts for those too, and scales their loss by the accumulation steps
+    and the world size), and an encoder-decoder's targets are not shifted."""
+    transformers = sys.modules.get("transformers")  # a transformers model has imported it
+    if transformers is None or not isinstance(model, getattr(transformers, "PreTrainedModel", ())):
+        return False
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or not accepts_loss_kwargs(model):
         return False
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
         return False
-    loss = vars(model).get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM")
-    return loss is ForCausalLMLoss and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return (vars(model).get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM")) \
+        is ForCausalLMLoss
 
 
 def accepts(method: Any, name: str) -> bool:
@@ -93,8 +100,11 @@ class OverridableMixin:
     """Micro-batches of the step in progress (HF's name); `training_step` divides the loss by it."""
     _step_loss = None
     """`compute_loss` while train() runs, when it takes `num_items_in_batch` (checked once); else `_compute_loss`."""
+    model_accepts_loss_kwargs: bool | None = None
+    """HF's flag, settable: True or False says whether the step's label tokens are counted and passed as
+    `num_items_in_batch` (see the module's docstring); None (default): a transformers causal LM's are."""
     _loss_kwargs = False
-    """The model takes `num_items_in_batch` (HF's `model_accepts_loss_kwargs`), checked per train()."""
+    """The step's label tokens are counted and passed (decided per train())."""
     _shifted_labels = False
     _count_always = False
 
@@ -211,8 +221,12 @@ class OverridableMixin:
     def _training_step_caller(self, count: bool):
         """`_training_step` as a function of (model, inputs), its signature checks done once (the loop's per-step call)."""
         model = self.strategy.unwrap() if self._prepared else self.model
-        self._loss_kwargs = accepts_loss_kwargs(model)
-        self._shifted_labels, self._count_always = self._loss_kwargs and shifts_labels(model), count
+        causal = counts_label_tokens(model)
+        chosen = causal if self.model_accepts_loss_kwargs is None else bool(self.model_accepts_loss_kwargs)
+        # A compute_loss override that does not take the count returns the model's mean: no counting for it.
+        self._loss_kwargs = chosen and (not self._overrides("compute_loss") or accepts(self.compute_loss,
+                                                                                     "num_items_in_batch"))
+        self._shifted_labels, self._count_always = self._loss_kwargs and causal, count
         self._step_loss = self.compute_loss if accepts(self.compute_loss, "num_items_in_batch") else None
         step = self.training_step
         if not accepts(step, "num_items_in_batch"):
@@ -234,13 +248,15 @@ class OverridableMixin:
         LM) on every rank. None for any other model, a step without labels, or one micro-batch on one process."""
         if not self._loss_kwargs or (len(micro) == 1 and self._world == 1 and not self._count_always):
             return None
-        if not all(isinstance(b, Mapping) and isinstance(b.get("labels"), torch.Tensor) for b in micro):
-            return None
+        labelled = all(isinstance(b, Mapping) and isinstance(b.get("labels"), torch.Tensor) for b in micro)
         n = sum((b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if self._shifted_labels
-                 else b["labels"]).ne(-100).sum() for b in micro).to(self.device)
-        if self._world > 1 and self.args.average_tokens_across_devices:
-            torch.distributed.all_reduce(n)
-        return n
+                 else b["labels"]).ne(-100).sum() for b in micro) if labelled else torch.zeros((), dtype=torch.long)
+        if self._world > 1 and self.args.average_tokens_across_devices:  # every rank takes part, labels or not:
+            both = torch.stack([n, torch.tensor(0 if labelled else 1)]).to(self.device)  # one collective each
+            torch.distributed.all_reduce(both)
+            n, unlabelled = both[0], both[1].item()
+            return None if unlabelled else n
+        return n.to(self.device) if labelled else None
 
     # --------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

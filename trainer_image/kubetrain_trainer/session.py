@@ -137,6 +137,10 @@ class CheckpointSession:
         """Preempted: only the newest checkpoint is worth what is left of the grace period."""
         self._running()[0].keep_only_newest()
 
+    def give_way_if_late(self, time_left_s: float) -> bool:
+        """Preempted: an older upload in flight that leaves the newest no time gives way (see the uploader's)."""
+        return self._running()[0].give_way_if_late(time_left_s)
+
     def close(self, budget_s: float, *, join_s: float = 5.0) -> bool:
         """Wait up to `budget_s` for the pending uploads (then a transfer in flight stops, its thread
         waited for `join_s`); node rank 0 then reports its last checkpoint in the termination message.

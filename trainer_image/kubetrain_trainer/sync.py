@@ -171,8 +171,7 @@ class CheckpointUploader:
         return line
 
     def keep_only_newest(self) -> list[int]:
-        """Drop every waiting snapshot but the newest, and stop an older upload in flight (on preemption the
-        grace period is short: the newest checkpoint, the emergency one, gets all of it)."""
+        """Drop every waiting snapshot but the newest (on preemption the grace period is short)."""
         with self._lock:
             dropped = []
             while len(self._queue) > 1:
@@ -180,15 +179,36 @@ class CheckpointUploader:
                 shutil.rmtree(old.folder, ignore_errors=True)
                 dropped.append(old.step)
             self.dropped.extend(dropped)
-            current = self._current
-            if current is not None and self._queue and current.step < self._queue[-1].step:
-                current.abandoned.set()  # its files stop at their next progress callback (`UploadStopped`)
-                if current.hashing is not None:
-                    current.hashing.cancel()
-                dropped.append(current.step)
         if dropped:
             log.warning("no time for older checkpoints %s: uploading the newest first", dropped)
         return dropped
+
+    def give_way_if_late(self, time_left_s: float) -> bool:
+        """Preempted (asked again as the time runs out): stop the older upload in flight (its files at their
+        next progress callback; it stays uncommitted) once the newest checkpoint waiting needs what is left,
+        `NEWEST_HEADROOM` x its size at the rate the older one's finished files went out, or at once when the
+        older one is failing (retrying, nothing to wait for). Until then it goes on, and the newest is committed
+        after it. True when it was stopped now."""
+        with self._lock:
+            current, newest = self._current, (self._queue[-1] if self._queue else None)
+            if current is None or newest is None or newest.step <= current.step or current.abandoned.is_set():
+                return False
+            files = current.files if current.files is not None else \
+                (current.hashing.files if current.hashing is not None else None)
+            elapsed = time.monotonic() - (current.started or time.monotonic())
+            done = sum(f.size for f in files or () if f.path in current.uploaded)  # whole files: a low rate
+            if done > 0:  # the newest's need, now or never
+                late = NEWEST_HEADROOM * _folder_bytes(newest.folder) / (done / max(elapsed, 1e-3)) >= time_left_s
+            else:
+                late = current.failures > 0
+            if not late:
+                return False
+            current.abandoned.set()
+            if current.hashing is not None:
+                current.hashing.cancel()
+        log.warning("checkpoint-%d cannot finish uploading with checkpoint-%d in the %.0f s left: giving it up for "
+                    "the newer one", current.step, newest.step, time_left_s)
+        return True
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until nothing is pending (True) or the timeout passed (False)."""
@@ -337,6 +357,14 @@ class CheckpointUploader:
                 self.on_commit(record)
             except Exception:  # reporting must never stop uploads
                 log.exception("on_commit hook failed")
+
+
+NEWEST_HEADROOM = 1.5
+"""After a SIGTERM, the time the newest checkpoint is given over its estimated upload time (`give_way_if_late`)."""
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _snapshot(src: Path, dst: Path) -> None:

@@ -6,7 +6,6 @@ set without the labels the model takes."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
@@ -216,32 +215,3 @@ def test_an_iterable_set_s_tuple_predictions_keep_every_row_when_ranks_are_inter
     both = _interleave(per_rank, sum(_rows(t) for t in per_rank))
     assert both[0].shape == (16, 3) and both[1].tolist() == [0, 1] * 8
 
-
-def test_accumulated_micro_batches_of_a_transformers_lm_weigh_each_label_token_alike(tmp_path):
-    """As HF 5.x: a model that takes `num_items_in_batch` normalises its loss by the label tokens of the whole
-    step, so two micro-batches of 1 and 24 tokens train as the 25 tokens would together (a mean of the two
-    micro-batch means, before, gave the single token the weight of 24)."""
-    transformers = pytest.importorskip("transformers")
-    rows = [[3, 4], list(range(5, 30))]  # 1 and 24 label tokens after the causal shift
-
-    def model():
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0))
-
-    reference = model()  # by hand: every token of the step in one sum, over the step's token count
-    total = sum(reference(input_ids=torch.tensor([r]), labels=torch.tensor([r]), num_items_in_batch=25).loss
-                for r in rows)
-    total.backward()
-    expected = reference.lm_head.weight.detach() - reference.lm_head.weight.grad
-
-    trained = model()
-    collate = lambda feats: {"input_ids": torch.tensor(feats), "labels": torch.tensor(feats)}  # noqa: E731
-    trainer = Trainer(model=trained, args=_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                                                max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0,
-                                                lr_scheduler_type="constant", logging_steps=1),
-                      train_dataset=rows, data_collator=collate)
-    trainer.train()
-    assert torch.allclose(trained.lm_head.weight.detach(), expected, atol=1e-6)
-    assert trainer.state.log_history[0]["loss"] == pytest.approx(total.item(), rel=1e-6)

@@ -572,9 +572,7 @@ def test_retrying_gives_up_at_the_deadline_and_succeeds_before_it():
         retrying(lambda: (_ for _ in ()).throw(StoragePermanentError("no bucket")), deadline=None, backoff=FAST)
 
 
-def test_keep_only_newest_drops_waiting_snapshots_and_the_older_upload_in_flight_on_preemption(tmp_path: Path):
-    """The newest checkpoint (the emergency one) gets all the grace period: older ones waiting are dropped, and
-    the one being uploaded (here failing, between retries) is given up too, not retried ahead of it."""
+def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
     store = MemoryStore()
     store.fail_next = 10**9
     up = _uploader(tmp_path, store, max_queued=5)
@@ -582,10 +580,29 @@ def test_keep_only_newest_drops_waiting_snapshots_and_the_older_upload_in_flight
         up.submit(_local_checkpoint(tmp_path / "out", step), step)
     time.sleep(0.2)  # step 1 is being uploaded (and failing)
     dropped = up.keep_only_newest()
-    assert dropped == [2, 3, 1]
+    assert dropped == [2, 3]
     store.fail_next = 0
     assert up.close(10)
-    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [4]
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [1, 4]
+
+
+def test_an_older_upload_failing_after_a_sigterm_gives_way_to_the_newest(tmp_path: Path):
+    """After a SIGTERM the drain asks, while time runs out: a failing upload in flight (retrying) stops at once,
+    uncommitted, and the newest goes out. (One that makes progress goes on while the newest still has time
+    after it: the e2e tier's 120 s grace commits both.)"""
+    store = MemoryStore()
+    store.fail_next = 10**9  # step 1 fails and retries
+    up = _uploader(tmp_path, store, max_queued=5)
+    for step in (1, 2):
+        up.submit(_local_checkpoint(tmp_path / "out", step), step)
+    deadline = time.monotonic() + 30  # a safety net, never a speed
+    while not (up._current is not None and up._current.failures > 0):
+        assert time.monotonic() < deadline, "step 1 never failed"
+        time.sleep(0.02)
+    assert up.give_way_if_late(60.0)
+    store.fail_next = 0
+    assert up.close(10)
+    assert sorted(c.step for c in store.list_checkpoints() if c.complete) == [2]
 
 
 def test_sync_callback_uploads_on_save_unless_the_launcher_does(tmp_path: Path, monkeypatch):

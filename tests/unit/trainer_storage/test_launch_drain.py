@@ -25,6 +25,11 @@ class Session:
     def keep_only_newest(self) -> None:
         self.calls.append("keep_only_newest")
 
+    def give_way_if_late(self, time_left_s: float) -> bool:
+        if "give_way_if_late" not in self.calls:  # asked on each wait after a SIGTERM; recorded once
+            self.calls.append("give_way_if_late")
+        return False
+
     def close(self, budget_s: float, *, join_s: float = 5.0) -> bool:
         self.closed_with = (budget_s, join_s)
         return time.monotonic() >= self.done_at
@@ -58,7 +63,7 @@ def test_a_sigterm_while_it_waits_cuts_the_wait_to_the_grace_period_and_keeps_on
     synced = launch._drain(session, 1800.0, stop, lambda: stopped_at[0] + 1.0 if stopped_at else None)
     assert not synced
     assert 1.2 <= time.monotonic() - started < 2.5  # SIGTERM at 0.3 s + 1 s to the end of the grace
-    assert session.calls == ["keep_only_newest"]  # once, when the SIGTERM was seen
+    assert session.calls == ["keep_only_newest", "give_way_if_late"]  # then, while it waits, whether the newest needs the time  # once, when the SIGTERM was seen
     assert session.closed_with == (0.0, 1.0)  # and the upload thread is waited for only the given time
 
 
