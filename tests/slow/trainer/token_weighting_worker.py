@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from kubetrain_trainer import Trainer, TrainingArguments
+from kubetrain_trainer.exiting import exit_at_once
 
 torch.set_num_threads(1)
 ROWS = [[3, 4], list(range(5, 30)), [7, 8, 9, 10], list(range(11, 20))]
@@ -37,6 +38,8 @@ def main() -> None:
         torch.save({"weight": model.lm_head.weight.detach(), "loss": trainer.state.log_history[0]["loss"]}, out)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # As the built-in trainer leaves: no interpreter teardown, where gloo's threads can hang or abort a finished run.
+    exit_at_once(0)
 
 
 if __name__ == "__main__":
