@@ -142,6 +142,8 @@ class UploadJob:
     failures: int = 0
     started: float | None = None
     """When the first upload try began (monotonic)."""
+    sent_base: int | None = None
+    """The store's `bytes_sent` when this job's first try began (its bytes out so far: the rate it goes at)."""
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Set when a newer checkpoint must have the time left (SIGTERM): no file starts, those going out stop."""
 

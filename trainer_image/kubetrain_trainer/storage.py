@@ -81,6 +81,8 @@ class CheckpointStore:
         )
         self._throttle = _Throttle(config.test_upload_bytes_per_second) if config.test_upload_bytes_per_second \
             else None
+        self.bytes_sent = 0
+        """Bytes its uploads have sent so far, counted as they go out (the uploader's rate estimate)."""
         if self._throttle is not None:
             log.warning("%s=%d: uploads are slowed down (a test hook; never set it in production)",
                         UPLOAD_RATE_ENV, config.test_upload_bytes_per_second)
@@ -236,6 +238,7 @@ class CheckpointStore:
         throttle = self._throttle
 
         def progress(sent: int) -> None:
+            self.bytes_sent += sent  # (from several threads: a rate's estimate, a lost increment is no harm)
             if throttle is not None:
                 throttle(sent)
             if still_allowed is not None:

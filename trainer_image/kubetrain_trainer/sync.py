@@ -186,7 +186,7 @@ class CheckpointUploader:
     def give_way_if_late(self, time_left_s: float) -> bool:
         """Preempted (asked again as the time runs out): stop the older upload in flight (its files at their
         next progress callback; it stays uncommitted) once the newest checkpoint waiting needs what is left,
-        `NEWEST_HEADROOM` x its size at the rate the older one's finished files went out, or at once when the
+        `NEWEST_HEADROOM` x its size at the rate the older one's bytes went out, or at once when the
         older one is failing (retrying, nothing to wait for). Until then it goes on, and the newest is committed
         after it. True when it was stopped now."""
         with self._lock:
@@ -196,7 +196,10 @@ class CheckpointUploader:
             files = current.files if current.files is not None else \
                 (current.hashing.files if current.hashing is not None else None)
             elapsed = time.monotonic() - (current.started or time.monotonic())
-            done = sum(f.size for f in files or () if f.path in current.uploaded)  # whole files: a low rate
+            done = sum(f.size for f in files or () if f.path in current.uploaded)  # finished files only
+            sent = getattr(self.store, "bytes_sent", None)
+            if sent is not None and current.sent_base is not None:
+                done = max(done, sent - current.sent_base)  # the bytes that went out, files in flight included
             if done > 0:  # the newest's need, now or never
                 late = NEWEST_HEADROOM * _folder_bytes(newest.folder) / (done / max(elapsed, 1e-3)) >= time_left_s
             else:
@@ -321,6 +324,8 @@ class CheckpointUploader:
         if job.abandoned.is_set():
             raise UploadStopped(f"checkpoint-{job.step}: given up for a newer checkpoint")
         job.started = job.started or time.monotonic()
+        if job.sent_base is None:
+            job.sent_base = getattr(self.store, "bytes_sent", None)
         outcome = self._protocol.run(job)
         if outcome.action == "already committed":
             self._committed(job.step)
