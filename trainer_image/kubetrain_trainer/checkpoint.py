@@ -82,22 +82,23 @@ class ResumeRegistry:
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """Committed checkpoints under `output_dir`, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    return [(step, child) for step, child in by_step((c.name, c) for c in root.iterdir())
-            if child.is_dir() and (child / COMPLETE_MARKER).is_file()]
+    return _folders_with(output_dir, COMPLETE_MARKER)
 
 
 def list_local_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """Checkpoints committed on this node, oldest first: with trainer_state.json, or this node's share of one
     (`commit_folder` marks each node's folder ready; on nodes that share no disk with world rank 0 the folder
     holds only the files their own ranks wrote). What `save_total_limit` counts, node by node."""
+    return _folders_with(output_dir, COMPLETE_MARKER, READY_MARKER)
+
+
+def _folders_with(output_dir: str | Path, *names: str) -> list[tuple[int, Path]]:
+    """The `checkpoint-<step>` folders under `output_dir` holding a file of one of `names`, oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     return [(step, child) for step, child in by_step((c.name, c) for c in root.iterdir())
-            if child.is_dir() and ((child / COMPLETE_MARKER).is_file() or (child / READY_MARKER).is_file())]
+            if child.is_dir() and any((child / name).is_file() for name in names)]
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -142,6 +142,8 @@ class UploadJob:
     failures: int = 0
     started: float | None = None
     """When the first upload try began (monotonic)."""
+    snapshot_bytes: int | None = None
+    """The snapshot's size, once asked (`CheckpointUploader.give_way_if_late`, every half second after a SIGTERM)."""
     sent_base: int | None = None
     """The store's `bytes_sent` when this job's first try began (its bytes out so far: the rate it goes at)."""
     abandoned: threading.Event = field(default_factory=threading.Event)

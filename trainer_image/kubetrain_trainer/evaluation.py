@@ -225,7 +225,7 @@ class EvaluationMixin:
         if prediction_loss_only:
             return loss, None, None
         if ignore_keys is None:  # as HF: what the model's config says is no prediction (a KV cache)
-            ignore_keys = getattr(getattr(self.strategy.unwrap() if self._prepared else self.model, "config", None),
+            ignore_keys = getattr(getattr(self._unwrapped_model(), "config", None),
                                   "keys_to_ignore_at_inference", None)
         return loss, _nested(torch.Tensor.detach, extract_logits(outputs, ignore_keys)), labels
 
@@ -282,10 +282,10 @@ class EvaluationMixin:
 
     def _label_names(self) -> tuple[str, ...]:
         """`args.label_names`, else the model's label arguments as HF finds them."""
-        return tuple(self.args.label_names or label_names(type(self.strategy.unwrap() if self._prepared else self.model)))
+        return tuple(self.args.label_names or label_names(type(self._unwrapped_model())))
 
     def _takes_labels(self) -> bool:
-        model_class = type(self.strategy.unwrap() if self._prepared else self.model)
+        model_class = type(self._unwrapped_model())
         params = inspect.signature(model_class.forward).parameters
         return any(name in params for name in self._label_names())
 

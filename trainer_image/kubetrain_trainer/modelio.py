@@ -43,8 +43,18 @@ def save_model_config(module: nn.Module, out: Path, *, processing_class: Any = N
         if generation is not None and hasattr(generation, "save_pretrained") and getattr(module, "can_generate",
                                                                                           lambda: False)():
             generation.save_pretrained(out)
-    elif (plain := config_dict(module)) is not None:  # a value JSON has no type for (a torch.dtype) as its str
+    else:
+        _write_plain_config(module, out)
+    _save_processing_class(processing_class, out)
+
+
+def _write_plain_config(module: nn.Module, out: Path) -> None:
+    """config.json from a module's plain config; a value JSON has no type for (a torch.dtype) as its str."""
+    if (plain := config_dict(module)) is not None:
         (out / "config.json").write_text(json.dumps(plain, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _save_processing_class(processing_class: Any, out: Path) -> None:
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(out)
 
@@ -61,8 +71,5 @@ def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | No
             save_file(safetensors_ready(state_dict), str(out / "model.safetensors"), metadata={"format": "pt"})
         else:
             torch.save(state_dict, out / "pytorch_model.bin")
-        config = config_dict(module)
-        if config is not None:
-            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(out)
+        _write_plain_config(module, out)
+    _save_processing_class(processing_class, out)

@@ -108,6 +108,10 @@ class OverridableMixin:
     _shifted_labels = False
     _count_always = False
 
+    def _unwrapped_model(self) -> nn.Module:
+        """The user's model: unwrapped from the strategy once prepared."""
+        return self.strategy.unwrap() if self._prepared else self.model
+
     def _overrides(self, name: str) -> bool:
         """Whether this Trainer's class replaces the method `name` of this mixin."""
         return getattr(type(self), name) is not getattr(OverridableMixin, name)
@@ -131,7 +135,7 @@ class OverridableMixin:
         """`data_collator`, behind HF's column removal with `remove_unused_columns` (the default)."""
         if not self.args.remove_unused_columns:
             return self.data_collator
-        model = self.strategy.unwrap() if self._prepared else self.model
+        model = self._unwrapped_model()
         return remove_unused_columns(self.data_collator, model, self.args.label_names, what)
 
     def _prepare_inputs(self, inputs: Any) -> Any:
@@ -220,7 +224,7 @@ class OverridableMixin:
 
     def _training_step_caller(self, count: bool):
         """`_training_step` as a function of (model, inputs), its signature checks done once (the loop's per-step call)."""
-        model = self.strategy.unwrap() if self._prepared else self.model
+        model = self._unwrapped_model()
         causal = counts_label_tokens(model)
         chosen = causal if self.model_accepts_loss_kwargs is None else bool(self.model_accepts_loss_kwargs)
         # A compute_loss override that does not take the count returns the model's mean: no counting for it.

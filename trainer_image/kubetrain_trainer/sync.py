@@ -201,7 +201,9 @@ class CheckpointUploader:
             if sent is not None and current.sent_base is not None:
                 done = max(done, sent - current.sent_base)  # the bytes that went out, files in flight included
             if done > 0:  # the newest's need, now or never
-                late = NEWEST_HEADROOM * _folder_bytes(newest.folder) / (done / max(elapsed, 1e-3)) >= time_left_s
+                if newest.snapshot_bytes is None:
+                    newest.snapshot_bytes = _folder_bytes(newest.folder)
+                late = NEWEST_HEADROOM * newest.snapshot_bytes / (done / max(elapsed, 1e-3)) >= time_left_s
             else:
                 late = current.failures > 0
             if not late:

@@ -182,12 +182,13 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 self.current_gradient_accumulation_steps = len(micro)
                 last = len(micro) - 1
                 step_loss, items = None, self._step_items(micro)
+                run = step_fn if items is None else functools.partial(counted_fn, items=items)
                 for i, batch in enumerate(micro):
                     if i < last:  # gradients are synchronised on the last micro-batch only
                         with strategy.no_sync(True):
-                            loss = step_fn(model, batch) if items is None else counted_fn(model, batch, items)
+                            loss = run(model, batch)
                     else:
-                        loss = step_fn(model, batch) if items is None else counted_fn(model, batch, items)
+                        loss = run(model, batch)
                     # The step's loss sum, in float32 over several micro-batches (one needs no sum and no cast:
                     # `.item()` reads a bf16 value exactly; the collective of several ranks casts it).
                     if step_loss is None:
@@ -442,7 +443,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         out = Path(output_dir or self.args.output_dir)
         state_dict = self.strategy.full_state_dict() if self._prepared else self.model.state_dict()
         if self.is_world_process_zero():
-            module = self.strategy.unwrap() if self._prepared else self.model
+            module = self._unwrapped_model()
             save_model_files(module, state_dict, out, safe_serialization=self.args.save_safetensors,
                              processing_class=self.processing_class)
             (out / "training_args.json").write_text(self.args.to_json_string() + "\n")

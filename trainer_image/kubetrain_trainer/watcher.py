@@ -131,15 +131,14 @@ class FolderWatcher:
         for step, inode, path in self._entries():
             if self._seen.get(step) == inode:
                 continue
-            if (path / MANIFEST_NAME).exists():
+            if (path / MANIFEST_NAME).exists() and self._misnamed.get(step) != inode:  # read once per folder
                 if _restored(path, step):
                     self._seen[step] = inode
                     continue
-                if self._misnamed.get(step) != inode:  # a writer's own manifest.json: uploaded all the same
-                    self._misnamed[step] = inode
-                    log.warning("%s holds a manifest.json that is not a kubetrain manifest of step %d: that name "
-                                   "is reserved at a checkpoint's top level (the upload's own manifest), so the file "
-                                   "is left out of the upload; the rest goes up", path, step)
+                self._misnamed[step] = inode  # a writer's own manifest.json: uploaded all the same
+                log.warning("%s holds a manifest.json that is not a kubetrain manifest of step %d: that name is "
+                            "reserved at a checkpoint's top level (the upload's own manifest), so the file is left "
+                            "out of the upload; the rest goes up", path, step)
             pending = self._pending.get(step)
             if pending is None or pending.inode != inode:
                 self._pending[step] = _Pending(inode=inode, path=path, changed_at=now)
