@@ -14,6 +14,7 @@ through `k8s.py`.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from typing import Any
 
@@ -21,11 +22,10 @@ import kopf
 
 from kubetrain import k8s, metrics, poller, transport
 from kubetrain.api import LABEL_MANAGED_BY, MANAGED_BY
-from kubetrain.values import parse_time
 from kubetrain.config import Settings
 from kubetrain.informer import JobInformer, PodInformer, WorkloadInformer, key_of
-from kubetrain.observe import NodeView
-from kubetrain.reconciler import Reconciler
+from kubetrain.observe import NodeView, node_view
+from kubetrain.reconciler import Reconciler, utcnow
 
 log = logging.getLogger("kubetrain.operator")
 NODES_LISTED_WARNING_SECONDS = 60.0
@@ -128,16 +128,19 @@ async def api_writes(memo: Any, **_: Any) -> dict[str, int]:
     return dict(api.writes) if api is not None else {}
 
 
+_NOT_READY_SEEN: dict[str, dt.datetime] = {}
+"""When this operator first saw each not-Ready node, for those whose Ready condition has no time."""
+
+
 @kopf.index("nodes")
 async def nodes_by_name(name: str, status: kopf.Status, **_: Any) -> dict[str, NodeView]:
-    ready = next((c for c in status.get("conditions") or () if c.get("type") == "Ready"), None)
-    is_ready = bool(ready and ready.get("status") == "True")
-    return {name: NodeView(name=name, ready=is_ready,
-                           since=None if is_ready else parse_time((ready or {}).get("lastTransitionTime")))}
+    return {name: node_view(name, status.get("conditions"), _NOT_READY_SEEN, utcnow())}
 
 
 @kopf.on.event("nodes")
 async def node_event(type: str, name: str, status: kopf.Status, memo: Any, **_: Any) -> None:
+    if type == "DELETED":
+        _NOT_READY_SEEN.pop(name, None)
     ready = type != "DELETED" and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
     _reconciler(memo).node_event(type, name, ready)

@@ -146,6 +146,20 @@ class NodeView:
     """When it stopped being Ready (or was first seen missing)."""
 
 
+def node_view(name: str, conditions: Any, not_ready_seen: dict[str, dt.datetime], now: dt.datetime) -> NodeView:
+    """A node's view from its status conditions. A node that is not Ready counts from its Ready condition's
+    lastTransitionTime; without a usable one (no Ready condition yet, or a writer that leaves the time out),
+    from when this operator first saw it not Ready (`not_ready_seen`, by node name; kept here until the node is
+    Ready again), so that it still counts as lost after the grace period instead of never."""
+    ready = next((c for c in conditions or () if isinstance(c, Mapping) and c.get("type") == "Ready"), None)
+    if ready is not None and ready.get("status") == "True":
+        not_ready_seen.pop(name, None)
+        return NodeView(name=name, ready=True)
+    first = not_ready_seen.setdefault(name, now)
+    changed = parse_time_or_none(ready.get("lastTransitionTime")) if ready is not None else None
+    return NodeView(name=name, ready=False, since=changed or first)
+
+
 GONE_SUCCEEDED = "Succeeded"
 """`Observed.gone`'s word for a pod deleted after it succeeded (PodGC, a user tidying up, a node scaled
 down): its rank is done, not taken away."""
