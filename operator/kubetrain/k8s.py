@@ -343,7 +343,7 @@ async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
 async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> None:
     """One merge patch of a Workload, guarded by its resourceVersion: a ConflictError (Kueue wrote
     meanwhile) makes the caller plan again from a fresh read; NotFound is nothing left to do."""
-    meta: dict[str, Any] = {"resourceVersion": action.resource_version}
+    meta: dict[str, Any] = {"resourceVersion": action.resource_version} if action.resource_version else {}
     try:
         if action.status is not None:
             await api.call("patch workload/status", api.custom.patch_namespaced_custom_object_status, KUEUE_GROUP,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from kubetrain import kueue, kueue_admission
-from kubetrain.actions import CreatePod, CreateWorkload, PatchStatus, PatchWorkload, Plan
+from kubetrain.actions import CreatePod, CreateWorkload, Event, PatchStatus, PatchWorkload, Plan
 from kubetrain.api import Job
 from kubetrain.draft import Draft, delete_pods, excerpt, fail
 from kubetrain.observe import Observed
@@ -72,9 +72,34 @@ class KueueObserved:
     """The admitted ResourceFlavors' specs, by name."""
 
 
+LABEL_REMOVED = "QueueLabelRemoved"
+"""The Queued condition's reason once the queue label is removed from a job that was queued."""
+
+
 def is_queued(job: Job) -> bool:
     """The job asks for Kueue (its queue label is set, valid or not)."""
     return kueue.LABEL_QUEUE_NAME in job.labels
+
+
+def plan_unqueued(job: Job, observed: Observed, now: dt.datetime) -> Plan:
+    """A job without the queue label: `plan.plan`. One that had the label before (its Queued condition is set)
+    runs without Kueue from now on (the chart's admission policy refuses the removal only while Kueue admits
+    the job), so its Workload is let go once: deactivated, marked as the operator's doing (Kueue evicts it and
+    never admits it while inactive: it holds no quota for a gang that runs outside the queue; the label put
+    back activates it again), and the condition says so instead of a stale `Queued=True`."""
+    result = plan(job, observed, now)
+    status = result.status or job.status
+    cond = status.condition(QUEUED)
+    if job.deleting or job.status.terminal or cond is None or cond.reason == LABEL_REMOVED:
+        return result
+    name = kueue.workload_name(job.name, job.uid)
+    message = (f"the {kueue.LABEL_QUEUE_NAME} label was removed: the job runs without Kueue; its Workload "
+               f"{name} is deactivated")
+    status = status.with_condition(QUEUED, "False", reason=LABEL_REMOVED, message=message, now=now)
+    result = _set_status(result, job, status)
+    result = replace(result, events=result.events + (Event("Normal", LABEL_REMOVED, message),))
+    return _with(result, PatchWorkload(name=name, resource_version="", spec={"active": False},
+                                       annotations={kueue.ANNOTATION_SUSPENDED: "true"}))
 
 
 def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetime) -> Plan:

@@ -30,8 +30,8 @@ from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedEr
 from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
-from kubetrain.plan import fail_plan, plan, rejected_plan
-from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
+from kubetrain.plan import fail_plan, rejected_plan
+from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued, plan_unqueued
 from kubetrain.progress import ProgressObservation
 
 log = logging.getLogger("kubetrain.operator")
@@ -343,7 +343,7 @@ class Reconciler:
                     return
                 result = plan_queued(job, observed, kq, now)
             else:
-                result = plan(job, observed, now)
+                result = plan_unqueued(job, observed, now)
             if not result.actions and not result.events:
                 if result.requeue_after is not None:
                     self.enqueue(key, result.requeue_after + 0.05)

@@ -405,3 +405,19 @@ def test_an_exhausted_backoff_limit_finishes_the_workload_as_failed_and_frees_th
     finished = kq.WorkloadView.from_storage(wl).finished
     assert (finished.status, finished.reason) == ("True", kq.FINISHED_FAILED), wl["status"]
     jobs.wait_phase("waiting", "Running", nodesReady=3, timeout=180)
+
+
+def test_removing_the_label_of_a_queued_job_runs_it_without_kueue_and_deactivates_its_workload(operator, jobs,
+                                                                                              kueue_queue):
+    create(jobs, "leaver", kueue_queue.local_queue, nodes=4)  # over the queue's quota: it waits
+    wait_queued(jobs, "leaver", "ExceedsMaxQuota")
+    jobs.custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", jobs.namespace, "trainingjobs", "leaver",
+                                               {"metadata": {"labels": {kq.LABEL_QUEUE_NAME: None}}})
+    status = jobs.wait_phase("leaver", "Running", nodesReady=4)
+    queued = next(c for c in status["conditions"] if c["type"] == "Queued")
+    assert (queued["status"], queued["reason"]) == ("False", "QueueLabelRemoved"), queued
+    [body] = wait_until(lambda: workloads(jobs), lambda w: len(w) == 1 and w[0]["spec"].get("active") is False,
+                        timeout=60, what="the job's Workload deactivated")
+    assert not kq.WorkloadView.from_storage(body).admitted
+    wait_until(lambda: jobs.event_messages("leaver", "QueueLabelRemoved"), lambda ms: len(ms) == 1, timeout=30,
+               what="one QueueLabelRemoved event")

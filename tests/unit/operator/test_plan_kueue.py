@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from kubetrain import kueue, kueue_admission
-from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
+from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchStatus, PatchWorkload, Plan
 from kubetrain.api import Job
 from kubetrain.observe import Observed
-from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued
+from kubetrain.plan_kueue import LABEL_REMOVED, KueueObserved, is_queued, plan_queued, plan_unqueued
 from kubetrain_factories import at, gang, iso, job, observed, started
 
 FLAVOR = "default-flavor"
@@ -367,3 +367,37 @@ def test_an_empty_requests_map_the_workload_does_not_keep_is_not_a_changed_gang(
     stored = [{"name": "workers", "count": 2, "template": {"spec": {"containers": [
         {"resources": {"limits": {"nvidia.com/gpu": "1", "memory": "16Gi"}}}]}}}]
     assert _counted(wanted) == _counted(stored)
+
+
+def test_a_queued_job_whose_label_is_removed_runs_without_kueue_and_lets_its_workload_go() -> None:
+    """Before, the job started its pods with a stale `Queued=True` (the KUEUE column still said why it
+    waited), and its Workload stayed in the queue: admitted later, it held quota for a gang that ran outside
+    it until the job was deleted. The label put back activates the Workload again (the mark says the
+    deactivation was the operator's, so the job does not fail as if Kueue had deactivated it)."""
+    waiting = plan_queued(queued(), observed(), pending(), at(5))
+    assert waiting.status is not None and waiting.status.phase == "Queued"
+    unlabelled = replace(queued(labels={}), status=waiting.status)
+    result = plan_unqueued(unlabelled, observed(), at(6))
+    assert sorted(a.rank for a in result.actions if isinstance(a, CreatePod)) == [0, 1]
+    cond_ = result.status.condition("Queued")
+    assert (cond_.status, cond_.reason) == ("False", LABEL_REMOVED) and kueue.LABEL_QUEUE_NAME in cond_.message
+    [patch] = [a for a in result.actions if isinstance(a, PatchWorkload)]
+    assert patch.name == kueue.workload_name("tj", "uid-1") and patch.spec == {"active": False}
+    assert patch.annotations == {kueue.ANNOTATION_SUSPENDED: "true"} and patch.resource_version == ""
+    assert [e.reason for e in result.events].count(LABEL_REMOVED) == 1
+    assert result.actions.index(patch) > max(i for i, a in enumerate(result.actions) if isinstance(a, PatchStatus))
+    again = plan_unqueued(replace(unlabelled, status=result.status), observed(*gang(2)), at(7))
+    assert not [a for a in again.actions if isinstance(a, PatchWorkload)], "let go once"
+    assert LABEL_REMOVED not in [e.reason for e in again.events]
+    relabelled = replace(unlabelled, labels={kueue.LABEL_QUEUE_NAME: "lq"}, status=result.status)
+    back = plan_queued(relabelled, observed(*gang(2)), KueueObserved(
+        workload=workload(cond("QuotaReserved", "False", "Pending"), active=False, marked=True)), at(8))
+    assert back.status is not None and back.status.phase == "Queued" and back.status.condition("Failed") is None
+    [on] = [a for a in back.actions if isinstance(a, PatchWorkload) and a.spec is not None]
+    assert on.spec == {"active": True}
+
+
+def test_a_job_never_queued_is_planned_as_without_kueue() -> None:
+    plain = job()
+    from kubetrain.plan import plan
+    assert plan_unqueued(plain, observed(), at(5)) == plan(plain, observed(), at(5))
