@@ -69,13 +69,17 @@ class StorageConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "StorageConfig":
         raw = env.get(UPLOAD_RATE_ENV, "").strip() or "0"
-        if not raw.isdigit():
+        try:  # as the launcher's own check reads it (launch_config._int: "+5" is 5), so both agree
+            rate = int(raw)
+        except ValueError:
+            rate = -1
+        if rate < 0:
             raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
         return cls(
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
             endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **{"test_upload_bytes_per_second": int(raw), **overrides},
+            **{"test_upload_bytes_per_second": rate, **overrides},
         )
 
 

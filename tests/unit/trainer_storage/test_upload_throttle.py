@@ -60,3 +60,21 @@ def test_the_hook_is_read_from_the_environment_and_off_by_default():
                                   ).test_upload_bytes_per_second == 250000
     with pytest.raises(ValueError, match="KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"):
         StorageConfig.from_env(base | {"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": "fast"})
+
+
+def test_the_storage_reads_every_value_the_launchers_check_accepts():
+    """The launcher checks the hook first (exit 82 when it is wrong); a value it accepted ("+5", " 7 ") made the
+    storage raise later, and the launcher exit 1."""
+    from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
+
+    base = {"KUBETRAIN_CHECKPOINT_URI": "s3://b/p"}
+    launch_env = {"KUBETRAIN_CHECKPOINT_URI": "s3://b/p", "KUBETRAIN_JOB_NAME": "j", "KUBETRAIN_NAMESPACE": "ns"}
+    for raw, expected in (("+5", 5), (" 7 ", 7), ("0", 0)):
+        LaunchConfig.from_env(launch_env | {"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": raw}, [])
+        assert StorageConfig.from_env(base | {"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": raw}
+                                      ).test_upload_bytes_per_second == expected
+    for raw in ("-5", "1e3"):
+        with pytest.raises(ConfigError, match="^KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND:"):
+            LaunchConfig.from_env(launch_env | {"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": raw}, [])
+        with pytest.raises(ValueError, match="KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND"):
+            StorageConfig.from_env(base | {"KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND": raw})
