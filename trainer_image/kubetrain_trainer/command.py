@@ -35,3 +35,38 @@ def expand_command(command: Sequence[str], worker_env: Mapping[str, str]) -> lis
         return worker_env[name] if name in LAUNCHER_SET and name in worker_env else m.group(0)
 
     return [_REF.sub(sub, arg) for arg in command]
+
+
+_SECRET_WORD = (r"(?<![a-z])(?:secrets?|tokens?|passw(?:or)?ds?|credentials?|api[_-]?keys?|access[_-]?keys?"
+                r"|private[_-]?keys?|auth)(?![a-z])")
+"""A word of a name that holds a secret, on its own (`hub_token`, not `tokenizer_name`)."""
+_SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORD}|_key$|^key$)")
+"""An environment variable whose value is a secret, by its name (AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY,
+DB_PASSWORD, ...)."""
+_SECRET_FLAG = re.compile(rf"(?i)^--?[\w.-]*(?:{_SECRET_WORD})[\w.-]*$")
+_SECRET_FLAG_VALUE = re.compile(rf"(?i)^(--?[\w.-]*(?:{_SECRET_WORD})[\w.-]*=).+$")
+MASK = "***"
+
+
+def shown_command(command: Sequence[str], env: Mapping[str, str]) -> str:
+    """`command` as it may be logged. The kubelet has already put the pod's env into `$(NAME)` references,
+    Secret values included (`--hub_token $(HF_TOKEN)` arrives as the token itself), and the launcher's log
+    line goes where anyone who reads pod logs, or a pod's termination message, sees it. So the value of
+    every variable named like a secret is masked wherever it appears, and so is the value of any flag
+    named like one (`--hub_token X`, `--password=X`)."""
+    values = sorted((v for k, v in env.items() if len(v) >= 4 and _SECRET_NAME.search(k)), key=len, reverse=True)
+    shown: list[str] = []
+    hide_next = False
+    for arg in command:
+        if hide_next:
+            shown.append(MASK)
+            hide_next = False
+            continue
+        if m := _SECRET_FLAG_VALUE.match(arg):
+            shown.append(m.group(1) + MASK)
+            continue
+        hide_next = bool(_SECRET_FLAG.match(arg))
+        for value in values:
+            arg = arg.replace(value, MASK)
+        shown.append(arg)
+    return " ".join(shown)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from kubetrain_trainer import handoff
-from kubetrain_trainer.command import expand_command
+from kubetrain_trainer.command import expand_command, shown_command
 from kubetrain_trainer.exiting import exit_at_once
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level, pod_environ
@@ -146,7 +146,7 @@ class Workers:
             if read_fd is not None:
                 os.close(read_fd)  # the worker's end: the launcher keeps only its write end
         log.info("started %d worker(s)%s: %s", len(procs), " (they wait for the restore)" if before_restore else "",
-                 " ".join(cfg.command))
+                 shown_command(cfg.command, base_env))
         return cls(procs, pipes)
 
     def hand_over(self, resume_from: Path | None) -> None:

@@ -37,6 +37,7 @@ from kubetrain_trainer.contract import (
     TRAINER_ARGS,
     UPLOAD_TIMEOUT,
 )
+from kubetrain_trainer.command import shown_command
 from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.metrics import DEFAULT_PORT
 from kubetrain_trainer.readiness import COMMIT_MODES, CommitMode
@@ -130,7 +131,7 @@ class LaunchConfig:
             if not command:
                 raise ConfigError("command: nothing after '--'")
         elif command:
-            raise ConfigError(f"command: expected '-- <command...>', got {' '.join(command)!r}")
+            raise ConfigError(f"command: expected '-- <command...>', got {shown_command(command, env)!r}")
         builtin = not command
         local_dir = Path(env.get(LOCAL_CHECKPOINT_DIR) or "/tmp/kubetrain/checkpoints")
         if builtin and trainer_args.get("output_dir"):

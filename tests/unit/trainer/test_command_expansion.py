@@ -34,3 +34,37 @@ def test_every_expanded_name_is_one_the_launcher_sets_for_its_workers(tmp_path):
     env = worker_env(cfg, 1, {}, tmp_path / "checkpoint-5")
     assert LAUNCHER_SET <= set(env), LAUNCHER_SET - set(env)
     assert expand_command(["$(LOCAL_RANK)", "$(KUBETRAIN_RESUME_FROM)"], env) == ["1", str(tmp_path / "checkpoint-5")]
+
+
+SECRET, TOKEN = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY", "hf_SuperSecretValue123"
+
+
+def test_the_launchers_log_line_masks_secret_values_the_kubelet_put_into_the_command(tmp_path):
+    """The kubelet expands `$(HF_TOKEN)` from a secretKeyRef before the launcher starts; the launcher logged the
+    whole command at INFO (and a crash's log tail can become the pod's termination message)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET, "HF_TOKEN": TOKEN, "KUBETRAIN_METRICS_PORT": "0",
+           "KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path / "ck"), "KUBETRAIN_TERMINATION_LOG": str(tmp_path / "t")}
+    env.pop("KUBETRAIN_CHECKPOINT_URI", None)
+    done = subprocess.run([sys.executable, "-m", "kubetrain_trainer.launch", "--", sys.executable, "-c",
+                           "import sys; sys.exit(3)", "--s3_secret", SECRET, "--hub_token", TOKEN,
+                           f"--creds=s3://me:{SECRET}@host"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "started 1 worker(s)" in done.stderr and "--hub_token ***" in done.stderr, done.stderr
+    assert SECRET not in done.stderr and TOKEN not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["train.py", "--hub_token", TOKEN], "train.py --hub_token ***"),
+    (["train.py", "--password=hunter22"], "train.py --password=***"),
+    (["train.py", f"--uri=s3://x:{SECRET}@h"], "train.py --uri=s3://x:***@h"),  # by value: AWS_SECRET_ACCESS_KEY
+    (["train.py", "--lr", "0.1", "--output_dir", "/out"], "train.py --lr 0.1 --output_dir /out"),
+    (["train.py", "--tokenizer_name", "gpt2"], "train.py --tokenizer_name gpt2"),  # not a secret's flag
+])
+def test_shown_command(command, expected):
+    from kubetrain_trainer.command import shown_command
+
+    assert shown_command(command, {"AWS_SECRET_ACCESS_KEY": SECRET, "HOME": "/root", "KEYBOARD": "us"}) == expected
