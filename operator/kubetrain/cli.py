@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 from kubetrain.config import ConfigError, Settings
+from kubetrain.redact import RedactFilter
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,15 +62,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_operator(settings, liveness=args.liveness)
 
 
-def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
+def configure_logging(level: str) -> None:
+    """kopf's log handler at `level`, every line it writes redacted (redact.py) as status and events are."""
     import kopf
 
-    kopf.configure(debug=settings.log_level == "DEBUG", verbose=settings.log_level == "DEBUG",
-                   quiet=settings.log_level in ("WARNING", "ERROR"))
-    logging.getLogger().setLevel(settings.log_level)
-    logging.getLogger("kubetrain").setLevel(settings.log_level)
-    if settings.log_level != "DEBUG":  # "Handler 'pod_event' succeeded." on every watch event
+    kopf.configure(debug=level == "DEBUG", verbose=level == "DEBUG", quiet=level in ("WARNING", "ERROR"))
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in root.handlers:  # kopf's, set up just above
+        if not any(isinstance(f, RedactFilter) for f in handler.filters):
+            handler.addFilter(RedactFilter())
+    logging.getLogger("kubetrain").setLevel(level)
+    if level != "DEBUG":  # "Handler 'pod_event' succeeded." on every watch event
         logging.getLogger("kopf.objects").setLevel("WARNING")
+
+
+def run_operator(settings: Settings, *, liveness: str | None = None) -> int:
+    configure_logging(settings.log_level)
     # Given explicitly: kopf would otherwise ask getpass for the user name, which fails in a container
     # whose uid has no passwd entry (a pod's runAsUser rarely has one).
     identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"

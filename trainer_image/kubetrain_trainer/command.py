@@ -37,7 +37,7 @@ def expand_command(command: Sequence[str], worker_env: Mapping[str, str]) -> lis
     return [_REF.sub(sub, arg) for arg in command]
 
 
-_SECRET_WORD = (r"(?<![a-z])(?:secrets?|tokens?|passw(?:or)?ds?|credentials?|api[_-]?keys?|access[_-]?keys?"
+_SECRET_WORD = (r"(?<![a-z])(?:secrets?|token|passw(?:or)?ds?|credentials?|api[_-]?keys?|access[_-]?keys?"
                 r"|private[_-]?keys?|auth)(?![a-z])")
 """A word of a name that holds a secret, on its own (`hub_token`, not `tokenizer_name`)."""
 _SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORD}|_key$|^key$)")

@@ -63,3 +63,45 @@ def test_a_long_token_in_a_url_and_a_long_key_name_are_still_redacted() -> None:
     assert "eyJ" not in excerpt(url) and "https://***@" in excerpt(url)
     long_key = "DB_PASSWORD_FOR_THE_PRODUCTION_READ_REPLICA_IN_EU_WEST_1_AND_US_EAST_1_FAILOVER=hunter2"
     assert "hunter2" not in redact(long_key)
+
+
+@pytest.mark.parametrize("text, secret", [
+    ('failed: Get "https://acr.example/v2/?sv=2020&sig=AbCdEf0123456789%2B&se=2030": EOF', "AbCdEf0123456789"),
+    ("clone https://ghp_abcdefghijklmnopqrstuvwxyz0123456789@github.com/org/repo.git", "ghp_abcdef"),
+    ("run.py --password hunter22 --lr 0.1", "hunter22"),
+    ("run.py --hub_token hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567", "hf_AbCdEf"),
+    ("auth failed for eyJhbGciOiJSUzI1NiIsImtpZCI6IjEifQ.eyJzdWIiOiJzeXN0ZW0ifQ.c2lnbmF0dXJlc2ln", "eyJhbGci"),
+    ("token hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567 refused", "hf_AbCdEf"),
+])
+def test_more_secret_shapes_are_redacted(text: str, secret: str) -> None:
+    assert secret not in redact(text), redact(text)
+
+
+def test_flags_that_only_look_like_secrets_are_kept() -> None:
+    text = "run.py --tokenizer_name gpt2 --max_tokens 5 --design x"
+    assert redact(text) == text
+
+
+def test_masked_secrets_before_the_cut_do_not_pull_a_split_one_into_view() -> None:
+    """The excerpt was cut at limit + margin, then redacted: masking a long value before the cut shortened the
+    text, and the start of a secret split at the cut (no longer recognisable) moved into the excerpt."""
+    from kubetrain.draft import excerpt
+
+    text = "failed to pull: token=" + "x" * 1370 + " retry via https://deploy:Sup3rS3cretPassw0rd@registry/v2/"
+    assert "Sup3r" not in excerpt(text) and "https://***@registry" in excerpt(text)
+    text = "Secret password=" + "y" * 1395 + " key AKIAIOSFODNN7EXAMPLE is invalid"
+    assert "AKIA" not in excerpt(text)
+
+
+def test_every_line_the_operator_logs_is_redacted(capsys) -> None:
+    """The API server's refusal, quoting a pod's env, went to the operator's log as it came (status and events
+    had it redacted)."""
+    import logging
+
+    from kubetrain.cli import configure_logging
+
+    configure_logging("INFO")
+    logging.getLogger("kubetrain.reconciler").error("job %s/%s cannot run: %s", "ml", "train",
+                                                    "denied: env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG")
+    err = capsys.readouterr().err
+    assert "cannot run: denied: env AWS_SECRET_ACCESS_KEY=***" in err and "wJalr" not in err, err

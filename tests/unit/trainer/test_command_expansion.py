@@ -62,7 +62,8 @@ def test_the_launchers_log_line_masks_secret_values_the_kubelet_put_into_the_com
     (["train.py", "--password=hunter22"], "train.py --password=***"),
     (["train.py", f"--uri=s3://x:{SECRET}@h"], "train.py --uri=s3://x:***@h"),  # by value: AWS_SECRET_ACCESS_KEY
     (["train.py", "--lr", "0.1", "--output_dir", "/out"], "train.py --lr 0.1 --output_dir /out"),
-    (["train.py", "--tokenizer_name", "gpt2"], "train.py --tokenizer_name gpt2"),  # not a secret's flag
+    (["train.py", "--tokenizer_name", "gpt2", "--max_new_tokens", "5"],  # not a secret's flags
+     "train.py --tokenizer_name gpt2 --max_new_tokens 5"),
 ])
 def test_shown_command(command, expected):
     from kubetrain_trainer.command import shown_command
