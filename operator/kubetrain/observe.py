@@ -40,6 +40,8 @@ class PodView:
     starting_since: dt.datetime | None = None
     """When the pod was bound to its node (else created): the start of its startup window."""
     exit_code: int | None = None
+    exit_reason: str = ""
+    """The kubelet's reason for the trainer container's termination (OOMKilled, Error, ContainerCannotRun...)."""
     termination_message: str = ""
     waiting_reason: str | None = None
     waiting_message: str = ""
@@ -91,13 +93,14 @@ class PodView:
             elif cond.get("type") == "Ready":
                 ready = cond.get("status") == "True"
                 ready_changed = parse_time_or_none(cond.get("lastTransitionTime"))
-        exit_code, message, waiting, waiting_message = None, "", None, ""
+        exit_code, exit_reason, message, waiting, waiting_message = None, "", "", None, ""
         statuses = status.get("containerStatuses") or ()
         trainer = next((c for c in statuses if c.get("name") == CONTAINER_NAME), statuses[0] if statuses else {})
         state = trainer.get("state") or {}
         if state.get("terminated"):
             exit_code = state["terminated"].get("exitCode")
             message = state["terminated"].get("message") or ""
+            exit_reason = str(state["terminated"].get("reason") or "")
         if state.get("waiting"):
             waiting = state["waiting"].get("reason")
             waiting_message = state["waiting"].get("message") or ""
@@ -113,7 +116,7 @@ class PodView:
             disruption=disruption, reason=str(status.get("reason") or ""),
             status_message=str(status.get("message") or ""), starting_since=starting_since,
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
-            termination_message="" if message_ckpt or failure else str(message),
+            exit_reason=exit_reason[:64], termination_message="" if message_ckpt or failure else str(message),
             waiting_reason=waiting, waiting_message=waiting_message,
             node_name=(body.get("spec") or {}).get("nodeName") or None,
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,

@@ -104,7 +104,8 @@ def supervise(d: Draft, observed: Observed) -> None:
         # A rank that fails while a peer's node is unreachable most likely failed because of it (its collectives
         # timed out): the node's verdict decides, at the end of its grace (`_node_lost` set the wake-up; past it,
         # that peer is a disruption above). Finished pods are no such peer (nor the failed one's own node).
-        d.update(message=f"attempt {attempt}: pod {failed[0].name} exited with code {failed[0].exit_code} while "
+        d.update(message=f"attempt {attempt}: pod {failed[0].name} exited with code {failed[0].exit_code}"
+                         f"{_exit_reason(failed[0])} while "
                          f"{unsettled}; waiting for the node (runPolicy.nodeLostGraceSeconds) before counting an "
                          "application failure")
         return
@@ -322,6 +323,15 @@ def _restart_after_preemption(d: Draft, observed: Observed, disruptions: list[tu
                                     f"(preemption {count}, backoffLimit untouched)")
 
 
+def _exit_reason(pod: PodView) -> str:
+    """The kubelet's reason for the exit, when it says more than the code (OOMKilled: the memory limit)."""
+    if pod.exit_reason == "OOMKilled":
+        return " (OOMKilled: the trainer container reached its memory limit, spec.resources.limits.memory)"
+    if pod.exit_reason and pod.exit_reason not in ("Error", "Completed"):
+        return f" ({pod.exit_reason})"
+    return ""
+
+
 def _restart_after_failure(d: Draft, observed: Observed, pod: PodView) -> None:
     policy = d.job.spec.run_policy
     attempt = d.status.attempt
@@ -331,7 +341,7 @@ def _restart_after_failure(d: Draft, observed: Observed, pod: PodView) -> None:
         what = (f"pod {pod.name} (node rank {pod.rank}) was evicted for its own resource usage: "
                 f"{excerpt(pod.status_message)}")
     else:
-        what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}"
+        what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}{_exit_reason(pod)}"
     # A rank that waited for a peer the scheduler never placed times out in its rendezvous: name the cause.
     stuck = [p for p in observed.pods if p.attempt == attempt and p.unschedulable and not p.node_name]
     if stuck:

@@ -43,10 +43,12 @@ def pod_body(*, name: str = "tj", attempt: int = 1, rank: int = 0, phase: str = 
              ready: bool | None = None, ready_since: str | None = None, reason: str = "",
              annotations: dict[str, str] | None = None, status_message: str = "",
              waiting_message: str = "details", scheduled: str | None = None,
-             unschedulable: str | None = None) -> dict[str, Any]:
+             unschedulable: str | None = None, exit_reason: str | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {}
     if exit_code is not None:
         state["terminated"] = {"exitCode": exit_code, "message": message}
+        if exit_reason is not None:
+            state["terminated"]["reason"] = exit_reason
     elif waiting:
         state["waiting"] = {"reason": waiting, "message": waiting_message}
     elif phase == "Running":
