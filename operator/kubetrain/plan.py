@@ -28,7 +28,7 @@ from kubetrain.draft import MESSAGE_LIMIT, Draft, delete_pods, excerpt, fail, tt
 from kubetrain.identity import describe
 from kubetrain.observe import Observed
 from kubetrain.progress import next_progress, usable_checkpoint
-from kubetrain.supervise import gang_succeeded, supervise
+from kubetrain.supervise import gang_succeeded, message_shape, supervise
 
 
 def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
@@ -188,7 +188,10 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
     text = excerpt(message)
     current = d.status.condition("Created")
     earlier = reason == "NameInUse"  # a pod or Service of the same name, left by an earlier job being deleted
-    if current is None or current.status != "False" or current.reason != reason or current.message != text:
+    if current is not None and current.status == "False" and current.reason == reason \
+            and message_shape(current.message) == message_shape(text):
+        text = current.message  # the same refusal with other counts (a quota's `used`): no event, no status write
+    else:
         d.event("Warning", reason, f"attempt {job.status.attempt + 1}: "
                                    f"{'' if earlier else 'the API server refused a pod: '}{text}; retrying with backoff")
         d.cond("Created", "False", reason, text)

@@ -261,12 +261,13 @@ def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
         d.event("Warning", "Unschedulable", text)
     # Rewritten when the reasons change, not when only a count does ("0/8 nodes are available: 3 Insufficient
     # nvidia.com/gpu" moves with every node an autoscaler adds): one status write per change of reason.
-    if current is None or current.status != "True" or _shape(current.message) != _shape(text):
+    if current is None or current.status != "True" or message_shape(current.message) != message_shape(text):
         d.cond("Unschedulable", "True", "Unschedulable", text)
         d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
 
 
-def _shape(message: str) -> str:
+def message_shape(message: str) -> str:
+    """A message with its numbers blanked: the same refusal or scheduling verdict with other counts."""
     return re.sub(r"[0-9]+", "#", message)
 
 

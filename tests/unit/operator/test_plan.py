@@ -592,6 +592,11 @@ def test_a_refused_pod_create_shows_on_the_job_and_waits() -> None:
     # The same refusal again: no new event, no write.
     again = rejected_plan(Job(**{**job().__dict__, "status": st}), at(5), reason="QuotaExceeded", message=QUOTA)
     assert again.actions == () and again.events == ()
+    # ... or with other counts (another job's pods came and went): still the same refusal, no event, no write.
+    counts = QUOTA.replace("used: pods=1", "used: pods=3")
+    assert counts != QUOTA
+    other = rejected_plan(Job(**{**job().__dict__, "status": st}), at(9), reason="QuotaExceeded", message=counts)
+    assert other.actions == () and other.events == ()
     # Once the quota admits them, the next plan completes the gang and clears the condition.
     started_plan = plan(Job(**{**job().__dict__, "status": st}), observed(pod(rank=0, phase="Pending")), at(10))
     assert [a.rank for a in started_plan.actions if isinstance(a, CreatePod)] == [1]
