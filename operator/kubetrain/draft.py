@@ -73,7 +73,11 @@ Restarting, back in a queue), so a finished job does not say its pods cannot sta
 lag that no pod makes any more."""
 
 
+ENDED = "AttemptEnded"
+
+
 def attempt_conditions(status: Status, now: dt.datetime) -> Status:
+    status = _attempt_progress(status)
     if status.phase in ("Pending", "Running"):
         return status
     for type_ in ATTEMPT_CONDITIONS:
@@ -82,6 +86,19 @@ def attempt_conditions(status: Status, now: dt.datetime) -> Status:
             status = status.with_condition(type_, "False", reason="AttemptEnded", message=f"the job is {status.phase}",
                                            now=now)
     return status
+
+
+def _attempt_progress(status: Status) -> Status:
+    """status.progress once the attempt it was read from is over (the job finished, restarts, waits in a queue,
+    is suspended, or a new attempt started): its last values stay, marked as such; the rates and the ETA go
+    (a Succeeded job showed "31 s left" forever, a restarting one the old attempt's ETA)."""
+    progress = status.progress
+    if progress is None or (status.phase in ("Pending", "Running") and progress.attempt in (None, status.attempt)) \
+            or progress.reason == ENDED:
+        return status
+    return replace(status, progress=replace(
+        progress, reachable=False, reason=ENDED, eta_seconds=None, samples_per_second=None, tokens_per_second=None,
+        message=f"attempt {progress.attempt} ended; these are its last values read"))
 
 
 def ready_condition(status: Status, now: dt.datetime) -> Status:

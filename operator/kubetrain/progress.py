@@ -119,6 +119,9 @@ def next_progress(current: Progress | None, observation: ProgressObservation) ->
     new = observation.report.progress
     if current is not None and replace(current, observed_at=None) == replace(new, observed_at=None):
         return current
+    if current is not None and current.step and current.attempt != new.attempt and not new.step \
+            and new.max_steps is None and new.loss is None:
+        return current  # a new attempt with no step yet (restoring, starting): not "0", the last attempt's values
     return new
 
 

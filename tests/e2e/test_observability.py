@@ -165,6 +165,10 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
     assert conds["Succeeded"]["status"] == "True"
     assert conds["Succeeded"]["observedGeneration"] == final["metadata"]["generation"]
     assert {"type", "status", "reason", "message", "lastTransitionTime"} <= conds["Succeeded"].keys()
+    # The finished job's progress is its last attempt's last reading, marked so, with no ETA or rate left.
+    progress = final["status"]["progress"]
+    assert (progress["reachable"], progress["reason"], progress["attempt"]) == (False, "AttemptEnded", 2), progress
+    assert not {"etaSeconds", "samplesPerSecond"} & progress.keys(), progress
 
     steps = [int(r["STEP"].split("/")[0]) for r in seen if r.get("STEP", "<none>") not in ("", "<none>")]
     rises = sum(b > a for a, b in zip(steps, steps[1:]))
@@ -172,6 +176,10 @@ def test_progress_metrics_preemption_counters_and_kubectl_wait_on_the_demo_job(
     # is 2 s apart and the demo trains 60 steps in a few seconds on a quiet machine: 3 rises before the hold
     # were not always there to see.)
     assert rises >= 2, seen
+    # Attempt 2 restores the checkpoint at the hold: the column never drops back to 0 (or below the hold)
+    # while it starts and restores; it shows attempt 1's last values until attempt 2 reports its own.
+    after_hold = steps[next(i for i, s in enumerate(steps) if s >= hold):]
+    assert min(after_hold) >= hold, seen
     assert max(steps) > hold, seen
     assert any(r.get("STEP", "").endswith("/120") for r in seen), seen
     print(f"\n[observability] kubectl get tj saw the step rise {rises} times: "

@@ -38,7 +38,8 @@ def record(**overrides: Any) -> dict[str, Any]:
 
 
 def observe(seconds: float = 5, attempt: int = 1, **overrides: Any) -> ProgressObservation:
-    report = parse_progress_record(json.dumps(record(**overrides)), at=at(seconds), attempt=attempt)
+    report = parse_progress_record(json.dumps(record(**{"attempt": attempt, **overrides})), at=at(seconds),
+                                   attempt=attempt)
     return ProgressObservation(attempt=attempt, at=at(seconds), report=report)
 
 
@@ -217,3 +218,43 @@ def test_progress_round_trips_through_storage() -> None:
     p = observe().report.progress
     stored = json.loads(json.dumps(p.for_storage()))
     assert stored["steps"] == "120/400" and Progress.from_storage(stored) == p
+
+
+def _stored(tj: Job, st: Any) -> Job:
+    return replace(tj, status=type(st).from_storage(json.loads(json.dumps(st.for_storage()))))
+
+
+def test_a_finished_job_keeps_its_last_reading_marked_with_no_eta_or_rate() -> None:
+    """Before, a Succeeded job showed `970/1000, 31 s left, reachable` forever (the last poll before the end)."""
+    tj = _stored(running(), plan(running(), Observed(pods=gang(), progress=observe()), at(5)).status)
+    done = plan(tj, Observed(pods=gang(phase="Succeeded", exit_code=0)), at(30)).status
+    assert done.phase == "Succeeded"
+    p = done.progress
+    assert (p.step, p.max_steps, p.loss, p.attempt) == (120, 400, 2.5, 1), "the last values stay"
+    assert (p.reachable, p.reason) == (False, "AttemptEnded") and "attempt 1 ended" in p.message
+    assert (p.eta_seconds, p.samples_per_second, p.tokens_per_second) == (None, None, None)
+    assert plan(_stored(tj, done), Observed(pods=()), at(60)).status is None, "marked once"
+
+
+def test_a_restart_marks_the_old_attempts_reading_and_the_new_attempt_shows_no_0_while_it_restores() -> None:
+    """Before: attempt 1's ETA through the restart, then Step 0 while attempt 2 restored its checkpoint."""
+    tj = _stored(running(), plan(running(), Observed(pods=gang(), progress=observe()), at(5)).status)
+    restarting = plan(tj, Observed(pods=(gang()[0], replace(gang()[1], phase="Failed", exit_code=1))), at(30)).status
+    assert restarting.phase == "Restarting" and restarting.progress.reason == "AttemptEnded"
+    assert restarting.progress.eta_seconds is None and restarting.progress.step == 120
+    attempt2 = running(attempt=2, progress=json.loads(json.dumps(restarting.for_storage()["progress"])))
+    nothing_yet = observe(40, attempt=2, step=0, maxSteps=None, epoch=None, loss=None, learningRate=None,
+                          samplesPerSecond=None, tokensPerSecond=None, etaSeconds=None, lastCheckpoint=None)
+    st = plan(attempt2, Observed(pods=gang(attempt=2), progress=nothing_yet), at(40)).status
+    assert st is None or st.progress.step == 120, "not 0: attempt 1's last values, still marked ended"
+    restored = observe(45, attempt=2, step=100, maxSteps=None, epoch=None, loss=None, learningRate=None,
+                       samplesPerSecond=None, tokensPerSecond=None, etaSeconds=None, lastCheckpoint=None)
+    st = plan(attempt2, Observed(pods=gang(attempt=2), progress=restored), at(45)).status
+    assert (st.progress.step, st.progress.attempt, st.progress.reachable) == (100, 2, True)
+    st = plan(attempt2, Observed(pods=gang(attempt=2), progress=observe(50, attempt=2, step=130)), at(50)).status
+    assert (st.progress.step, st.progress.reason, st.progress.eta_seconds) == (130, "", 42.5)
+
+
+def test_a_fresh_job_at_step_0_shows_step_0() -> None:
+    st = plan(running(), Observed(pods=gang(), progress=observe(step=0, maxSteps=None, loss=None)), at(5)).status
+    assert st.progress.step == 0 and st.progress.reachable
