@@ -116,6 +116,7 @@ def supervise(d: Draft, observed: Observed) -> None:
     _startup_condition(d, blocked)
     pods = [current[r] for r in range(total) if r in current]
     _scheduling_condition(d, pods)
+    _slow_container_creation(d, pods)
     lagging = next((p.checkpoint_sync for p in pods if p.checkpoint_sync and p.active), "")
     polled = lagging_message(d.status.progress)  # None: no reading to go by (unreachable, not polled)
     if lagging or polled:
@@ -264,6 +265,29 @@ def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
     if current is None or current.status != "True" or message_shape(current.message) != message_shape(text):
         d.cond("Unschedulable", "True", "Unschedulable", text)
         d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
+
+
+def _slow_container_creation(d: Draft, pods: list[PodView]) -> None:
+    """A pod on its node still creating its container after runPolicy.startupGraceSeconds: the job says which and
+    where to look (a Secret or ConfigMap volume that cannot mount shows only in the pod's FailedMount events;
+    the job said "waiting for them to run" forever). Not a failure: a large image can take that long to pull."""
+    grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
+    slow = None
+    for pod in pods:
+        if pod.waiting_reason == "ContainerCreating" and pod.node_name and pod.starting_since is not None:
+            due = pod.starting_since + dt.timedelta(seconds=grace)
+            if d.now >= due:
+                slow = slow or pod
+            else:
+                d.wake_at(due)
+    if slow is None or d.status.phase != "Pending":
+        return
+    message = (f"attempt {d.status.attempt}: pod {slow.name} has been creating its container on node {slow.node_name} "
+               f"for more than {grace}s (runPolicy.startupGraceSeconds): a large image still pulling, or a volume "
+               f"that cannot mount (kubectl describe pod {slow.name} shows the kubelet's events)")
+    if d.status.message != message:
+        d.update(message=message)
+        d.event("Warning", "SlowStart", message)
 
 
 def message_shape(message: str) -> str:
