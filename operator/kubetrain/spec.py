@@ -146,14 +146,21 @@ class Spec:
         if spec.get("masterPort") == DEFAULT_METRICS_PORT:
             raise SpecError("masterPort", f"must not be {DEFAULT_METRICS_PORT}: the launcher serves /metrics and "
                                           "/progress there (KUBETRAIN_METRICS_PORT)")
+        procs = _int(spec, "procsPerNode", 1, minimum=1)
+        resources = _resources(spec.get("resources"))
+        for name, value in dict(resources.get("limits") or {}).items():
+            gpus = _quantity(value, f"resources.limits.{name}")
+            if name.endswith("/gpu") and 0 < gpus < (procs or 1):
+                raise SpecError("procsPerNode", f"is {procs}, more than the {gpus} {name} of each pod "
+                                                f"(resources.limits.{name}): one worker process per GPU")
         return cls(
             image=str(image),
             image_pull_policy=str(spec["imagePullPolicy"]) if spec.get("imagePullPolicy") else None,
             nodes=_int(spec, "nodes", 1, minimum=1),
-            procs_per_node=_int(spec, "procsPerNode", 1, minimum=1),
+            procs_per_node=procs,
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
             shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else "1Gi",
-            resources=_resources(spec.get("resources")),
+            resources=resources,
             trainer=_trainer(spec.get("trainer")),
             env=_env(spec.get("env")),
             env_from=tuple(spec.get("envFrom") or ()),

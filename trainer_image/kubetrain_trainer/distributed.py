@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kubetrain_trainer.args_values import ConfigError
 from kubetrain_trainer.workerenv import WorkerEnv
 
 
@@ -44,7 +45,11 @@ def is_local_main_process() -> bool:
 def device_for(use_cpu: bool) -> torch.device:
     """The device of this process: its local GPU, or the CPU."""
     if torch.cuda.is_available() and not use_cpu:
-        return torch.device("cuda", local_rank())
+        rank, count = local_rank(), torch.cuda.device_count()
+        if rank >= count:  # else torch's "invalid device ordinal", naming nothing the user set
+            raise ConfigError(f"NPROC_PER_NODE (spec.procsPerNode): local rank {rank} has no GPU of its own; this "
+                              f"pod sees {count} GPU(s): at most one process per GPU (or use_cpu)")
+        return torch.device("cuda", rank)
     return torch.device("cpu")
 
 

@@ -165,3 +165,18 @@ def test_reserved_mount_paths_are_the_crds(schema: dict) -> None:
     # The operator's own mounts are covered: builders.DEEPSPEED_DIR and the local checkpoints.
     from kubetrain import builders
     assert builders.DEEPSPEED_DIR.startswith("/etc/kubetrain/") and builders.HOME_DIR.startswith("/tmp/kubetrain/")
+
+
+@pytest.mark.parametrize("gpus, procs, ok", [(4, 4, True), (4, 2, True), (2, 4, False), ("1", 8, False),
+                                             (None, 8, True), (0, 8, True)])
+def test_more_worker_processes_than_gpus_per_pod_is_an_invalid_spec(gpus, procs, ok) -> None:
+    """Each process takes the GPU of its local rank: with 8 processes and 2 GPUs, ranks 2-7 died in torch's
+    "invalid device ordinal" on every attempt until backoffLimit, naming nothing the user set."""
+    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus is not None else {}
+    spec = {**BASE, "procsPerNode": procs, "resources": resources}
+    if ok:
+        assert Spec.from_storage(spec).procs_per_node == procs
+        return
+    with pytest.raises(SpecError) as err:
+        Spec.from_storage(spec)
+    assert err.value.field_path == "procsPerNode" and "nvidia.com/gpu" in str(err.value)
