@@ -6,15 +6,23 @@
 #                            training), e2e (helm + operator + real training,
 #                            on the process agent and on the real node)
 #   scripts/test.sh fast     the unit tier only: no testbed, no network, seconds
-#   scripts/test.sh -- ARGS  extra pytest arguments (e.g. -k preemption)
+#   scripts/test.sh -- ARGS  every tier with extra pytest arguments (e.g. -m integration)
+#   scripts/test.sh fast -- ARGS   the unit tier with them (e.g. -k preemption)
 #
 # The testbed started by the run is stopped at the end unless it was already
 # up before (then it is left as found).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-tier=${1:-all}; [[ $# -gt 0 ]] && shift
-[[ "${1:-}" == "--" ]] && shift
+# A leading `--` names no tier: `scripts/test.sh -- -m integration` is every tier
+# with those pytest arguments (the README's tier table runs it so).
+tier=all
+if [[ $# -gt 0 && "$1" != "--" ]]; then tier=$1; shift; fi
+if [[ "${1:-}" == "--" ]]; then shift; fi
+# Refused before the setup and the linter, which take a while.
+if [[ $tier != fast && $tier != all ]]; then
+  echo "usage: scripts/test.sh [fast|all] [-- pytest args]" >&2; exit 2
+fi
 scripts/setup.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
@@ -45,5 +53,4 @@ case "$tier" in
     cleanup() { [[ $was_up == 1 ]] || python -m kubetrain_testbed down || true; }
     trap cleanup EXIT
     python -m pytest -q "$@" ;;
-  *) echo "usage: scripts/test.sh [fast|all] [-- pytest args]" >&2; exit 2 ;;
 esac
