@@ -85,21 +85,31 @@ wrapper() {
   echo "$dir"
 }
 
+# k8s_module: the k8s wrapper module, whose go.mod replaces every staging module
+# upstream replaces with ./staging/... by its published twin: derived, never
+# hand-copied. It runs inside $(...), where set -e does not hold, so each step is
+# checked, and the go.mod is rewritten through a temporary file: a failed download
+# once left an empty replace block there that every later build trusted.
 k8s_module() {
-  local dir; dir=$(wrapper k8s "k8s.io/kubernetes@$K8S_VERSION")
-  if ! grep -q '^replace' "$dir/go.mod"; then
-    local upstream
-    upstream=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
-    # Every staging module upstream replaces with ./staging/... must be
-    # replaced here by its published twin: derived, never hand-copied.
-    {
-      echo "replace ("
-      sed -n 's#^\s*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$upstream" |
-        while read -r m; do echo "	$m => $m $staging_version"; done
-      echo ")"
-    } >>"$dir/go.mod"
+  local dir json upstream entry='^[[:space:]]*k8s\.io/[a-z0-9-]* => k8s\.io/'
+  dir=$(wrapper k8s "k8s.io/kubernetes@$K8S_VERSION") || return 1
+  # Guarded on an entry, not on the word: an empty block left by an older run is rebuilt.
+  if grep -q "$entry" "$dir/go.mod"; then echo "$dir"; return 0; fi
+  json=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION") ||
+    { log "FAILED: go mod download k8s.io/kubernetes@$K8S_VERSION (see above)"; return 1; }
+  upstream=$(sed -n 's/.*"GoMod": "\(.*\)",/\1/p' <<<"$json")
+  [[ -f "$upstream" ]] || { log "FAILED: go mod download k8s.io/kubernetes@$K8S_VERSION named no go.mod"; return 1; }
+  {
+    sed '/^replace (/,/^)/d' "$dir/go.mod"
+    echo "replace ("
+    sed -n 's#^\s*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$upstream" |
+      while read -r m; do echo "	$m => $m $staging_version"; done
+    echo ")"
+  } >"$dir/go.mod.tmp"
+  if ! grep -q "$entry" "$dir/go.mod.tmp"; then
+    log "FAILED: no staging module replaced in $upstream"; rm -f "$dir/go.mod.tmp"; return 1
   fi
-  echo "$dir"
+  mv "$dir/go.mod.tmp" "$dir/go.mod" && echo "$dir"
 }
 
 # build NAME PACKAGE MODULE_DIR REQUIREMENT [LDFLAGS [TAGS]]
@@ -147,7 +157,9 @@ for c in $want; do
       build etcd go.etcd.io/etcd/server/v3 "$(wrapper etcd x)" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
       verify etcd "etcd Version: ${ETCD_VERSION#v}" --version ;;
     kube-apiserver|kube-controller-manager|kube-scheduler|kubectl|kubelet)
-      build "$c" "k8s.io/kubernetes/cmd/$c" "$(k8s_module)" "k8s.io/kubernetes@$K8S_VERSION" "$(k8s_ldflags)" ;;
+      # Not inline in build's arguments: a failure there would go unnoticed.
+      k8s_dir=$(k8s_module) || exit 1
+      build "$c" "k8s.io/kubernetes/cmd/$c" "$k8s_dir" "k8s.io/kubernetes@$K8S_VERSION" "$(k8s_ldflags)" ;;
     kwok)
       build kwok sigs.k8s.io/kwok/cmd/kwok "$(wrapper kwok x)" "sigs.k8s.io/kwok@$KWOK_VERSION" \
         "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" ;;
@@ -174,11 +186,16 @@ for c in $want; do
       # secrets Role, copied beside bin/ as <cache>/crds/*.yaml and <cache>/rbac/*.yaml.
       if [[ ! -f "$cache/crds/kueue.x-k8s.io_workloads.yaml" || ! -f "$cache/rbac/manager_secrets_role.yaml" ]]; then
         src=$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
-        rm -rf "$cache/crds.tmp" "$cache/rbac.tmp" && mkdir -p "$cache/crds.tmp" "$cache/rbac.tmp"
-        cp "$src"/config/components/crd/bases/*.yaml "$cache/crds.tmp/" && chmod 0644 "$cache/crds.tmp/"*.yaml
-        cp "$src"/config/components/rbac/{role,manager_secrets_role}.yaml "$cache/rbac.tmp/" &&
-          chmod 0644 "$cache/rbac.tmp/"*.yaml
-        rm -rf "$cache/crds" "$cache/rbac" && mv "$cache/crds.tmp" "$cache/crds" && mv "$cache/rbac.tmp" "$cache/rbac"
+        # One step a line: set -e ignores a failure before the last `&&` of a list, and a
+        # failed copy once went into place as empty folders with "copied" logged.
+        rm -rf "$cache/crds.tmp" "$cache/rbac.tmp"
+        mkdir -p "$cache/crds.tmp" "$cache/rbac.tmp"
+        cp "$src"/config/components/crd/bases/*.yaml "$cache/crds.tmp/"
+        cp "$src"/config/components/rbac/{role,manager_secrets_role}.yaml "$cache/rbac.tmp/"
+        chmod 0644 "$cache/crds.tmp/"*.yaml "$cache/rbac.tmp/"*.yaml
+        rm -rf "$cache/crds" "$cache/rbac"
+        mv "$cache/crds.tmp" "$cache/crds"
+        mv "$cache/rbac.tmp" "$cache/rbac"
         log "copied Kueue's CRDs to $cache/crds and its manager's roles to $cache/rbac"
       fi ;;
     registry)
