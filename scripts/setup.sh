@@ -18,6 +18,16 @@ quiet() {
   mkdir -p "$(dirname "$log")"
   "$@" >>"$log" 2>&1 || { echo "[setup] FAILED: $* (last lines of $log):" >&2; tail -n 40 "$log" >&2; return 1; }
 }
+# One setup per environment at a time: two cold runs at once (demo.sh in one
+# shell, test.sh in another) removed each other's half-built environment, and
+# one marked it complete while the other was still installing. A second caller
+# waits here and then finds the environment made.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+if ! flock -n 9; then
+  echo "[setup] another setup of $venv is running; waiting for it" >&2
+  flock 9
+fi
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.complete" ]]; then
   echo "[setup] creating $venv (first run on this machine: installs torch, deepspeed, kopf... a few minutes)" >&2
   rm -rf "$venv"
@@ -31,5 +41,6 @@ else
 fi
 # The linter's pinned group (pyproject.toml [dependency-groups]; not part of the key above).
 quiet "$venv/bin/pip" install --group lint
+exec 9>&-
 if [[ -L .venv || ! -e .venv ]]; then ln -sfn "$venv" .venv; fi
 echo "[setup] ready: source .venv/bin/activate" >&2
