@@ -28,16 +28,36 @@ if ! flock -n 9; then
   echo "[setup] another setup of $venv is running; waiting for it" >&2
   flock 9
 fi
+# What the editable install was made from: this clone and its whole pyproject.toml
+# (the key above leaves out [tool.setuptools], which says where the packages are).
+stamp="$root $(sha256sum <pyproject.toml | cut -c1-12)"
+# Whether the environment's kubetrain is an editable install of this clone.
+editable_here() {
+  [[ -f "$venv/.editable" && "$(cat "$venv/.editable")" == "$stamp" ]] || return 1
+  "$venv/bin/python" - "$root" 2>/dev/null <<'PY'
+import importlib.metadata, json, pathlib, sys
+url = json.loads(importlib.metadata.distribution("kubetrain").read_text("direct_url.json") or "{}")
+sys.exit(0 if url.get("dir_info", {}).get("editable") and url.get("url") == pathlib.Path(sys.argv[1]).as_uri() else 1)
+PY
+}
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.complete" ]]; then
   echo "[setup] creating $venv (first run on this machine: installs torch, deepspeed, kopf... a few minutes)" >&2
   rm -rf "$venv"
   "$py" -m venv "$venv"
   quiet "$venv/bin/pip" install --upgrade pip
   quiet "$venv/bin/pip" install -e ".[dev]"
+  echo "$stamp" >"$venv/.editable"
   touch "$venv/.complete"
-else
-  # The dependency set is unchanged; only point the editable install here.
-  quiet "$venv/bin/pip" install --no-deps -e .
+elif ! editable_here; then
+  # The dependency set is unchanged; only point the editable install here. Built
+  # with the environment's own setuptools: pip's isolated build fetches setuptools
+  # from the package index every time, and `scripts/test.sh fast` failed offline.
+  # An environment whose setuptools is too old for pyproject.toml (its license
+  # string needs 77 or later) takes the isolated build.
+  rm -f "$venv/.editable"
+  "$venv/bin/pip" install --no-deps --no-build-isolation -e . >>"$log" 2>&1 ||
+    quiet "$venv/bin/pip" install --no-deps -e .
+  echo "$stamp" >"$venv/.editable"
 fi
 # The linter's pinned group (pyproject.toml [dependency-groups]; not part of the key above).
 quiet "$venv/bin/pip" install --group lint
