@@ -1,10 +1,13 @@
 """The examples users copy must match the CRD: no misspelt or undeclared field
 (which the API server would reject or silently drop), required fields present,
-enums respected. Checked offline here; tests/integration/api applies them to a
-real API server."""
+enums, ranges and patterns respected. Checked offline here; tests/integration/api
+applies them to a real API server. The TrainingJobs in the docs' YAML blocks are
+held to the same check (docs/api-sketch.md once showed null integers and empty
+names the API server rejects), and every such block must parse."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/README.md")])
 
 
 def problems(value, node: dict, path: str) -> list[str]:
-    """A small structural check: declared fields, required, enum, scalar types."""
+    """A small structural check: declared fields, required, enum, scalar types, ranges, string patterns."""
     out = []
     if node.get("x-kubernetes-int-or-string"):
         return [] if isinstance(value, (int, str)) else [f"{path}: not int or string"]
@@ -25,6 +29,10 @@ def problems(value, node: dict, path: str) -> list[str]:
         return [f"{path}: expected {kind}, got {type(value).__name__}"]
     if "enum" in node and value not in node["enum"]:
         out.append(f"{path}: {value!r} not in {node['enum']}")
+    if kind == "integer" and not node.get("minimum", value) <= value <= node.get("maximum", value):
+        out.append(f"{path}: {value} outside {node.get('minimum')}..{node.get('maximum')}")
+    if kind == "string" and "pattern" in node and not re.search(node["pattern"], value):
+        out.append(f"{path}: {value!r} does not match {node['pattern']}")
     if kind == "array":
         for i, item in enumerate(value):
             out += problems(item, node["items"], f"{path}[{i}]")
@@ -56,14 +64,34 @@ def test_example_matches_schema(path, schema):
     assert path.read_text().startswith("#"), "every file says why it exists"
 
 
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_yaml_in_the_docs_parses_and_its_trainingjobs_match_the_schema(path, schema):
+    text, found = path.read_text(), []
+    for block in re.finditer(r"```ya?ml\n(.*?)```", text, re.S):
+        line = text[:block.start()].count("\n") + 2
+        try:
+            docs = list(yaml.safe_load_all(block.group(1)))
+        except yaml.YAMLError as e:
+            found.append(f"line {line}: does not parse: {str(e).splitlines()[0]}")
+            continue
+        for doc in docs:
+            if isinstance(doc, dict) and doc.get("kind") == "TrainingJob":
+                found += [f"line {line}: {p}" for p in problems(doc["spec"], schema["properties"]["spec"], "spec")]
+    assert found == []
+
+
 def test_the_checker_catches_mistakes(schema):
-    """Guards the guard: a misspelt field, a wrong type and a bad enum are all reported."""
+    """Guards the guard: a misspelt field, a wrong type, a bad enum, a range and a pattern are all reported."""
     bad = {"image": "x", "nodes": "two", "trainer": {"builtin": {"task": "vision"}},
-           "checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s"}, "secretAccessKey": "k"}}
+           "checkpoint": {"uri": "s3://b/p", "credentialsSecret": {"name": "s"}, "secretAccessKey": "k"},
+           "runPolicy": {"maxPreemptions": None, "backoffLimit": -1}, "podTemplate": {"priorityClassName": ""}}
     found = problems(bad, schema["properties"]["spec"], "spec")
     assert any(f.startswith("spec.nodes:") for f in found)
     assert any(f.startswith("spec.trainer.builtin.task:") for f in found)
     assert "spec.checkpoint.secretAccessKey: unknown field" in found
+    assert any(f.startswith("spec.runPolicy.maxPreemptions: expected integer") for f in found)
+    assert any(f.startswith("spec.runPolicy.backoffLimit: -1 outside") for f in found)
+    assert any(f.startswith("spec.podTemplate.priorityClassName: '' does not match") for f in found)
 
 
 def test_demo_job_is_what_the_brief_promises():
