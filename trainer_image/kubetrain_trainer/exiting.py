@@ -37,3 +37,20 @@ def exit_at_once(code: int, *, join_threads: bool = True) -> typing.NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def exit_82_on_config_error(error_type: type[BaseException], code: int) -> None:
+    """In a worker the launcher started: an uncaught `error_type` (kubetrain's ConfigError, raised by
+    TrainingArguments or the Trainer for settings that can never work) ends the process with `code` (82,
+    invalid configuration: the job fails at once) after Python's usual traceback, instead of 1 (an
+    application failure, retried until backoffLimit for a mistake no retry can fix). A user's own script
+    gets this as the built-in trainer does, without catching anything itself."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: typing.Any) -> None:
+        previous(exc_type, exc, tb)
+        if issubclass(exc_type, error_type):
+            print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
+            exit_at_once(code)
+
+    sys.excepthook = hook
