@@ -153,6 +153,8 @@ class Spec:
             if name.endswith("/gpu") and 0 < gpus < (procs or 1):
                 raise SpecError("procsPerNode", f"is {procs}, more than the {gpus} {name} of each pod "
                                                 f"(resources.limits.{name}): one worker process per GPU")
+        trainer, strategy = _trainer(spec.get("trainer")), _strategy(spec.get("strategy"))
+        _check_builtin_strategy_args(trainer.builtin_args, strategy.type)
         return cls(
             image=str(image),
             image_pull_policy=str(spec["imagePullPolicy"]) if spec.get("imagePullPolicy") else None,
@@ -161,10 +163,10 @@ class Spec:
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
             shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else "1Gi",
             resources=resources,
-            trainer=_trainer(spec.get("trainer")),
+            trainer=trainer,
             env=_env(spec.get("env")),
             env_from=tuple(spec.get("envFrom") or ()),
-            strategy=_strategy(spec.get("strategy")),
+            strategy=strategy,
             checkpoint=_checkpoint(spec.get("checkpoint"), spec.get("podTemplate")),
             run_policy=_run_policy(spec.get("runPolicy")),
             pod_template=_pod_template(spec.get("podTemplate")),
@@ -204,6 +206,35 @@ def _trainer(raw: Any) -> Trainer:
         raise SpecError("trainer.builtin.args", "must be an object")
     return Trainer(builtin_task=str(builtin.get("task") or "causal-lm"), builtin_args=dict(args),
                    working_dir=raw.get("workingDir"))
+
+
+FSDP_SPEC_OPTIONS = {"reshard_after_forward": "reshardAfterForward", "cpu_offload": "cpuOffload",
+                     "mixed_precision": "mixedPrecision"}
+"""The FSDP options spec.strategy.fsdp has a field for (trainer argument name: CRD name)."""
+
+
+def _check_builtin_strategy_args(args: Mapping[str, Any], kind: str) -> None:
+    """The strategy and its config are spec.strategy's: the built-in trainer's arguments may not say otherwise
+    (the trainer would train another strategy than the pods' layout and the checkpoints follow, and
+    spec.strategy.type cannot change while the arguments can)."""
+    p = "trainer.builtin.args."
+    if args.get("strategy") is not None and args["strategy"] != kind:
+        raise SpecError(f"{p}strategy", f"{args['strategy']!r} differs from spec.strategy.type ({kind!r}): "
+                                        "set spec.strategy.type instead and remove it here")
+    if args.get("deepspeed"):
+        raise SpecError(f"{p}deepspeed", "the DeepSpeed config is spec.strategy.deepspeed's (config or configMapRef, "
+                                         "with spec.strategy.type zero3): set it there and remove it here")
+    options = args.get("fsdp_config")
+    if not options:
+        return
+    if kind != "fsdp":
+        raise SpecError(f"{p}fsdp_config", f"only with spec.strategy.type fsdp (it is {kind!r})")
+    if isinstance(options, Mapping):
+        for key in options:
+            name = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).lower()
+            if name in FSDP_SPEC_OPTIONS:
+                raise SpecError(f"{p}fsdp_config.{key}", f"set spec.strategy.fsdp.{FSDP_SPEC_OPTIONS[name]} "
+                                                         "instead and remove it here")
 
 
 def _strategy(raw: Any) -> Strategy:

@@ -146,6 +146,50 @@ def test_hooks(env: dict[str, str], trainer) -> list:
     return [HoldAtStep(trainer, step, seconds)]
 
 
+def contract_strategy(raw: dict, env: dict[str, str]) -> None:
+    """Put the pod contract's strategy and its config (docs/contract.md) into the arguments `raw`.
+
+    Under the launcher, `KUBETRAIN_STRATEGY` is the TrainingJob's spec.strategy.type, which the pods' layout
+    and the checkpoints follow and which cannot change: an argument that says otherwise is refused (it would
+    have trained another strategy than the one the launcher and the checkpoints' manifests name). So is a
+    `deepspeed` other than the config the operator mounts, and an `fsdp_config` option that
+    spec.strategy.fsdp sets to another value; the options it has no field for (`shard_modules`) are added."""
+    from .args import ConfigError, _coerce
+
+    strategy = env.get(STRATEGY)
+    if not strategy:  # not under the launcher: the arguments say
+        raw.setdefault("strategy", "ddp")
+        return
+    if raw.setdefault("strategy", strategy) != strategy:
+        raise ConfigError(f"strategy: {raw['strategy']!r} differs from {STRATEGY}={strategy!r} (the TrainingJob's "
+                          "spec.strategy.type, which cannot change): remove strategy from the trainer arguments "
+                          "and set spec.strategy.type")
+    mounted = env.get(DEEPSPEED_CONFIG) if strategy == "zero3" else None
+    if raw.get("deepspeed") and raw["deepspeed"] != mounted:
+        raise ConfigError("deepspeed: the DeepSpeed config is spec.strategy.deepspeed's (with spec.strategy.type "
+                          f"zero3, mounted at {DEEPSPEED_CONFIG}): remove deepspeed from the trainer arguments")
+    if mounted:
+        raw["deepspeed"] = mounted
+    if raw.get("fsdp_config") and strategy != "fsdp":
+        raise ConfigError(f"fsdp_config: only with spec.strategy.type fsdp (it is {strategy!r}): remove "
+                          "fsdp_config from the trainer arguments")
+    if strategy != "fsdp" or not env.get(FSDP_CONFIG):
+        return
+    from .strategies.fsdp import option_name
+
+    spec_options = _coerce(env[FSDP_CONFIG], dict, FSDP_CONFIG)
+    if "fsdp_config" not in raw or raw["fsdp_config"] is None:
+        raw["fsdp_config"] = spec_options
+        return
+    own = _coerce(raw["fsdp_config"], dict, "fsdp_config")
+    by_name = {option_name(k): v for k, v in spec_options.items()}
+    for key, value in own.items():
+        if option_name(key) in by_name and by_name[option_name(key)] != value:
+            raise ConfigError(f"fsdp_config.{key}: {value!r} differs from spec.strategy.fsdp's "
+                              f"{by_name[option_name(key)]!r} ({FSDP_CONFIG}): set it in spec.strategy.fsdp")
+    raw["fsdp_config"] = {**spec_options, **{k: v for k, v in own.items() if option_name(k) not in by_name}}
+
+
 def load_config(env: dict[str, str], argv: Sequence[str]):
     """(task name, TrainingArguments, task) from the environment and flags; ConfigError when invalid."""
     from .args import ConfigError, TrainingArguments, _coerce, parse_cli
@@ -164,12 +208,7 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     raw = {**raw, **parse_cli(argv)}
     if "output_dir" not in raw and env.get(LOCAL_CHECKPOINT_DIR):
         raw["output_dir"] = env[LOCAL_CHECKPOINT_DIR]
-    # The pod contract names the strategy and its config in their own variables (docs/contract.md).
-    strategy = raw.setdefault("strategy", env.get(STRATEGY) or "ddp")
-    if strategy == "fsdp" and "fsdp_config" not in raw and env.get(FSDP_CONFIG):
-        raw["fsdp_config"] = env[FSDP_CONFIG]  # JSON text: coerced to a dict
-    if strategy == "zero3" and "deepspeed" not in raw and env.get(DEEPSPEED_CONFIG):
-        raw["deepspeed"] = env[DEEPSPEED_CONFIG]
+    contract_strategy(raw, env)
     task_cls = TASKS[name]
     task_fields = [f.name for f in dataclasses.fields(task_cls)]
     args, extra = TrainingArguments.split_dict(raw, extra_keys=task_fields)

@@ -27,6 +27,10 @@ def tolerations(*items: dict) -> dict:
 
 CKPT = {"credentialsSecret": {"name": "s3"}}
 
+
+def builtin_args(**args: object) -> dict:
+    return {"trainer": {"builtin": {"task": "regression", "args": args}}}
+
 REFUSED = [
     ({"resources": {"limits": {"nvidia.com/gpu": "0.5"}}}, "resources.limits.nvidia.com/gpu", "whole number"),
     ({"resources": {"limits": {"example.com/fpga": "1500m"}}}, "resources.limits.example.com/fpga", "whole number"),
@@ -78,6 +82,15 @@ REFUSED = [
     ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/a/.."}}, "checkpoint.uri", "'..'"),
     ({"checkpoint": {**CKPT, "uri": "s3://bucket-name/a//b"}}, "checkpoint.uri", "'//'"),
     ({"checkpoint": {**CKPT, "uri": "s3://bucket-name//"}}, "checkpoint.uri", "'//'"),
+    (builtin_args(strategy="fsdp"), "trainer.builtin.args.strategy", "set spec.strategy.type instead"),
+    (builtin_args(deepspeed={"zero_optimization": {"stage": 3}}), "trainer.builtin.args.deepspeed",
+     "spec.strategy.deepspeed"),
+    ({**builtin_args(deepspeed="/ds.json"), "strategy": {"type": "zero3", "deepspeed": {"config": {"a": 1}}}},
+     "trainer.builtin.args.deepspeed", "spec.strategy.deepspeed"),
+    (builtin_args(fsdp_config={"shard_modules": ["Block"]}), "trainer.builtin.args.fsdp_config",
+     "only with spec.strategy.type fsdp"),
+    ({**builtin_args(fsdp_config={"cpu_offload": True}), "strategy": {"type": "fsdp"}},
+     "trainer.builtin.args.fsdp_config.cpu_offload", "spec.strategy.fsdp.cpuOffload"),
 ]
 
 
@@ -119,6 +132,12 @@ def test_what_pods_allow_is_parsed(patch: dict) -> None:
     assert spec.pod_template == patch.get("podTemplate", {})
     assert spec.resources == patch.get("resources", {})
     assert list(spec.env) == patch.get("env", [])
+
+
+def test_builtin_args_may_repeat_the_strategy_and_add_fsdp_options_the_crd_has_no_field_for() -> None:
+    spec = Spec.from_storage({**BASE, **builtin_args(strategy="fsdp", fsdp_config={"shard_modules": ["Block"]}),
+                              "strategy": {"type": "fsdp", "fsdp": {"cpuOffload": True}}})
+    assert spec.strategy.type == "fsdp" and spec.trainer.builtin_args["fsdp_config"] == {"shard_modules": ["Block"]}
 
 
 def _crd_rule_text(schema: dict, *path: str) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
-from kubetrain_trainer.builtin import EXIT_INVALID_CONFIG, run
+from kubetrain_trainer.args import ConfigError
+from kubetrain_trainer.builtin import EXIT_INVALID_CONFIG, load_config, run
 
 
 def _env(**args):
@@ -30,6 +32,34 @@ def _env(**args):
 def test_invalid_configuration_exits_82_with_a_hint(env, message, capsys):
     assert run(env, []) == EXIT_INVALID_CONFIG
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KUBETRAIN_STRATEGY": "ddp", "KUBETRAIN_TRAINER_ARGS": '{"strategy": "fsdp"}'},
+     "strategy: 'fsdp' differs from KUBETRAIN_STRATEGY='ddp'"),
+    ({"KUBETRAIN_STRATEGY": "ddp", "KUBETRAIN_TRAINER_ARGS": '{"fsdp_config": {"cpu_offload": true}}'},
+     "fsdp_config: only with spec.strategy.type fsdp"),
+    ({"KUBETRAIN_STRATEGY": "ddp", "KUBETRAIN_TRAINER_ARGS": '{"deepspeed": {"a": 1}}'},
+     "deepspeed: the DeepSpeed config is spec.strategy.deepspeed's"),
+    ({"KUBETRAIN_STRATEGY": "zero3", "KUBETRAIN_DEEPSPEED_CONFIG": "/etc/kubetrain/deepspeed/ds_config.json",
+      "KUBETRAIN_TRAINER_ARGS": '{"deepspeed": "/tmp/other.json"}'}, "remove deepspeed from the trainer arguments"),
+    ({"KUBETRAIN_STRATEGY": "fsdp", "KUBETRAIN_FSDP_CONFIG": '{"cpuOffload": false}',
+      "KUBETRAIN_TRAINER_ARGS": '{"fsdp_config": {"cpu_offload": true}}'},
+     "fsdp_config.cpu_offload: True differs from spec.strategy.fsdp's False"),
+])
+def test_the_strategy_and_its_config_are_the_contracts(env, message):
+    """spec.strategy.type (KUBETRAIN_STRATEGY) is what the pods and the checkpoints follow, and cannot change:
+    trainer arguments that train another strategy or another config are refused, not obeyed."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config({"KUBETRAIN_BUILTIN_TASK": "regression", **env}, [])
+
+
+def test_fsdp_options_the_crd_has_no_field_for_are_added_to_the_contracts():
+    env = {"KUBETRAIN_STRATEGY": "fsdp", "KUBETRAIN_FSDP_CONFIG": '{"cpuOffload": false, "reshardAfterForward": true}',
+           "KUBETRAIN_TRAINER_ARGS": '{"strategy": "fsdp", "fsdp_config": {"cpu_offload": false, "shard_modules": "L"}}'}
+    _, args, _ = load_config({"KUBETRAIN_BUILTIN_TASK": "regression", **env}, [])
+    assert args.strategy == "fsdp"
+    assert args.fsdp_config == {"cpuOffload": False, "reshardAfterForward": True, "shard_modules": "L"}
 
 
 def test_trains_saves_and_resumes_from_output_dir(tmp_path, capsys):

@@ -75,7 +75,7 @@ class FSDPOptions:
         values: dict[str, Any] = {}
         errors = []
         for key, value in options.items():
-            name = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+            name = option_name(key)
             if name not in known:
                 near = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else f"; allowed: {', '.join(sorted(known))}"
@@ -93,6 +93,11 @@ class FSDPOptions:
         if errors:
             raise ConfigError("; ".join(errors))
         return cls(**values)
+
+
+def option_name(key: str) -> str:
+    """An FSDP option's field name: the CRD's camelCase (`cpuOffload`) or already snake_case."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
 def modules_to_shard(model: nn.Module, class_names: tuple[str, ...] = ()) -> list[nn.Module]:
