@@ -199,6 +199,8 @@ class TrainingArguments(ProcessLogLevels):
     def _incompatibilities(self) -> list[str]:
         """Settings that are each valid but do not work together; each message says what to change."""
         e: list[str] = []
+        if not self.output_dir:
+            e.append("output_dir must name a folder, got an empty string (leave it out for the default)")
         if self.per_device_train_batch_size < 1 or self.per_device_eval_batch_size < 1:
             e.append("per_device_train_batch_size and per_device_eval_batch_size must be >= 1")
         if self.gradient_accumulation_steps < 1:

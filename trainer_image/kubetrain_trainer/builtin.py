@@ -206,7 +206,8 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     if not isinstance(raw, dict):
         raise ConfigError(f"{TRAINER_ARGS} must be a JSON object of argument names to values")
     raw = {**raw, **parse_cli(argv)}
-    if "output_dir" not in raw and env.get(LOCAL_CHECKPOINT_DIR):
+    # Where the launcher watches and uploads (launch_config.py): output_dir when set, else this folder.
+    if raw.get("output_dir") is None and env.get(LOCAL_CHECKPOINT_DIR):
         raw["output_dir"] = env[LOCAL_CHECKPOINT_DIR]
     contract_strategy(raw, env)
     task_cls = TASKS[name]

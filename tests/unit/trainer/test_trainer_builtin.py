@@ -62,6 +62,18 @@ def test_fsdp_options_the_crd_has_no_field_for_are_added_to_the_contracts():
     assert args.fsdp_config == {"cpuOffload": False, "reshardAfterForward": True, "shard_modules": "L"}
 
 
+def test_the_trainer_saves_where_the_launcher_watches_or_refuses_an_empty_output_dir():
+    from kubetrain_trainer.launch_config import LaunchConfig
+
+    for output_dir, expected in ((None, "/tmp/kt/ckpt"), ("/data/out", "/data/out")):
+        env = {"KUBETRAIN_BUILTIN_TASK": "regression", "KUBETRAIN_LOCAL_CHECKPOINT_DIR": "/tmp/kt/ckpt",
+               "KUBETRAIN_TRAINER_ARGS": json.dumps({"output_dir": output_dir})}
+        assert str(LaunchConfig.from_env(env, []).local_dir) == load_config(env, [])[1].output_dir == expected
+    env["KUBETRAIN_TRAINER_ARGS"] = '{"output_dir": ""}'
+    with pytest.raises(ConfigError, match="output_dir must name a folder, got an empty string"):
+        load_config(env, [])
+
+
 def test_trains_saves_and_resumes_from_output_dir(tmp_path, capsys):
     out = tmp_path / "out"
     assert run(_env(output_dir=str(out), max_steps=4, save_steps=2), []) == 0
