@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -120,14 +121,17 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{name}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return value
+        number = value if isinstance(value, (int, float)) else None
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # "nan", "inf", or JSON's NaN / Infinity
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -50,6 +50,14 @@ def test_bad_value_names_the_argument_and_the_choices():
         TrainingArguments(lr_scheduler_type="cosin")
 
 
+@pytest.mark.parametrize("name", ["save_steps", "logging_steps", "eval_steps", "warmup_steps", "num_train_epochs",
+                                  "learning_rate", "warmup_ratio", "max_grad_norm"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan"), float("inf")])
+def test_non_finite_numbers_are_refused_naming_the_argument(name, value):
+    with pytest.raises(ConfigError, match=rf"{name}: expected a finite number, got"):
+        TrainingArguments.from_dict({name: value})
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(load_best_model_at_end=True), r"load_best_model_at_end needs evaluation: set eval_strategy"),
     (dict(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="steps"),
