@@ -205,6 +205,14 @@ class TrainingArguments(ProcessLogLevels):
             e.append("per_device_train_batch_size and per_device_eval_batch_size must be >= 1")
         if self.gradient_accumulation_steps < 1:
             e.append("gradient_accumulation_steps must be >= 1")
+        for name in ("learning_rate", "weight_decay", "adam_epsilon"):
+            if getattr(self, name) < 0:
+                e.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                e.append(f"{name} must be within [0, 1), got {getattr(self, name)}")
+        if self.ddp_timeout <= 0:
+            e.append(f"ddp_timeout must be > 0 (seconds a collective may wait), got {self.ddp_timeout}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             e.append("set max_steps > 0 or num_train_epochs > 0: nothing to train")
         for name in ("save_steps", "logging_steps", "eval_steps", "warmup_steps"):

@@ -71,6 +71,14 @@ def test_non_finite_numbers_are_refused_naming_the_argument(name, value):
     (dict(save_strategy="best"), r"save_strategy 'best' needs evaluation"),
     (dict(max_steps=-1, num_train_epochs=0), r"nothing to train"),
     (dict(save_steps=2.5), r"whole number of steps"),
+    (dict(learning_rate=-1e-4), r"learning_rate must be >= 0, got -0.0001"),
+    (dict(weight_decay=-0.1), r"weight_decay must be >= 0"),
+    (dict(adam_epsilon=-1e-8), r"adam_epsilon must be >= 0"),
+    (dict(adam_beta1=1.5), r"adam_beta1 must be within \[0, 1\), got 1.5"),
+    (dict(adam_beta2=1), r"adam_beta2 must be within \[0, 1\)"),
+    (dict(adam_beta1=-0.1), r"adam_beta1 must be within \[0, 1\)"),
+    (dict(ddp_timeout=0), r"ddp_timeout must be > 0"),
+    (dict(ddp_timeout=-5), r"ddp_timeout must be > 0"),
 ])
 def test_incompatible_settings_fail_with_what_to_change(kwargs, message):
     with pytest.raises(ConfigError, match=message):
