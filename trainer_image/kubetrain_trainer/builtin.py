@@ -48,6 +48,16 @@ class CausalLMTask:
     eval_samples: int = 256
     """Evaluation sequences (drawn with another seed)."""
 
+    def problems(self, args) -> list[str]:
+        """What makes the task fail or train nothing, each naming its key (the task's keys are coerced only)."""
+        e = [*_sizes(self, "vocab_size", "d_model", "n_layers", "n_heads", "num_samples"), *_eval_size(self, args),
+             *_dropout(self)]
+        if self.seq_len < 2:
+            e.append(f"seq_len must be >= 2 (each token predicts the next one), got {self.seq_len}")
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            e.append(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        return e
+
     def build(self, args):
         from .models import SyntheticTokens, TinyGPT, TinyGPTConfig
 
@@ -69,6 +79,10 @@ class RegressionTask:
     eval_samples: int = 128
     noise: float = 0.01
 
+    def problems(self, args) -> list[str]:
+        return [*_sizes(self, "in_features", "hidden", "num_samples"), *_eval_size(self, args), *_dropout(self),
+                *(["noise must be >= 0"] if self.noise < 0 else [])]
+
     def build(self, args):
         from .models import SyntheticRegression, TinyMLP
 
@@ -80,6 +94,33 @@ class RegressionTask:
 
 
 TASKS = {"causal-lm": CausalLMTask, "regression": RegressionTask}
+
+
+def _sizes(task, *names: str) -> list[str]:
+    return [f"{n} must be >= 1, got {getattr(task, n)}" for n in names if getattr(task, n) < 1]
+
+
+def _eval_size(task, args) -> list[str]:
+    evaluating = args.eval_strategy != "no"
+    return [f"eval_samples must be >= 1 with eval_strategy {args.eval_strategy!r}, got {task.eval_samples}"
+            ] if evaluating and task.eval_samples < 1 else []
+
+
+def _dropout(task) -> list[str]:
+    return [] if 0 <= task.dropout < 1 else [f"dropout must be within [0, 1), got {task.dropout}"]
+
+
+def check_best_metric(args) -> None:
+    """The built-in tasks have no compute_metrics: their eval metrics are known before training, so a
+    `metric_for_best_model` that is none of them is refused now (HF finds out at the first evaluation)."""
+    from .args import ConfigError
+    from .evaluation import PLAIN_EVAL_METRICS
+    from .layout import metric_key
+
+    name = args.metric_for_best_model
+    if name and args.eval_strategy != "no" and metric_key(name) not in PLAIN_EVAL_METRICS:
+        raise ConfigError(f"metric_for_best_model {name!r}: the built-in tasks' eval metrics are "
+                          f"{', '.join(PLAIN_EVAL_METRICS)}")
 
 HOLD_AT_STEP_ENV = TEST_HOLD_AT_STEP
 HOLD_SECONDS_ENV = TEST_HOLD_SECONDS
@@ -215,6 +256,9 @@ def load_config(env: dict[str, str], argv: Sequence[str]):
     args, extra = TrainingArguments.split_dict(raw, extra_keys=task_fields)
     hints = typing.get_type_hints(task_cls)
     task = task_cls(**{k: _coerce(v, hints[k], k) for k, v in extra.items()})
+    if problems := task.problems(args):
+        raise ConfigError(f"invalid {name} task arguments:\n  - " + "\n  - ".join(problems))
+    check_best_metric(args)
     return name, args, task
 
 

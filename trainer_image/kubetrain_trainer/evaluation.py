@@ -80,6 +80,11 @@ def label_names(model_class: type) -> tuple[str, ...]:
     return tuple(p for p in params if "label" in p or p in qa) or ("labels",)
 
 
+PLAIN_EVAL_METRICS = ("eval_loss", "eval_runtime", "eval_samples_per_second")
+"""What `evaluate` reports of one eval set without `compute_metrics` (and with `evaluate` and `evaluation_loop`
+not overridden, no callback adding to its metrics): a `metric_for_best_model` outside these is never found."""
+
+
 def check_eval_dataset(dataset: Any, trainer: Any) -> None:
     """Refuse, before any step, a dict of eval sets that cannot work: keys that are not names, none to evaluate
     periodically, or a `metric_for_best_model` that none of its sets' metrics (`eval_<name>_<metric>`) can be."""

@@ -74,6 +74,38 @@ def test_the_trainer_saves_where_the_launcher_watches_or_refuses_an_empty_output
         load_config(env, [])
 
 
+@pytest.mark.parametrize("task, args, message", [
+    ("causal-lm", {"d_model": 64, "n_heads": 5}, "d_model (64) must be a multiple of n_heads (5)"),
+    ("causal-lm", {"seq_len": 0}, "seq_len must be >= 2"),
+    ("causal-lm", {"seq_len": 1}, "seq_len must be >= 2"),
+    ("causal-lm", {"n_layers": 0}, "n_layers must be >= 1, got 0"),
+    ("causal-lm", {"vocab_size": -3}, "vocab_size must be >= 1"),
+    ("causal-lm", {"n_heads": 0}, "n_heads must be >= 1"),
+    ("causal-lm", {"dropout": 1.0}, "dropout must be within [0, 1), got 1.0"),
+    ("regression", {"num_samples": 0}, "num_samples must be >= 1, got 0"),
+    ("regression", {"in_features": 0}, "in_features must be >= 1"),
+    ("regression", {"hidden": -1}, "hidden must be >= 1, got -1"),
+    ("regression", {"dropout": 1.5}, "dropout must be within [0, 1), got 1.5"),
+    ("regression", {"dropout": -0.1}, "dropout must be within [0, 1)"),
+    ("regression", {"noise": -1}, "noise must be >= 0"),
+    ("regression", {"eval_samples": 0, "eval_strategy": "steps", "eval_steps": 2},
+     "eval_samples must be >= 1 with eval_strategy 'steps'"),
+    ("regression", {"eval_strategy": "steps", "eval_steps": 2, "metric_for_best_model": "accuracy"},
+     "metric_for_best_model 'accuracy': the built-in tasks' eval metrics are eval_loss, eval_runtime"),
+])
+def test_task_arguments_that_cannot_train_are_refused_naming_the_key(task, args, message):
+    env = {"KUBETRAIN_BUILTIN_TASK": task, "KUBETRAIN_TRAINER_ARGS": json.dumps(args)}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(env, [])
+
+
+def test_task_arguments_at_their_bounds_are_accepted():
+    for task, args in (("causal-lm", {"seq_len": 2, "d_model": 6, "n_heads": 3, "dropout": 0.99}),
+                       ("regression", {"eval_samples": 0, "noise": 0}),
+                       ("regression", {"eval_strategy": "epoch", "metric_for_best_model": "eval_loss"})):
+        load_config({"KUBETRAIN_BUILTIN_TASK": task, "KUBETRAIN_TRAINER_ARGS": json.dumps(args)}, [])
+
+
 def test_trains_saves_and_resumes_from_output_dir(tmp_path, capsys):
     out = tmp_path / "out"
     assert run(_env(output_dir=str(out), max_steps=4, save_steps=2), []) == 0
