@@ -180,7 +180,7 @@ class TrainingArguments(ProcessLogLevels):
             errors = self._incompatibilities()
         if errors:
             raise ConfigError("invalid training arguments:\n  - " + "\n  - ".join(errors))
-        if self.eval_strategy == "steps" and self.eval_steps is None:
+        if self.eval_strategy == "steps" and not self.eval_steps:  # None or 0: logging_steps (HF's rule)
             self.eval_steps = self.logging_steps
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
@@ -225,6 +225,9 @@ class TrainingArguments(ProcessLogLevels):
             e.append("warmup_ratio must be within [0, 1]")
         if self.save_strategy == "steps" and not self.save_steps:
             e.append("save_strategy 'steps' needs save_steps > 0 (or set save_strategy: no)")
+        if self.eval_strategy == "steps" and not self.eval_steps and not self.logging_steps:
+            e.append("eval_strategy 'steps' needs eval_steps > 0, or logging_steps > 0 (which an unset or 0 "
+                     "eval_steps takes)")
         if self.logging_strategy == "steps" and not self.logging_steps:
             e.append("logging_strategy 'steps' needs logging_steps > 0 (or set logging_strategy: no)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
@@ -241,7 +244,7 @@ class TrainingArguments(ProcessLogLevels):
                          f"(got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}): "
                          f"set save_strategy: {self.eval_strategy}")
             elif self.save_strategy == "steps":
-                eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
+                eval_steps = self.eval_steps or self.logging_steps
                 if eval_steps and self.save_steps % eval_steps:
                     e.append(f"load_best_model_at_end needs save_steps ({self.save_steps}) to be a multiple "
                              f"of eval_steps ({eval_steps}): change one of them")

@@ -71,6 +71,11 @@ def test_non_finite_numbers_are_refused_naming_the_argument(name, value):
     (dict(save_strategy="best"), r"save_strategy 'best' needs evaluation"),
     (dict(max_steps=-1, num_train_epochs=0), r"nothing to train"),
     (dict(save_steps=2.5), r"whole number of steps"),
+    (dict(eval_strategy="steps", eval_steps=0, logging_strategy="no", logging_steps=0),
+     r"eval_strategy 'steps' needs eval_steps > 0, or logging_steps > 0"),
+    (dict(eval_strategy="steps", logging_strategy="no", logging_steps=0), r"needs eval_steps > 0"),
+    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0, logging_steps=3, save_steps=4),
+     r"save_steps \(4\) to be a multiple of eval_steps \(3\)"),
     (dict(learning_rate=-1e-4), r"learning_rate must be >= 0, got -0.0001"),
     (dict(weight_decay=-0.1), r"weight_decay must be >= 0"),
     (dict(adam_epsilon=-1e-8), r"adam_epsilon must be >= 0"),
@@ -83,6 +88,11 @@ def test_non_finite_numbers_are_refused_naming_the_argument(name, value):
 def test_incompatible_settings_fail_with_what_to_change(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainingArguments(**kwargs)
+
+
+def test_eval_steps_0_means_logging_steps_as_in_hf():
+    assert TrainingArguments(eval_strategy="steps", eval_steps=0, logging_steps=7).eval_steps == 7
+    assert TrainingArguments(eval_strategy="steps", eval_steps=0, logging_strategy="no", logging_steps=5).eval_steps == 5
 
 
 def test_fractional_step_arguments_and_defaults():
