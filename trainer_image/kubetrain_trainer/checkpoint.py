@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+import torch
+from safetensors import SafetensorError
+
 from . import distributed as dist_util
+from .args_values import ConfigError
 from .layout import TMP_PREFIX, TRAINER_STATE, by_step, checkpoint_dirname, parse_checkpoint_dirname, tmp_dirname
 from .readiness import READY_MARKER, mark_ready
+from .strategies.base import StateDictMismatch
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -47,6 +53,19 @@ class ResumeItem:
     load: Callable[[Path], None]
     stage: Callable[[Path], Callable[[], None]] | None = None
     """For `async_save`: capture the state now, return the writer that writes it later (another thread)."""
+    collective: bool = False
+    """Whether `load` talks to the other ranks: then its failure can be theirs or the network's."""
+
+
+class CheckpointUnreadable(ConfigError):
+    """A checkpoint folder to resume from holds something that cannot be loaded into this run: a retry reads
+    the same bytes into the same model, so it is a configuration error (exit 82), not an application failure."""
+
+
+UNREADABLE = (ValueError, TypeError, KeyError, AttributeError, EOFError, pickle.UnpicklingError, FileNotFoundError,
+              NotADirectoryError, IsADirectoryError, RuntimeError, SafetensorError)
+"""What loading a broken or foreign file raises (JSON and type errors, torch.load's reader and unpickler,
+load_state_dict, safetensors); a torch.distributed error among them is never this folder's."""
 
 
 class ResumeRegistry:
@@ -56,10 +75,10 @@ class ResumeRegistry:
         self.items: list[ResumeItem] = []
 
     def register(self, name: str, *, save: Callable[[Path], None], load: Callable[[Path], None],
-                 stage: Callable[[Path], Callable[[], None]] | None = None) -> None:
+                 stage: Callable[[Path], Callable[[], None]] | None = None, collective: bool = False) -> None:
         if any(item.name == name for item in self.items):
             raise ValueError(f"resume item {name!r} registered twice")
-        self.items.append(ResumeItem(name, save, load, stage))
+        self.items.append(ResumeItem(name, save, load, stage, collective))
 
     def save_all(self, directory: Path) -> None:
         for item in self.items:
@@ -76,8 +95,25 @@ class ResumeRegistry:
         return writers
 
     def load_all(self, directory: Path) -> None:
+        """Load every item; CheckpointUnreadable naming the folder and the item when one cannot be loaded
+        (only ever read: the folder is left as it was)."""
         for item in self.items:
-            item.load(directory)
+            try:
+                item.load(directory)
+            except UNREADABLE as exc:
+                if isinstance(exc, torch.distributed.DistError) or (item.collective and dist_util.world_size() > 1):
+                    raise  # maybe a peer's failure or the network's: the attempt is retried
+                raise unreadable(directory, f"the {item.name} in it", exc) from exc
+
+
+def unreadable(directory: str | Path, what: str, exc: BaseException) -> CheckpointUnreadable:
+    """The error for a resume folder of which `what` cannot be loaded, `exc` saying why."""
+    lines = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {' '.join(lines[:3])[:400]}" if lines else type(exc).__name__
+    detail = "; ".join([detail, *getattr(exc, "__notes__", ())])  # the file, where the reader named it
+    hint = ("; its model has other weights than this one: the model's arguments (e.g. a built-in task's "
+            "d_model) changed since it was saved") if isinstance(exc, StateDictMismatch) else ""
+    return CheckpointUnreadable(f"resume_from_checkpoint {str(directory)!r}: {what} cannot be loaded ({detail}){hint}")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:

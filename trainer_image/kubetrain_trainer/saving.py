@@ -51,7 +51,10 @@ class SavingMixin:
         """*Collective.* Every rank resumes from the same step, or none does. On nodes that share no disk, a node
         whose output_dir lacks the checkpoint would start over while the others resume, and the gang would hang
         at its first collective that differs."""
-        step = -1 if resume_dir is None else TrainerState.load_from_json(Path(resume_dir) / ckpt.COMPLETE_MARKER).global_step
+        try:
+            step = -1 if resume_dir is None else TrainerState.load_from_json(Path(resume_dir) / ckpt.COMPLETE_MARKER).global_step
+        except (ValueError, TypeError) as exc:  # not JSON, or not the state's types: its bytes never change
+            raise ckpt.unreadable(resume_dir, ckpt.COMPLETE_MARKER, exc) from exc
         main = dist_util.broadcast_object(step)
         if dist_util.any_rank(step != main, self.device):
             def what(s: int) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -87,11 +89,37 @@ class TrainerState:
 
     @classmethod
     def load_from_json(cls, path: str | Path) -> "TrainerState":
+        """ValueError naming the entry when the file is not JSON, not an object, or holds a value of another type."""
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in data.items() if k in known}  # tolerate HF's extra fields
         position = data.pop("data_position", None) or {}
+        _check_types(cls, data)
+        _check_types(DataPosition, position if isinstance(position, dict) else {"data_position": position})
         return cls(**data, data_position=DataPosition(**position))
+
+
+def _check_types(cls: type, data: dict[str, Any]) -> None:
+    """Each of `data`'s values has its field's JSON type (an int is a float too, a bool is neither)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        if name not in hints or not _fits(value, hints[name]):
+            raise ValueError(f"{name}: {value!r} is not of type {hints.get(name, 'a field of ' + cls.__name__)}")
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(tp))
+    tp = typing.get_origin(tp) or tp
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return tp is bool
+    return isinstance(value, (int, float) if tp is float else tp)
 
 
 def defer_epoch_end(state: TrainerState, grad_norm: Any, lr: Any) -> None:

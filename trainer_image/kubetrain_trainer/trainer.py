@@ -371,7 +371,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
         reg = ckpt.ResumeRegistry()
         main = dist_util.is_main_process
         reg.register("model+optimizer", save=self.strategy.save_checkpoint, load=self.strategy.load_checkpoint,
-                     stage=self.strategy.stage_checkpoint)
+                     stage=self.strategy.stage_checkpoint, collective=not self.strategy.loads_locally)
 
         def save_scheduler(d: Path) -> None:
             if main():

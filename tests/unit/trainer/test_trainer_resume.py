@@ -176,3 +176,68 @@ def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gp
     assert logs(resumed.state)[:-1] == logs(straight.state)[:-1]  # the last: the train summary of this process
     _assert_same(_params(straight.model), _params(resumed.model))
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(p.name for p in (tmp_path / "a").iterdir())
+
+
+def _digest(root):
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode() + (p.read_bytes() if p.is_file() else b"/"))
+    return h.hexdigest()
+
+
+def _break_state(text):
+    return lambda folder: (folder / "trainer_state.json").write_text(text)
+
+
+def _string_step(folder):
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "global_step": str(state["global_step"])}))
+
+
+def _truncate(name):
+    return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage, what", [
+    (_break_state("not json"), "trainer_state.json cannot be loaded (JSONDecodeError"),
+    (_break_state("[]"), "trainer_state.json cannot be loaded (ValueError: expected a JSON object, got list"),
+    (_string_step, "trainer_state.json cannot be loaded (ValueError: global_step: '3' is not of type"),
+    (_truncate("optimizer.pt"), "the model+optimizer in it cannot be loaded (RuntimeError: PytorchStreamReader"),
+    (_truncate("model.safetensors"), "model+optimizer in it cannot be loaded (SafetensorError"),
+    (lambda folder: (folder / "model.safetensors").unlink(), "(FileNotFoundError"),
+    (_truncate("scheduler.pt"), "the scheduler in it cannot be loaded"),
+])
+def test_a_broken_checkpoint_is_a_config_error_naming_the_folder_and_what_and_stays_untouched(
+        tiny_gpt, tokens, make_args, tmp_path, damage, what):
+    import shutil
+
+    from kubetrain_trainer import ConfigError
+
+    Trainer(model=tiny_gpt(0), args=make_args(max_steps=3), train_dataset=tokens()).train()
+    folder = tmp_path / "broken"
+    shutil.copytree(tmp_path / "out" / "checkpoint-3", folder)
+    damage(folder)
+    before = _digest(folder)
+    trainer = Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "again")), train_dataset=tokens())
+    with pytest.raises(ConfigError) as err:
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert str(err.value).startswith(f"resume_from_checkpoint {str(folder)!r}: ") and what in str(err.value)
+    assert _digest(folder) == before
+
+
+def test_a_checkpoint_of_another_model_says_the_models_arguments_changed(tokens, make_args, tmp_path):
+    from kubetrain_trainer import ConfigError
+    from kubetrain_trainer.models import TinyGPT, TinyGPTConfig
+
+    def model(d_model):
+        return TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=d_model, n_layers=1, n_heads=2))
+
+    Trainer(model=model(16), args=make_args(max_steps=3), train_dataset=tokens()).train()
+    out = tmp_path / "out"
+    before = _digest(out)
+    with pytest.raises(ConfigError, match=r"checkpoint-3': the model\+optimizer in it cannot be loaded "
+                                          r"\(StateDictMismatch: .*size mismatch.*model's arguments .* changed"):
+        Trainer(model=model(32), args=make_args(), train_dataset=tokens()).train(resume_from_checkpoint=True)
+    assert _digest(out) == before

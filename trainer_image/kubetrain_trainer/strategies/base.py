@@ -11,10 +11,11 @@ same order; the others are local.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -38,10 +39,26 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 """Builds the LR scheduler for an optimizer."""
 
 
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """What reading `path` raises carries its name (a note, the exception itself unchanged)."""
+    try:
+        yield
+    except Exception as exc:  # re-raised as it is, with a note
+        exc.add_note(f"while reading {path}")
+        raise
+
+
+class StateDictMismatch(RuntimeError):
+    """A checkpoint's model weights do not fit the model (other names or shapes): another model saved it."""
+
+
 class Strategy(ABC):
     """A distributed training strategy. One instance per process and run."""
 
     name: ClassVar[str]
+    loads_locally: ClassVar[bool] = False
+    """Whether `load_checkpoint` only reads this rank's files (no collective): its failure is this folder's."""
 
     @abstractmethod
     def prepare(

@@ -21,7 +21,7 @@ from torch.nn.utils import clip_grad_norm_
 
 from .. import distributed as dist_util
 from ..optim import step_groups_at_once
-from .base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, Strategy
+from .base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, StateDictMismatch, Strategy, reading
 
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
@@ -46,6 +46,7 @@ def safetensors_ready(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    loads_locally = True
 
     def __init__(self) -> None:
         self._module: nn.Module | None = None
@@ -134,12 +135,18 @@ class DDPStrategy(Strategy):
 
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
-        self._module.load_state_dict(self._read_weights(directory))
+        weights = self._read_weights(directory)
+        try:
+            self._module.load_state_dict(weights)
+        except RuntimeError as exc:  # missing, unexpected or differently shaped entries
+            raise StateDictMismatch(str(exc)) from exc
         if (directory / OPTIMIZER_NAME).is_file():
-            self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
-                                                       weights_only=True))
+            with reading(directory / OPTIMIZER_NAME):
+                self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
+                                                           weights_only=True))
         if self._scaler and (directory / SCALER_NAME).is_file():
-            self._scaler.load_state_dict(torch.load(directory / SCALER_NAME, weights_only=True))
+            with reading(directory / SCALER_NAME):
+                self._scaler.load_state_dict(torch.load(directory / SCALER_NAME, weights_only=True))
 
     def can_load_checkpoint(self, directory: Path) -> bool:
         return (Path(directory) / WEIGHTS_NAME).is_file() or (Path(directory) / PICKLE_WEIGHTS_NAME).is_file()
@@ -155,9 +162,11 @@ class DDPStrategy(Strategy):
 
     def _read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
         if (directory / WEIGHTS_NAME).is_file():
-            return load_file(str(directory / WEIGHTS_NAME), device=str(self.device))
+            with reading(directory / WEIGHTS_NAME):
+                return load_file(str(directory / WEIGHTS_NAME), device=str(self.device))
         if (directory / PICKLE_WEIGHTS_NAME).is_file():
-            return torch.load(directory / PICKLE_WEIGHTS_NAME, map_location=self.device, weights_only=True)
+            with reading(directory / PICKLE_WEIGHTS_NAME):
+                return torch.load(directory / PICKLE_WEIGHTS_NAME, map_location=self.device, weights_only=True)
         raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
