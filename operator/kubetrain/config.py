@@ -135,13 +135,13 @@ class Settings:
         if test_url and not test_url.startswith(("http://", "https://")):
             raise ConfigError("KUBETRAIN_TEST_PROGRESS_URL", test_url, "must be an http:// or https:// URL template")
         return cls(
-            metrics_port=int(_number(env, "KUBETRAIN_METRICS_PORT", 0, 0, 65535)),
+            metrics_port=_whole(env, "KUBETRAIN_METRICS_PORT", 0, 0, 65535),
             progress_interval_seconds=interval, progress_timeout_seconds=timeout,
-            progress_concurrency=int(_number(env, "KUBETRAIN_PROGRESS_CONCURRENCY", 16, 1, 256)),
+            progress_concurrency=_whole(env, "KUBETRAIN_PROGRESS_CONCURRENCY", 16, 1, 256),
             test_progress_url=test_url,
             namespaces=namespaces, log_level=level, default_image=image,  # type: ignore[arg-type]
-            max_concurrent_reconciles=int(_number(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 1024, 1, 8192)),
-            api_threads=int(_number(env, "KUBETRAIN_API_THREADS", 32, 1, 256)),
+            max_concurrent_reconciles=_whole(env, "KUBETRAIN_MAX_CONCURRENT_RECONCILES", 1024, 1, 8192),
+            api_threads=_whole(env, "KUBETRAIN_API_THREADS", 32, 1, 256),
             resync_seconds=_number(env, "KUBETRAIN_RESYNC_SECONDS", 60.0, 1, 3600),
             leader_election=_BOOLEANS[raw_le], leader_election_namespace=le_namespace,
             leader_election_id=le_id, leader_election_identity=identity,
@@ -160,3 +160,11 @@ def _number(env: Mapping[str, str], name: str, default: float, low: float, high:
     if not low <= value <= high:
         raise ConfigError(name, raw, f"must be between {low:g} and {high:g}")
     return value
+
+
+def _whole(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    """An integer setting: a fraction (9400.9) is refused, not cut down to 9400."""
+    value = _number(env, name, default, low, high)
+    if value != int(value):
+        raise ConfigError(name, env.get(name, "").strip(), "must be a whole number")
+    return int(value)

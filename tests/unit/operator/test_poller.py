@@ -176,6 +176,10 @@ def test_each_job_is_read_at_most_once_per_interval_at_its_own_offset() -> None:
      "KUBETRAIN_PROGRESS_TIMEOUT_SECONDS"),
     ({"KUBETRAIN_PROGRESS_CONCURRENCY": "0"}, "KUBETRAIN_PROGRESS_CONCURRENCY"),
     ({"KUBETRAIN_METRICS_PORT": "70000"}, "KUBETRAIN_METRICS_PORT"),
+    ({"KUBETRAIN_METRICS_PORT": "9400.9"}, "KUBETRAIN_METRICS_PORT"),
+    ({"KUBETRAIN_PROGRESS_CONCURRENCY": "2.5"}, "KUBETRAIN_PROGRESS_CONCURRENCY"),
+    ({"KUBETRAIN_MAX_CONCURRENT_RECONCILES": "10.5"}, "KUBETRAIN_MAX_CONCURRENT_RECONCILES"),
+    ({"KUBETRAIN_API_THREADS": "4.01"}, "KUBETRAIN_API_THREADS"),
     ({"KUBETRAIN_TEST_PROGRESS_URL": "127.0.0.1:80/{pod}"}, "KUBETRAIN_TEST_PROGRESS_URL"),
 ])
 def test_bad_settings_name_the_setting(env, setting) -> None:
@@ -189,4 +193,5 @@ def test_settings_defaults() -> None:
     assert (s.metrics_port, s.progress_interval_seconds, s.progress_timeout_seconds, s.progress_concurrency,
             s.test_progress_url) == (0, 30.0, 3.0, 16, "")
     assert Settings.from_env({"KUBETRAIN_PROGRESS_INTERVAL_SECONDS": "0"}).progress_interval_seconds == 0
+    assert Settings.from_env({"KUBETRAIN_METRICS_PORT": "9400.0", "KUBETRAIN_API_THREADS": "8"}).metrics_port == 9400
     assert json.dumps(record())  # the shared record factory stays JSON
