@@ -95,6 +95,10 @@ class Job:
             spec, error = Spec.from_storage(body.get("spec"), default_image=default_image), None
         except SpecError as exc:
             spec, error = None, str(exc)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            # A value of a type the CRD's schema refuses (an object stored before the schema had it, or written
+            # around it): the job fails as InvalidSpec instead of its reconcile crashing every 10 s, forever.
+            spec, error = None, f"spec: a value does not have the type the CRD's schema gives it ({exc!r:.200})"
         return cls(
             name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
             generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),

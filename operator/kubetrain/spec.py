@@ -165,7 +165,7 @@ class Spec:
             resources=resources,
             trainer=trainer,
             env=_env(spec.get("env")),
-            env_from=tuple(spec.get("envFrom") or ()),
+            env_from=_env_from(spec.get("envFrom")),
             strategy=strategy,
             checkpoint=_checkpoint(spec.get("checkpoint"), spec.get("podTemplate")),
             run_policy=_run_policy(spec.get("runPolicy")),
@@ -404,9 +404,19 @@ def _resources(raw: Any) -> dict[str, Any]:
     return raw
 
 
+def _env_from(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    if raw and (not isinstance(raw, list) or not all(isinstance(source, Mapping) for source in raw)):
+        raise SpecError("envFrom", "must be a list of {configMapRef} or {secretRef} objects")
+    return tuple(raw or ())
+
+
 def _env(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    if raw and not isinstance(raw, list):
+        raise SpecError("env", "must be a list of {name, value} or {name, valueFrom} objects")
     env = tuple(raw or ())
     for i, var in enumerate(env):
+        if not isinstance(var, Mapping) or not isinstance(var.get("name"), str):
+            raise SpecError(f"env[{i}]", "must be an object with a name and a value or valueFrom")
         name = var.get("name") if isinstance(var, Mapping) else None
         if name in CREDENTIAL_ENV_NAMES and var.get("value"):
             raise SpecError(f"env[{i}].value", f"{name} is a credential and must not be written into the "

@@ -199,3 +199,22 @@ def test_more_worker_processes_than_gpus_per_pod_is_an_invalid_spec(gpus, procs,
     with pytest.raises(SpecError) as err:
         Spec.from_storage(spec)
     assert err.value.field_path == "procsPerNode" and "nvidia.com/gpu" in str(err.value)
+
+
+@pytest.mark.parametrize("patch", [{"strategy": "fsdp"}, {"podTemplate": {"tolerations": ["x"]}}, {"checkpoint": "x"},
+                                   {"resources": "x"}])
+def test_a_value_of_a_type_the_schema_refuses_is_an_invalid_spec_not_a_crash(patch: dict) -> None:
+    """The CRD's types keep these out; one stored around them made every reconcile of the job crash (retried
+    every 10 s forever, the job with no phase or condition)."""
+    from kubetrain.api import Job
+
+    job = Job.from_storage({"metadata": {"name": "tj", "namespace": "ns"}, "spec": {**BASE, **patch}})
+    assert job.spec is None and job.spec_error.startswith("spec: a value does not have the type")
+
+
+@pytest.mark.parametrize("patch, field", [({"env": ["A=1"]}, "env[0]"), ({"env": {"A": "1"}}, "env"),
+                                          ({"envFrom": [1]}, "envFrom")])
+def test_env_entries_that_are_not_objects_are_an_invalid_spec_naming_the_field(patch: dict, field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        Spec.from_storage({**BASE, **patch})
+    assert err.value.field_path == field
