@@ -44,7 +44,7 @@ from kubetrain.api import Job
 from kubetrain.draft import Draft, delete_pods, excerpt, fail
 from kubetrain.observe import Observed
 from kubetrain.plan import plan
-from kubetrain.spec import quantity_value
+from kubetrain.resources import quantity_value
 from kubetrain.status import STARTED_PHASES, Status
 from kubetrain.values import format_time, parse_time
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Literal, Mapping
 
 from kubetrain.identity import IdentityError, StorageIdentity, WebIdentity, parse_identity
+from kubetrain.resources import QUALIFIED_NAME, ResourceError, parse_resources, quantity
 
 StrategyType = Literal["ddp", "fsdp", "zero3"]
 BACKOFF_CAP_SECONDS = 300
@@ -147,9 +147,12 @@ class Spec:
             raise SpecError("masterPort", f"must not be {DEFAULT_METRICS_PORT}: the launcher serves /metrics and "
                                           "/progress there (KUBETRAIN_METRICS_PORT)")
         procs = _int(spec, "procsPerNode", 1, minimum=1)
-        resources = _resources(spec.get("resources"))
+        try:
+            resources = parse_resources(spec.get("resources"))
+        except ResourceError as exc:
+            raise SpecError(exc.field_path, exc.message) from None
         for name, value in dict(resources.get("limits") or {}).items():
-            gpus = _quantity(value, f"resources.limits.{name}")
+            gpus = quantity(value, f"resources.limits.{name}")
             if name.endswith("/gpu") and 0 < gpus < (procs or 1):
                 raise SpecError("procsPerNode", f"is {procs}, more than the {gpus} {name} of each pod "
                                                 f"(resources.limits.{name}): one worker process per GPU")
@@ -329,81 +332,6 @@ RESERVED_MOUNT_PATHS: frozenset[str] = frozenset({"/", "/dev", "/dev/termination
 RESERVED_MOUNT_TREES: tuple[str, ...] = ("/proc", "/etc/kubetrain", "/tmp/kubetrain")
 """Mount points kubetrain or the runtime owns: the paths themselves and everything below them."""
 
-_QUALIFIED_NAME = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?$")
-_SUFFIX = {"": 1, "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": 10**3,
-           "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           **{s: 2 ** (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}
-
-
-def _quantity(value: Any, path: str) -> Fraction:
-    """A resource quantity (4, "500m", "16Gi", "1e3") as an exact number; negative is an error."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = Fraction(value)
-    else:
-        m = _QUANTITY.match(value) if isinstance(value, str) else None
-        if m is None:
-            raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
-        suffix = m.group(2) or ""
-        scale = Fraction(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
-        number = Fraction(m.group(1)) * scale
-    if number < 0:
-        raise SpecError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
-    return number
-
-
-def quantity_value(value: Any) -> Fraction | Any:
-    """A quantity as an exact number, so that "4", 4 and "4000m" (or "16Gi" and "16384Mi") compare equal;
-    a value that is not a quantity comes back as it is."""
-    try:
-        return _quantity(value, "")
-    except (SpecError, TypeError, ValueError, KeyError):
-        return value
-
-
-def _is_extended(name: str) -> bool:
-    """A resource outside the kubernetes.io domain (e.g. nvidia.com/gpu): integer, never overcommitted."""
-    return "/" in name and "kubernetes.io/" not in name
-
-
-_BYTES = ("memory", "ephemeral-storage")
-"""Resources counted in bytes (hugepages too, by prefix): a milli-byte or less than a byte is a typo
-(memory: 100m); a fraction such as 1.2Gi is fine (the kubelet rounds it up)."""
-_SUB_UNIT = re.compile(r"[0-9.](m|u|n)$")
-
-
-def _resources(raw: Any) -> dict[str, Any]:
-    raw = dict(raw or {})
-    parsed: dict[str, dict[str, Fraction]] = {}
-    for which in ("requests", "limits"):
-        parsed[which] = {}
-        for name, value in dict(raw.get(which) or {}).items():
-            path = f"resources.{which}.{name}"
-            if "/" in name:
-                if not _QUALIFIED_NAME.match(name) or name.startswith("requests."):
-                    raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
-                                          "hugepages-<size> or an extended resource <domain>/<name>")
-            elif name not in ("cpu", "memory", "ephemeral-storage") and not name.startswith("hugepages-"):
-                raise SpecError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
-                                      "hugepages-<size> or an extended resource <domain>/<name>")
-            number = parsed[which][name] = _quantity(value, path)
-            if _is_extended(name) and number.denominator != 1:
-                raise SpecError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
-            if (name in _BYTES or name.startswith("hugepages-")) and (0 < number < 1 or _SUB_UNIT.search(str(value))):
-                raise SpecError(path, f"must be a size in bytes such as 512Mi or 16Gi, got {value!r}"
-                                      + (": m is a thousandth, not mega (use M or Mi)" if str(value).endswith("m")
-                                         else ": less than one byte"))
-    requests, limits = parsed["requests"], parsed["limits"]
-    for name, number in requests.items():
-        if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:
-            raise SpecError(f"resources.requests.{name}", "must be set in limits too, and equal to the limit "
-                                                         "(extended resources and hugepages cannot be overcommitted)")
-        if name in limits and number > limits[name]:
-            raise SpecError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
-    return raw
-
-
 def _env_from(raw: Any) -> tuple[Mapping[str, Any], ...]:
     if raw and (not isinstance(raw, list) or not all(isinstance(source, Mapping) for source in raw)):
         raise SpecError("envFrom", "must be a list of {configMapRef} or {secretRef} objects")
@@ -429,7 +357,7 @@ def _pod_template(raw: Any) -> dict[str, Any]:
     p = "podTemplate."
     for key in ("labels", "nodeSelector", "annotations"):
         for name in dict(tpl.get(key) or {}):
-            if not _QUALIFIED_NAME.match(name.lower() if key == "annotations" else name):
+            if not QUALIFIED_NAME.match(name.lower() if key == "annotations" else name):
                 raise SpecError(f"{p}{key}", f"{name!r} is not a valid key: an optional DNS subdomain prefix "
                                              "and '/', then at most 63 letters, digits, '-', '_' or '.'")
     for i, mount in enumerate(tpl.get("volumeMounts") or ()):

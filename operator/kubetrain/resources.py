@@ -1,0 +1,94 @@
+"""Container resources in a TrainingJob's spec, as the pod API reads them: quantities ("500m", "16Gi", "1e3")
+as exact numbers, and `spec.resources` checked the way the API server would check the pods built from it
+(names, whole extended resources, requests within limits). Pure; raises `ResourceError` naming the field,
+which `spec.py` turns into its `SpecError`.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+
+
+class ResourceError(ValueError):
+    """A resource value the pod API would refuse; `field_path` is under `spec.`."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(message)
+        self.field_path, self.message = field_path, message
+
+QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,3})?$")
+_SUFFIX = {"": 1, "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": 10**3,
+           "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           **{s: 2 ** (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))}}
+
+
+def quantity(value: Any, path: str) -> Fraction:
+    """A resource quantity (4, "500m", "16Gi", "1e3") as an exact number; negative is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = Fraction(value)
+    else:
+        m = _QUANTITY.match(value) if isinstance(value, str) else None
+        if m is None:
+            raise ResourceError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+        suffix = m.group(2) or ""
+        scale = Fraction(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIX[suffix]
+        number = Fraction(m.group(1)) * scale
+    if number < 0:
+        raise ResourceError(path, f"must be a non-negative quantity such as 4, 500m or 16Gi, got {value!r}")
+    return number
+
+
+def quantity_value(value: Any) -> Fraction | Any:
+    """A quantity as an exact number, so that "4", 4 and "4000m" (or "16Gi" and "16384Mi") compare equal;
+    a value that is not a quantity comes back as it is."""
+    try:
+        return quantity(value, "")
+    except (ResourceError, TypeError, ValueError, KeyError):
+        return value
+
+
+def _is_extended(name: str) -> bool:
+    """A resource outside the kubernetes.io domain (e.g. nvidia.com/gpu): integer, never overcommitted."""
+    return "/" in name and "kubernetes.io/" not in name
+
+
+_BYTES = ("memory", "ephemeral-storage")
+"""Resources counted in bytes (hugepages too, by prefix): a milli-byte or less than a byte is a typo
+(memory: 100m); a fraction such as 1.2Gi is fine (the kubelet rounds it up)."""
+_SUB_UNIT = re.compile(r"[0-9.](m|u|n)$")
+
+
+def parse_resources(raw: Any) -> dict[str, Any]:
+    raw = dict(raw or {})
+    parsed: dict[str, dict[str, Fraction]] = {}
+    for which in ("requests", "limits"):
+        parsed[which] = {}
+        for name, value in dict(raw.get(which) or {}).items():
+            path = f"resources.{which}.{name}"
+            if "/" in name:
+                if not QUALIFIED_NAME.match(name) or name.startswith("requests."):
+                    raise ResourceError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                          "hugepages-<size> or an extended resource <domain>/<name>")
+            elif name not in ("cpu", "memory", "ephemeral-storage") and not name.startswith("hugepages-"):
+                raise ResourceError(path, "is not a container resource: use cpu, memory, ephemeral-storage, "
+                                      "hugepages-<size> or an extended resource <domain>/<name>")
+            number = parsed[which][name] = quantity(value, path)
+            if _is_extended(name) and number.denominator != 1:
+                raise ResourceError(path, f"must be a whole number: an extended resource cannot be split, got {value!r}")
+            if (name in _BYTES or name.startswith("hugepages-")) and (0 < number < 1 or _SUB_UNIT.search(str(value))):
+                raise ResourceError(path, f"must be a size in bytes such as 512Mi or 16Gi, got {value!r}"
+                                      + (": m is a thousandth, not mega (use M or Mi)" if str(value).endswith("m")
+                                         else ": less than one byte"))
+    requests, limits = parsed["requests"], parsed["limits"]
+    for name, number in requests.items():
+        if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:
+            raise ResourceError(f"resources.requests.{name}", "must be set in limits too, and equal to the limit "
+                                                         "(extended resources and hugepages cannot be overcommitted)")
+        if name in limits and number > limits[name]:
+            raise ResourceError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
+    return raw
