@@ -236,7 +236,7 @@ def train_worker(spec: RunSpec) -> dict[str, Any]:
     model = TinyLM()
     strategy = get_strategy(spec.strategy, **spec.options)
     prepared = strategy.prepare(
-        model, args=args,
+        model, args=args, num_training_steps=spec.total_steps,
         create_optimizer=lambda m: optim.create_optimizer(m, args),
         create_scheduler=lambda o: optim.create_scheduler(o, args, spec.total_steps))
     wrapped, scheduler = prepared.model, prepared.lr_scheduler

@@ -360,9 +360,9 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
             self.lr_scheduler = None  # a second train() call plans anew
             self.create_scheduler(max_steps, self.optimizer)
             return
-        prepared = self.strategy.prepare(
-            self.model, args=self.args, create_optimizer=functools.partial(self._optimizer_for, max_steps),
-            create_scheduler=functools.partial(self._scheduler_for, max_steps))
+        prepared = self.strategy.prepare(self.model, args=self.args, num_training_steps=max_steps,
+                                         create_optimizer=functools.partial(self._optimizer_for, max_steps),
+                                         create_scheduler=functools.partial(self._scheduler_for, max_steps))
         self.model_wrapped, self.optimizer, self.lr_scheduler = prepared.model, prepared.optimizer, prepared.lr_scheduler
         self._prepared = True
 

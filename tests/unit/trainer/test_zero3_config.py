@@ -129,3 +129,38 @@ def test_load_config_reads_json_files_and_names_bad_ones(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(bad)
+
+
+class _Initialized(Exception):
+    """Raised by the faked `deepspeed.initialize` once it has seen the config."""
+
+
+def test_an_epoch_run_fills_the_scheduler_total_from_the_trainers_plan(monkeypatch, make_args, tiny_gpt, tokens):
+    """Only num_train_epochs set: the Trainer knows max_steps from the dataloader before the strategy
+    prepares, and the config's "auto" total and warmup come from it (HF: deepspeed_init(max_steps))."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from kubetrain_trainer import Trainer
+
+    seen: dict = {}
+
+    def initialize(*, config, **kwargs):
+        seen.update(config)
+        raise _Initialized
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    config = {"zero_optimization": {"stage": 3},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto",
+                                                                "total_num_steps": "auto"}}}
+    args = make_args(strategy="zero3", deepspeed=config, max_steps=-1, num_train_epochs=2,
+                     gradient_accumulation_steps=2, warmup_ratio=0.25, use_cpu=True)
+    trainer = Trainer(model=tiny_gpt(), args=args, train_dataset=tokens(30))
+    had_group = dist.is_initialized()
+    try:
+        with pytest.raises(_Initialized):
+            trainer.train()
+    finally:
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()  # the strategy's private one-rank group
+    # 30 samples / 4 a batch = 8 batches, / 2 accumulated = 4 steps an epoch, 2 epochs.
+    assert seen["scheduler"]["params"] == {"warmup_num_steps": 2, "total_num_steps": 8}

@@ -66,13 +66,16 @@ class Strategy(ABC):
         model: nn.Module,
         *,
         args: Any,
+        num_training_steps: int,
         create_optimizer: OptimizerFactory,
         create_scheduler: SchedulerFactory,
     ) -> Prepared:
         """*Collective.* Move/wrap/shard the model and build optimizer and scheduler.
 
-        `args` is the `TrainingArguments`. The process group is already
-        initialised (or the world size is 1).
+        `args` is the `TrainingArguments`; `num_training_steps` the optimizer
+        steps the run plans (the Trainer's max_steps, known from the
+        dataloader when only num_train_epochs is set), which a schedule
+        spans. The process group is already initialised (or the world size is 1).
         """
 
     @abstractmethod

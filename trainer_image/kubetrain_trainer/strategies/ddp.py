@@ -58,7 +58,7 @@ class DDPStrategy(Strategy):
         self.device = torch.device("cpu")
         self._stage = CpuStager()
 
-    def prepare(self, model: nn.Module, *, args: Any, create_optimizer: OptimizerFactory,
+    def prepare(self, model: nn.Module, *, args: Any, num_training_steps: int, create_optimizer: OptimizerFactory,
                 create_scheduler: SchedulerFactory) -> Prepared:
         self.device = dist_util.device_for(args.use_cpu)
         self._safetensors = args.save_safetensors

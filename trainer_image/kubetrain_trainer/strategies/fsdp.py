@@ -190,6 +190,7 @@ class FSDPStrategy(Strategy):
         model: nn.Module,
         *,
         args: Any,
+        num_training_steps: int,
         create_optimizer: OptimizerFactory,
         create_scheduler: SchedulerFactory,
     ) -> Prepared:

@@ -261,17 +261,11 @@ class Zero3Strategy(Strategy):
 
     name: ClassVar[str] = "zero3"
 
-    def __init__(self, config: Mapping[str, Any] | str | Path | None = None, *,
-                 num_training_steps: int | None = None) -> None:
-        """`config`: the DeepSpeed config (dict or JSON path); None: `args.deepspeed` at `prepare`.
-
-        `num_training_steps` fills a config scheduler's "auto" total when
-        `max_steps` is not set (epoch-based runs).
-        """
+    def __init__(self, config: Mapping[str, Any] | str | Path | None = None) -> None:
+        """`config`: the DeepSpeed config (dict or JSON path); None: `args.deepspeed` at `prepare`."""
         self._source = config
         if config is not None:
             load_config(config)  # fail before training, not after the model is built
-        self._num_training_steps = num_training_steps
         self.config: dict[str, Any] | None = None
         """The filled config the engine runs with (after `prepare`)."""
         self.engine: Any = None
@@ -283,6 +277,7 @@ class Zero3Strategy(Strategy):
         model: nn.Module,
         *,
         args: Any,
+        num_training_steps: int,
         create_optimizer: OptimizerFactory,
         create_scheduler: SchedulerFactory,
     ) -> Prepared:
@@ -293,7 +288,7 @@ class Zero3Strategy(Strategy):
             raise ConfigError("strategy zero3 needs a DeepSpeed config: set deepspeed to a JSON path or a dict")
         ensure_process_group()
         values = AutoValues.from_args(args, world_size=dist.get_world_size(),
-                                      num_training_steps=self._num_training_steps, hidden_size=_hidden_size(model))
+                                      num_training_steps=num_training_steps, hidden_size=_hidden_size(model))
         self.config = fill_auto(load_config(source), values)
         # The config's optimizer/scheduler win (HF convention); else the Trainer's. A client
         # optimizer is built on the full parameters: ZeRO-3 partitions them in place afterwards.
