@@ -342,6 +342,9 @@ class TrainerSpec:
     async_save: bool = False
     hold_writes: bool = False
     """With async_save: each checkpoint's background write waits until the loop waits for it (training moves on first)."""
+    bf16: bool = False
+    gpt2: bool = False
+    """A tiny transformers GPT-2 (saved by its own save_pretrained) instead of the built-in tiny GPT."""
 
 
 def hold_background_writes(trainer) -> None:
@@ -376,13 +379,18 @@ def trainer_worker(spec: TrainerSpec) -> dict[str, Any]:
                 control.should_training_stop = True
 
     set_seed(spec.init_seed)
-    model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, dropout=0.1))
+    if spec.gpt2:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2))
+    else:
+        model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2, dropout=0.1))
     extra = {"deepspeed": spec.options["config"]} if spec.strategy == "zero3" else {"fsdp_config": spec.options or None}
     args = TrainingArguments(output_dir=spec.out, max_steps=spec.max_steps, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                              lr_scheduler_type="cosine", logging_steps=1, save_steps=3, disable_tqdm=True,
                              report_to=["none"], use_cpu=True, strategy=spec.strategy, async_save=spec.async_save,
-                             **extra)
+                             bf16=spec.bf16, **extra)
     trainer = Trainer(model=model, args=args, train_dataset=SyntheticTokens(40, 8, 32), callbacks=[StopAt()])
     if spec.hold_writes:
         hold_background_writes(trainer)

@@ -1,13 +1,15 @@
 """Writing the final model in the layout `from_pretrained` loads: config.json + model.safetensors.
 
 Hugging Face models save themselves (`save_pretrained`, given the
-consolidated state dict so sharded strategies work too). Any other module is
-written as `model.safetensors`, with a `config.json` when it carries a config
-(a dataclass, a dict or an object with `to_dict`).
+consolidated state dict so sharded strategies work too), with config.json's
+dtype that of the weights written. Any other module is written as
+`model.safetensors`, with a `config.json` when it carries a config (a
+dataclass, a dict or an object with `to_dict`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -65,7 +67,9 @@ def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | No
         raise RuntimeError("no consolidated state dict on the main process: refusing to write an incomplete model")
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(module, "save_pretrained"):
+        saved = _parameters_dtype(module, state_dict)  # before: save_pretrained empties the dict as it writes
         module.save_pretrained(out, state_dict=state_dict, safe_serialization=safe_serialization)
+        _config_names_saved_dtype(module, saved, out)
     else:
         if safe_serialization:
             save_file(safetensors_ready(state_dict), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -73,3 +77,30 @@ def save_model_files(module: nn.Module, state_dict: dict[str, torch.Tensor] | No
             torch.save(state_dict, out / "pytorch_model.bin")
         _write_plain_config(module, out)
     _save_processing_class(processing_class, out)
+
+
+def _parameters_dtype(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype of the state dict's first floating parameter (as `PreTrainedModel.dtype` reads the module's)."""
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return next((t.dtype for k, t in state_dict.items() if k in parameters and t.is_floating_point()), None)
+
+
+def _config_names_saved_dtype(module: nn.Module, saved: torch.dtype | None, out: Path) -> None:
+    """Rewrite config.json when its dtype is not the saved weights': `from_pretrained` loads them in it.
+
+    `save_pretrained` writes the module's own dtype. Under ZeRO-3 with bf16, DeepSpeed cast the module to
+    bf16 in place while the weights saved are the fp32 master copy, so the config said bfloat16 and every
+    tensor came back rounded. (With `stage3_gather_16bit_weights_on_model_save` the weights are the bf16
+    ones, as the HF Trainer saves them, and the two agree.) The config written is a copy: the module's own
+    is left as `save_pretrained` set it.
+    """
+    config = getattr(module, "config", None)
+    if saved is None or not hasattr(config, "save_pretrained") or _dtype_name(config.dtype) == _dtype_name(saved):
+        return
+    written = copy.deepcopy(config)
+    written.dtype = saved
+    written.save_pretrained(out)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")  # a config holds "bfloat16" or torch.bfloat16

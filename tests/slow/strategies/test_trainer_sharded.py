@@ -4,7 +4,7 @@ A run stopped after its step-3 checkpoint and resumed in fresh processes
 (`resume_from_checkpoint=True`, other initial weights) must end where an
 uninterrupted run ends (dropout on: the per-rank RNG is restored too), and
 its final model must be a complete `model.safetensors` + `config.json` that a
-plain, unsharded model loads.
+plain, unsharded model loads, and that `from_pretrained` loads as it was saved.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from kubetrain_trainer.layout import RANK_FILES_NAME
@@ -93,3 +94,21 @@ def test_async_save_written_after_training_moved_on_resumes_like_uninterrupted(s
     a = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
     assert max_abs_diff(a, b) == 0.0
+
+
+def test_zero3_bf16_final_model_loads_back_as_the_trained_fp32_weights(tmp_path, request):
+    """DeepSpeed casts the module to bf16 in place; the final model is written from the fp32 master weights,
+    so its config.json must say float32, or from_pretrained (dtype "auto") rounds every tensor to bf16."""
+    request.getfixturevalue("zero3_ready")
+    from transformers import AutoModelForCausalLM
+
+    options = {"config": {**ZERO3, "bf16": {"enabled": "auto"}}}
+    run_distributed(trainer_worker, TrainerSpec("zero3", str(tmp_path), options, max_steps=2, bf16=True, gpt2=True))
+    final = tmp_path / "final"
+    saved = load_file(str(final / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    # Trained: the weights are not bf16 values widened (else a bf16 load could not be told apart).
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values())
+    assert json.loads((final / "config.json").read_text())["dtype"] == "float32"
+    loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert all(torch.equal(loaded[k], t) for k, t in saved.items())

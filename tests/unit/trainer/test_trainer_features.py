@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from kubetrain_trainer import (ConfigError, EarlyStoppingCallback, NonFiniteLossError, Trainer, TrainerCallback)
 from kubetrain_trainer.checkpoint import list_checkpoints
+from kubetrain_trainer.modelio import save_model_files
 from kubetrain_trainer.models import SyntheticRegression, TinyGPT, TinyGPTConfig, TinyMLP
 from kubetrain_trainer.optim import decay_parameter_names
 
@@ -143,6 +144,26 @@ def test_hf_transformers_model_trains_and_saves_for_from_pretrained(make_args, t
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for k, v in model.state_dict().items():
         assert torch.equal(v, again.state_dict()[k])
+
+
+def test_a_bf16_cast_model_saved_from_fp32_master_weights_loads_back_as_those(tmp_path):
+    """ZeRO-3 with bf16: DeepSpeed casts the module to bf16 in place and the final model is written from the
+    fp32 master weights. config.json must say float32: from_pretrained (dtype "auto") loads in its dtype."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    master = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.bfloat16()
+    save_model_files(model, master, tmp_path / "fp32")
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").state_dict()
+    for k, v in master.items():
+        assert torch.equal(again[k], v), k
+    assert str(model.config.dtype) == "bfloat16"  # the live config is the module's, as save_pretrained left it
+    # 16-bit weights (stage3_gather_16bit_weights_on_model_save) keep the bfloat16 config, as HF writes them.
+    save_model_files(model, model.state_dict(), tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_bf16_autocast_runs_the_forward_in_bfloat16(tiny_gpt, tokens, make_args):
