@@ -164,3 +164,19 @@ def test_an_epoch_run_fills_the_scheduler_total_from_the_trainers_plan(monkeypat
             dist.destroy_process_group()  # the strategy's private one-rank group
     # 30 samples / 4 a batch = 8 batches, / 2 accumulated = 4 steps an epoch, 2 epochs.
     assert seen["scheduler"]["params"] == {"warmup_num_steps": 2, "total_num_steps": 8}
+
+
+def test_a_warmup_scheduler_with_no_warmup_step_is_refused_before_the_engine_is_built():
+    """DeepSpeed's WarmupLR refuses warmup_num_steps 0 ("must be a positive integer") only when the engine is
+    built; "auto" with neither warmup_steps nor warmup_ratio resolves to 0."""
+    import pytest
+
+    from kubetrain_trainer.args_values import ConfigError
+
+    for kind in ("WarmupLR", "WarmupDecayLR"):
+        config = {"zero_optimization": {"stage": 3},
+                  "scheduler": {"type": kind, "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+        with pytest.raises(ConfigError, match=r"warmup_num_steps is 0.*warmup_steps >= 1"):
+            fill_auto(config, AutoValues.from_args(args(warmup_ratio=0.0), world_size=8))
+        filled = fill_auto(config, AutoValues.from_args(args(warmup_ratio=0.0, warmup_steps=3), world_size=8))
+        assert filled["scheduler"]["params"]["warmup_num_steps"] == 3
