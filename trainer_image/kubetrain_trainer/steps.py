@@ -15,6 +15,7 @@ from typing import Iterator
 
 from torch.utils.data import DataLoader
 
+from . import rng
 from .args import ConfigError, TrainingArguments
 from .data import ResumableDistributedSampler, batches_per_epoch, has_length
 
@@ -63,10 +64,16 @@ def epoch_batches(dataloader: DataLoader, *, epoch: int, skip_samples: int, args
         return iter(dataloader)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
-    iterator = iter(dataloader)
     skip_batches = skip_samples // (args.per_device_train_batch_size * world_size)
-    if skip_batches:
-        logger.warning("this dataloader cannot seek: skipping %d batches by iterating them", skip_batches)
-        for _ in itertools.islice(iterator, skip_batches):
-            pass
+    if not skip_batches:
+        return iter(dataloader)
+    logger.warning("this dataloader cannot seek: skipping %d batches by iterating them", skip_batches)
+    # The skipped batches were trained before the checkpoint: what they draw from the global generators (a
+    # streaming dataset's augmentation, a loader without a generator's worker seed) is not this run's. The
+    # resumed state comes back before the first real batch, as HF restores it after `skip_first_batches`.
+    resumed = rng.capture()
+    iterator = iter(dataloader)
+    for _ in itertools.islice(iterator, skip_batches):
+        pass
+    rng.restore(resumed)
     return iterator

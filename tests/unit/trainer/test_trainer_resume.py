@@ -241,3 +241,38 @@ def test_a_checkpoint_of_another_model_says_the_models_arguments_changed(tokens,
                                           r"\(StateDictMismatch: .*size mismatch.*model's arguments .* changed"):
         Trainer(model=model(32), args=make_args(), train_dataset=tokens()).train(resume_from_checkpoint=True)
     assert _digest(out) == before
+
+
+class NoisyStream(torch.utils.data.IterableDataset):
+    """A stream without a length or a seek that draws from the global generators (python's and torch's), as
+    a streaming dataset with on-the-fly augmentation does."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __iter__(self):
+        import random
+        for i in range(len(self.base)):
+            item = dict(self.base[i])
+            ids = item["input_ids"].clone()
+            mask = torch.rand(ids.shape) < 0.3
+            ids[mask] = torch.randint(0, 32, ids.shape)[mask] if random.random() < 0.5 else 0
+            item["input_ids"] = ids
+            yield item
+
+
+def test_an_iterable_dataset_drawing_the_global_rng_resumes_bitwise(tiny_gpt, tokens, make_args, tmp_path):
+    """The resumed run skips the trained batches by iterating them, which draws random numbers: the RNG state
+    is restored after the skip (as HF does), else every later draw (the data's and dropout's) is shifted."""
+    def run(out, **kw):
+        return Trainer(model=tiny_gpt(kw.pop("seed", 0)), args=_args(make_args, output_dir=str(out)),
+                       train_dataset=NoisyStream(tokens(60)), **kw)
+
+    straight = run(tmp_path / "a")
+    straight.train()
+    with pytest.raises(TrainingPreempted):  # 15 batches an epoch: step 10 is 4 batches into epoch 1
+        run(tmp_path / "b", callbacks=[SigtermAt(10)]).train()
+    resumed = run(tmp_path / "b", seed=7)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-10"))
+    assert _losses(straight.state) == _losses(resumed.state) and len(_losses(resumed.state)) == STEPS
+    _assert_same(_params(straight.model), _params(resumed.model))
