@@ -18,8 +18,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from . import distributed as dist_util
 from .background_save import CheckpointWriteError
-from .args import ConfigError
-from .state import TrainerState, TrainingPreempted, take_epoch_end
+from .state import TrainingPreempted, take_epoch_end
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -46,23 +45,6 @@ class SavingMixin:
             ckpt.rotate_checkpoints(args.output_dir, limit=args.save_total_limit, keep=keep)
         self.control = self.callback_handler.on_save(args, state, self.control, checkpoint_dir=str(final))
         return final
-
-    def _check_same_resume(self, resume_dir: Path | None) -> None:
-        """*Collective.* Every rank resumes from the same step, or none does. On nodes that share no disk, a node
-        whose output_dir lacks the checkpoint would start over while the others resume, and the gang would hang
-        at its first collective that differs."""
-        try:
-            step = -1 if resume_dir is None else TrainerState.load_from_json(Path(resume_dir) / ckpt.COMPLETE_MARKER).global_step
-        except (ValueError, TypeError) as exc:  # not JSON, or not the state's types: its bytes never change
-            raise ckpt.unreadable(resume_dir, ckpt.COMPLETE_MARKER, exc) from exc
-        main = dist_util.broadcast_object(step)
-        if dist_util.any_rank(step != main, self.device):
-            def what(s: int) -> str:
-                return "no checkpoint (a fresh start)" if s < 0 else f"the checkpoint of step {s}"
-            raise ConfigError(f"resume_from_checkpoint: world rank {dist_util.rank()} found {what(step)} in "
-                              f"{self.args.output_dir}, world rank 0 {what(main)} (some ranks differ): every node "
-                              "needs the same checkpoint: a shared output_dir, or resume through checkpoint storage "
-                              "(the launcher gives every node its part)")
 
     def _load_best_model(self) -> None:
         """*Collective.* `load_best_model_at_end`: the best checkpoint loaded on every rank, from this node's

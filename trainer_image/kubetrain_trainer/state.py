@@ -90,7 +90,12 @@ class TrainerState:
     @classmethod
     def load_from_json(cls, path: str | Path) -> "TrainerState":
         """ValueError naming the entry when the file is not JSON, not an object, or holds a value of another type."""
-        data = json.loads(Path(path).read_text())
+        return cls.from_saved(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_saved(cls, data: Any) -> "TrainerState":
+        """The state a checkpoint's JSON holds; without `data_position` (HF's), the start of the data. ValueError
+        naming the entry when it is not an object or holds a value of another type."""
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from . import rng
 from .args import ConfigError, TrainingArguments
 from .data import ResumableDistributedSampler, batches_per_epoch, has_length
+from .state import DataPosition
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -51,6 +52,15 @@ def plan_steps(dataloader: DataLoader, args: TrainingArguments) -> StepPlan:
         return StepPlan(args.max_steps, math.ceil(args.max_steps / steps_per_epoch), per_epoch)
     max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
     return StepPlan(max_steps, math.ceil(args.num_train_epochs), per_epoch)
+
+
+def position_from_step(global_step: int, plan: StepPlan, args: TrainingArguments, world_size: int) -> DataPosition:
+    """Where the data stands after `global_step` steps, as the HF Trainer derives it on a resume: whole epochs
+    of `ceil(batches / gradient_accumulation_steps)` steps, then full steps of the current one (an iterable
+    dataset: all in epoch 0). Exact for a run that never cut an epoch short (`should_epoch_stop`)."""
+    per_epoch = math.ceil(plan.batches_per_epoch / args.gradient_accumulation_steps) if plan.batches_per_epoch else 0
+    epoch, steps = divmod(global_step, per_epoch) if per_epoch else (0, global_step)
+    return DataPosition(epoch, steps * args.gradient_accumulation_steps * args.per_device_train_batch_size * world_size)
 
 
 def epoch_batches(dataloader: DataLoader, *, epoch: int, skip_samples: int, args: TrainingArguments,

@@ -39,6 +39,7 @@ from .loglevels import apply_process_log_level
 from .modelio import save_model_config, save_model_files
 from .overridable import OverridableMixin
 from .reporting import reporters_for
+from .resuming import ResumingMixin
 from .saving import SavingMixin
 from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput, defer_epoch_end
 from .steps import StepPlan, epoch_batches, plan_steps
@@ -47,7 +48,7 @@ from .strategies import Strategy, get_strategy, strategy_options
 logger = logging.getLogger("kubetrain_trainer")
 
 
-class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
+class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
     """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -391,36 +392,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin):
                 self.state.save_to_json(d / ckpt.COMPLETE_MARKER)
         reg.register("trainer_state", save=save_state, load=self._load_state)
         return reg
-
-    def _load_state(self, directory: Path) -> None:
-        saved = TrainerState.load_from_json(directory / ckpt.COMPLETE_MARKER)
-        current = self.state
-        saved.is_world_process_zero, saved.is_local_process_zero = current.is_world_process_zero, current.is_local_process_zero
-        # The schedule comes from this run's arguments, the progress from the checkpoint.
-        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "train_batch_size", "world_size"):
-            setattr(saved, name, getattr(current, name))
-        self.state = saved
-        self.callback_handler.load_states(saved)
-
-    def _check_resumed_state(self, plan: StepPlan) -> None:
-        if self.state.global_step >= plan.max_steps:
-            logger.warning("the checkpoint is at step %d, max_steps is %d: nothing left to train",
-                           self.state.global_step, plan.max_steps)
-
-    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
-        if resume is None or resume is False:
-            return None
-        if resume is True:
-            found = ckpt.newest_checkpoint(self.args.output_dir)
-            if found is None:
-                logger.info("no complete checkpoint in %s: starting fresh", self.args.output_dir)
-            return found
-        path = Path(resume)
-        if not ckpt.is_checkpoint(path):
-            raise ConfigError(f"resume_from_checkpoint {str(path)!r} is not a complete checkpoint folder "
-                              f"(it needs {ckpt.COMPLETE_MARKER})")
-        return path
 
     @property
     def stop_requested(self) -> bool:
