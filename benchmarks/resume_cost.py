@@ -58,8 +58,11 @@ def make_checkpoints(root: Path, max_steps: int, far: int) -> tuple[Path, Path]:
     far_dir = root / "far" / f"checkpoint-{far}"
     shutil.copytree(near, far_dir)
     state = json.loads((far_dir / "trainer_state.json").read_text())
-    state.update(global_step=far, epoch=far / (max_steps + 10), data_position={"epoch": 0, "samples": far * BATCH})
+    state.update(global_step=far, epoch=far / (max_steps + 10))
     (far_dir / "trainer_state.json").write_text(json.dumps(state))
+    extra = json.loads((far_dir / "kubetrain_state.json").read_text())
+    extra.update(data_position={"epoch": 0, "samples": far * BATCH})
+    (far_dir / "kubetrain_state.json").write_text(json.dumps(extra))
     sched = torch.load(far_dir / "scheduler.pt", weights_only=False)
     sched["last_epoch"], sched["_step_count"] = far, far + 1
     torch.save(sched, far_dir / "scheduler.pt")

@@ -2,8 +2,9 @@
 
 Layout (HF Trainer compatible): `<output_dir>/checkpoint-<step>/` holding the
 model (`model.safetensors` or strategy shards), `optimizer.pt`,
-`scheduler.pt`, `rng_state_<rank>.pth`, `training_args.json` and
-`trainer_state.json` (with the data position).
+`scheduler.pt`, `rng_state_<rank>.pth`, `training_args.json`,
+`kubetrain_state.json` (the data position and what else an exact resume needs
+beyond HF's `TrainerState`) and `trainer_state.json` (HF's fields, last).
 
 Invariants:
 - A checkpoint is written under `tmp-checkpoint-<step>` and renamed to

@@ -29,6 +29,10 @@ TMP_PREFIX = "tmp-checkpoint"
 """A save in progress: never discovered, never uploaded, removed at the next start."""
 TRAINER_STATE = "trainer_state.json"
 """Written last into a checkpoint by the HF Trainer and by kubetrain's: a local folder with it is complete."""
+KUBETRAIN_STATE = "kubetrain_state.json"
+"""Beside `trainer_state.json` in kubetrain's checkpoints, written just before it: what an exact resume needs
+beyond HF's `TrainerState` fields (the data position, the loss sums since the last log), so that
+`trainer_state.json` holds HF's fields only and `transformers.TrainerState.load_from_json` reads it."""
 MANIFEST_NAME = "manifest.json"
 FINAL_FOLDER = "final"
 CLAIMS_FOLDER = "attempts"

@@ -2,21 +2,20 @@
 
 The checkpoint folder is found (`resume_from_checkpoint`: True is the newest
 complete one), every rank agrees on it, and its `trainer_state.json` becomes
-the run's state: the progress from the checkpoint, the schedule from this
-run's arguments. A checkpoint written by the HF Trainer has no data position;
+the run's state (with `kubetrain_state.json` beside it): the progress from
+the checkpoint, the schedule from this run's arguments. A checkpoint written by the HF Trainer has no data position;
 it follows from `global_step` as HF derives it (`steps.position_from_step`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from . import checkpoint as ckpt
 from . import distributed as dist_util
 from .args import ConfigError
-from .state import TrainerState
+from .state import TrainerState, read_saved
 from .steps import StepPlan, position_from_step
 
 logger = logging.getLogger("kubetrain_trainer")
@@ -60,7 +59,7 @@ class ResumingMixin:
                               "(the launcher gives every node its part)")
 
     def _load_state(self, directory: Path) -> None:
-        data = json.loads((directory / ckpt.COMPLETE_MARKER).read_text())
+        data = read_saved(directory / ckpt.COMPLETE_MARKER)
         saved = TrainerState.from_saved(data)
         self._position_saved = "data_position" in data
         current = self.state

@@ -5,6 +5,11 @@ log_history, best_metric, best_model_checkpoint, ...) and adds what an exact
 resume needs: the data position (epoch and samples consumed in it) and the
 running loss sums since the last log, so that a stopped and resumed run logs
 bitwise the same losses as one that never stopped.
+
+A checkpoint keeps the two apart: `trainer_state.json` holds HF's fields only
+(the HF Trainer's `TrainerState.load_from_json` reads it, and refuses any
+other key), `kubetrain_state.json` beside it the additions (`RESUME_FIELDS`).
+Reading accepts both files and older checkpoints with the additions inline.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from .layout import KUBETRAIN_STATE
 
 
 class TrainingPreempted(RuntimeError):
@@ -85,12 +92,19 @@ class TrainerState:
     callback's dict, or a list of them where several callbacks share a class."""
 
     def save_to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
+        """HF's fields only (as HF writes `trainer_state.json`); `save_resume_fields` writes the rest."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in RESUME_FIELDS}
+        Path(path).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+    def save_resume_fields(self, folder: str | Path) -> None:
+        """`kubetrain_state.json` in a checkpoint folder: the fields beyond HF's (`RESUME_FIELDS`)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k in RESUME_FIELDS}
+        (Path(folder) / KUBETRAIN_STATE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load_from_json(cls, path: str | Path) -> "TrainerState":
         """ValueError naming the entry when the file is not JSON, not an object, or holds a value of another type."""
-        return cls.from_saved(json.loads(Path(path).read_text()))
+        return cls.from_saved(read_saved(path))
 
     @classmethod
     def from_saved(cls, data: Any) -> "TrainerState":
@@ -104,6 +118,30 @@ class TrainerState:
         _check_types(cls, data)
         _check_types(DataPosition, position if isinstance(position, dict) else {"data_position": position})
         return cls(**data, data_position=DataPosition(**position))
+
+
+RESUME_FIELDS = frozenset({"world_size", "last_checkpoint_dir", "data_position", "loss_since_log", "steps_since_log",
+                           "loss_total", "loss_count", "skipped_steps", "epoch_end_pending"})
+"""kubetrain's `TrainerState` fields that HF's has not: saved in `kubetrain_state.json`."""
+
+
+def read_saved(path: str | Path) -> Any:
+    """A saved `trainer_state.json` with the `kubetrain_state.json` beside it, if any (an HF Trainer's
+    checkpoint has none; an older kubetrain one holds those fields inline). ValueError when either is not
+    JSON or the latter not an object (`from_saved` checks the rest)."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    extra = path.with_name(KUBETRAIN_STATE)
+    if isinstance(data, dict) and extra.is_file():
+        try:
+            more = json.loads(extra.read_text())
+            if not isinstance(more, dict):
+                raise ValueError(f"expected a JSON object, got {type(more).__name__}")
+        except ValueError as exc:
+            exc.add_note(f"while reading {extra}")
+            raise
+        data = {**data, **more}
+    return data
 
 
 def _check_types(cls: type, data: dict[str, Any]) -> None:

@@ -388,7 +388,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         reg.register("training_args and model config", save=save_args, load=lambda d: None)
 
         def save_state(d: Path) -> None:
-            if main():
+            if main():  # kubetrain's fields first: trainer_state.json (HF's fields only) marks completion
+                self.state.save_resume_fields(d)
                 self.state.save_to_json(d / ckpt.COMPLETE_MARKER)
         reg.register("trainer_state", save=save_state, load=self._load_state)
         return reg

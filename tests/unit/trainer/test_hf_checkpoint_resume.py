@@ -1,14 +1,16 @@
-"""A checkpoint as the HF Trainer writes it resumes here exactly: what kubetrain adds to a checkpoint (the data
-position) is derived when it is missing, as HF derives it.
+"""Checkpoints both ways between kubetrain and the HF Trainer: HF reads kubetrain's trainer_state.json, and a
+checkpoint as the HF Trainer writes it resumes here exactly (the data position kubetrain adds is derived when
+it is missing, as HF derives it), as does one of an older kubetrain (its fields inline).
 
-Each test trains straight through, and again stopped at a checkpoint that is then made HF's (kubetrain's
-additions removed) and resumed: the two runs' losses and weights must be equal, bitwise.
+The resume tests train straight through, and again stopped at a checkpoint that is then reshaped and resumed:
+the two runs' losses and weights must be equal, bitwise.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kubetrain_trainer import Trainer, TrainerCallback
@@ -43,12 +45,17 @@ def _assert_same_run(a, b):
     assert all(torch.equal(v, theirs[k]) for k, v in a.model.state_dict().items())
 
 
-def _drop(folder, *keys):
-    path = folder / "trainer_state.json"
-    state = json.loads(path.read_text())
-    for key in keys:
-        state.pop(key)
-    path.write_text(json.dumps(state))
+def _as_hf(folder):
+    """The checkpoint as the HF Trainer writes it: no kubetrain_state.json beside trainer_state.json."""
+    (folder / "kubetrain_state.json").unlink()
+
+
+def _inline(folder):
+    """The checkpoint as kubetrain wrote it before kubetrain_state.json: its fields inside trainer_state.json."""
+    extra = folder / "kubetrain_state.json"
+    state = {**json.loads((folder / "trainer_state.json").read_text()), **json.loads(extra.read_text())}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    extra.unlink()
 
 
 def test_a_trainer_state_without_data_position_resumes_where_hf_would(tiny_gpt, tokens, make_args, tmp_path):
@@ -56,7 +63,7 @@ def test_a_trainer_state_without_data_position_resumes_where_hf_would(tiny_gpt, 
     position now follows from global_step as HF derives it (epoch 9 // 4 = 2, then 1 step of 2 batches)."""
     straight = _run(tiny_gpt, tokens, make_args, tmp_path / "a")
     _run(tiny_gpt, tokens, make_args, tmp_path / "b", stop=9)
-    _drop(tmp_path / "b" / "checkpoint-9", "data_position")
+    _as_hf(tmp_path / "b" / "checkpoint-9")
     resumed = _run(tiny_gpt, tokens, make_args, tmp_path / "b", seed=7, resume=str(tmp_path / "b" / "checkpoint-9"))
     _assert_same_run(straight, resumed)
 
@@ -64,6 +71,26 @@ def test_a_trainer_state_without_data_position_resumes_where_hf_would(tiny_gpt, 
 def test_an_epoch_boundary_without_data_position_starts_the_next_epoch(tiny_gpt, tokens, make_args, tmp_path):
     straight = _run(tiny_gpt, tokens, make_args, tmp_path / "a", save_steps=4)
     _run(tiny_gpt, tokens, make_args, tmp_path / "b", stop=8, save_steps=4)
-    _drop(tmp_path / "b" / "checkpoint-8", "data_position")
+    _as_hf(tmp_path / "b" / "checkpoint-8")
     resumed = _run(tiny_gpt, tokens, make_args, tmp_path / "b", seed=7, resume=True, save_steps=4)
+    _assert_same_run(straight, resumed)
+
+
+def test_the_hf_trainer_reads_a_kubetrain_trainer_state(tiny_gpt, tokens, make_args, tmp_path):
+    """`transformers.TrainerState.load_from_json` takes HF's fields only (another key is a TypeError):
+    trainer_state.json holds them, kubetrain's own fields are in kubetrain_state.json beside it."""
+    transformers = pytest.importorskip("transformers")
+    trainer = _run(tiny_gpt, tokens, make_args, tmp_path / "a", stop=6)
+    trainer.save_state()
+    for path in (tmp_path / "a" / "checkpoint-6" / "trainer_state.json", tmp_path / "a" / "trainer_state.json"):
+        state = transformers.TrainerState.load_from_json(str(path))
+        assert state.global_step == 6 and state.epoch == 1.5
+        assert state.log_history[:6] == trainer.state.log_history[:6]  # the run's summary after them in save_state
+
+
+def test_an_older_checkpoint_with_kubetrain_s_fields_inline_resumes_bitwise(tiny_gpt, tokens, make_args, tmp_path):
+    straight = _run(tiny_gpt, tokens, make_args, tmp_path / "a")
+    _run(tiny_gpt, tokens, make_args, tmp_path / "b", stop=9)
+    _inline(tmp_path / "b" / "checkpoint-9")
+    resumed = _run(tiny_gpt, tokens, make_args, tmp_path / "b", seed=7, resume=True)
     _assert_same_run(straight, resumed)

@@ -81,12 +81,14 @@ def test_checkpoint_layout_and_rotation_in_a_run(tiny_gpt, tokens, make_args, tm
     out = tmp_path / "out"
     assert [s for s, _ in list_checkpoints(out)] == [6, 8]
     files = sorted(p.name for p in (out / "checkpoint-8").iterdir())
-    assert files == [".kubetrain-ready", "config.json", "model.safetensors", "optimizer.pt", "rng_state_0.pth",
-                     "scheduler.pt", "trainer_state.json", "training_args.json"]  # the marker: see readiness.py
+    assert files == [".kubetrain-ready", "config.json", "kubetrain_state.json", "model.safetensors", "optimizer.pt",
+                     "rng_state_0.pth", "scheduler.pt", "trainer_state.json",
+                     "training_args.json"]  # the marker: see readiness.py
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
-    assert state["global_step"] == 8
-    assert state["data_position"] == {"epoch": 1, "samples": 0}  # 30 samples / 4 = 8 batches: epoch 0 is done
-    assert state["last_checkpoint_dir"] == str(out / "checkpoint-8")
+    assert state["global_step"] == 8 and "data_position" not in state  # HF's fields only: HF's Trainer reads it
+    extra = json.loads((out / "checkpoint-8" / "kubetrain_state.json").read_text())
+    assert extra["data_position"] == {"epoch": 1, "samples": 0}  # 30 samples / 4 = 8 batches: epoch 0 is done
+    assert extra["last_checkpoint_dir"] == str(out / "checkpoint-8")
     assert json.loads((out / "checkpoint-8" / "training_args.json").read_text())["max_steps"] == 8
     assert "tok.weight" in load_file(str(out / "checkpoint-8" / "model.safetensors"))
 

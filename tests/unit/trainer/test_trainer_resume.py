@@ -162,7 +162,7 @@ def test_sigterm_at_an_epoch_s_last_step_runs_that_epoch_s_end_on_resume(tiny_gp
     assert info.value.step == 4 and evals(first.state) == []  # its epoch end had not run
     # The emergency checkpoint (saved again after a step save at 4) says so; its data position is as it always
     # was, the next epoch's start: a trainer without the deferral resumes there.
-    emergency = json.loads((tmp_path / "b" / "checkpoint-4" / "trainer_state.json").read_text())
+    emergency = json.loads((tmp_path / "b" / "checkpoint-4" / "kubetrain_state.json").read_text())
     assert emergency["data_position"] == {"epoch": 1, "samples": 0} and emergency["epoch_end_pending"] is not None
     resumed = Trainer(model=tiny_gpt(7), args=args(tmp_path / "b"), train_dataset=tokens(),
                       eval_dataset=tokens(8, seed=1), callbacks=[EpochEvents()])
@@ -204,6 +204,8 @@ def _truncate(name):
     (_break_state("not json"), "trainer_state.json cannot be loaded (JSONDecodeError"),
     (_break_state("[]"), "trainer_state.json cannot be loaded (ValueError: expected a JSON object, got list"),
     (_string_step, "trainer_state.json cannot be loaded (ValueError: global_step: '3' is not of type"),
+    (lambda folder: (folder / "kubetrain_state.json").write_text("[]"),
+     "trainer_state.json cannot be loaded (ValueError: expected a JSON object, got list; while reading"),
     (_truncate("optimizer.pt"), "the model+optimizer in it cannot be loaded (RuntimeError: PytorchStreamReader"),
     (_truncate("model.safetensors"), "model+optimizer in it cannot be loaded (SafetensorError"),
     (lambda folder: (folder / "model.safetensors").unlink(), "(FileNotFoundError"),
