@@ -2,7 +2,8 @@
 
 Layout (HF Trainer compatible): `<output_dir>/checkpoint-<step>/` holding the
 model (`model.safetensors` or strategy shards), `optimizer.pt`,
-`scheduler.pt`, `rng_state_<rank>.pth`, `training_args.json`,
+`scheduler.pt`, `rng_state_<rank>.pth` (and HF's `rng_state.pth` in a
+1-process run), `training_args.json`,
 `kubetrain_state.json` (the data position and what else an exact resume needs
 beyond HF's `TrainerState`) and `trainer_state.json` (HF's fields, last).
 

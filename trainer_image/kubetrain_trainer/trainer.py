@@ -379,7 +379,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                 torch.save(self.lr_scheduler.state_dict(), d / "scheduler.pt")
         reg.register("scheduler", save=save_scheduler,
                      load=lambda d: self.lr_scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=False)))
-        reg.register("rng", save=lambda d: rng.save(d, dist_util.rank()), load=lambda d: rng.load(d, dist_util.rank()))
+        ranks = dict(rank=dist_util.rank(), world_size=dist_util.world_size())
+        reg.register("rng", save=lambda d: rng.save(d, **ranks), load=lambda d: rng.load(d, **ranks))
 
         def save_args(d: Path) -> None:
             if main():

@@ -92,6 +92,7 @@ def test_sigterm_on_one_rank_preempts_both_at_the_same_step(straight, tmp_path):
     ck = out / "checkpoint-5"
     assert (ck / "trainer_state.json").is_file()
     assert (ck / "rng_state_0.pth").is_file() and (ck / "rng_state_1.pth").is_file()
+    assert not (ck / "rng_state.pth").exists()  # HF's name for one process's state
     assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 5
     assert launch({"out": str(out), "max_steps": STEPS, "resume": True, "init_seed": 5,
                    "result": str(tmp_path / "r2")}) == [0, 0]

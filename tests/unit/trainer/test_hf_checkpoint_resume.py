@@ -1,6 +1,7 @@
 """Checkpoints both ways between kubetrain and the HF Trainer: HF reads kubetrain's trainer_state.json, and a
 checkpoint as the HF Trainer writes it resumes here exactly (the data position kubetrain adds is derived when
-it is missing, as HF derives it), as does one of an older kubetrain (its fields inline).
+it is missing, as HF derives it, and the RNG state is read from HF's rng_state.pth), as does one of an
+older kubetrain (its fields inline).
 
 The resume tests train straight through, and again stopped at a checkpoint that is then reshaped and resumed:
 the two runs' losses and weights must be equal, bitwise.
@@ -46,8 +47,10 @@ def _assert_same_run(a, b):
 
 
 def _as_hf(folder):
-    """The checkpoint as the HF Trainer writes it: no kubetrain_state.json beside trainer_state.json."""
+    """The checkpoint as the HF Trainer writes it in one process: no kubetrain_state.json beside
+    trainer_state.json, and the RNG state in rng_state.pth only (no rng_state_0.pth)."""
     (folder / "kubetrain_state.json").unlink()
+    (folder / "rng_state_0.pth").unlink()
 
 
 def _inline(folder):
@@ -86,6 +89,13 @@ def test_the_hf_trainer_reads_a_kubetrain_trainer_state(tiny_gpt, tokens, make_a
         state = transformers.TrainerState.load_from_json(str(path))
         assert state.global_step == 6 and state.epoch == 1.5
         assert state.log_history[:6] == trainer.state.log_history[:6]  # the run's summary after them in save_state
+    # HF resumes one process's RNG from rng_state.pth, loaded as HF loads it (weights_only, numpy allowed)
+    folder = tmp_path / "a" / "checkpoint-6"
+    with transformers.trainer_pt_utils.safe_globals():
+        hf_rng = torch.load(folder / "rng_state.pth", weights_only=True)
+    ours = torch.load(folder / "rng_state_0.pth", weights_only=False)
+    assert hf_rng.keys() == ours.keys() and torch.equal(hf_rng["cpu"], ours["cpu"]) and hf_rng["python"] == ours["python"]
+
 
 
 def test_an_older_checkpoint_with_kubetrain_s_fields_inline_resumes_bitwise(tiny_gpt, tokens, make_args, tmp_path):
@@ -94,3 +104,16 @@ def test_an_older_checkpoint_with_kubetrain_s_fields_inline_resumes_bitwise(tiny
     _inline(tmp_path / "b" / "checkpoint-9")
     resumed = _run(tiny_gpt, tokens, make_args, tmp_path / "b", seed=7, resume=True)
     _assert_same_run(straight, resumed)
+
+
+def test_hf_s_rng_state_pth_is_read_in_a_1_process_run_only(tmp_path):
+    from kubetrain_trainer import rng
+
+    rng.set_seed(1)
+    rng.save(tmp_path, rank=0, world_size=1)
+    (tmp_path / "rng_state_0.pth").unlink()
+    expected = torch.rand(3)
+    rng.set_seed(2)
+    assert not rng.load(tmp_path, rank=0, world_size=2)  # HF too reads rng_state_<rank>.pth only in several
+    assert rng.load(tmp_path, rank=0, world_size=1)
+    assert torch.equal(torch.rand(3), expected)

@@ -82,8 +82,8 @@ def test_checkpoint_layout_and_rotation_in_a_run(tiny_gpt, tokens, make_args, tm
     assert [s for s, _ in list_checkpoints(out)] == [6, 8]
     files = sorted(p.name for p in (out / "checkpoint-8").iterdir())
     assert files == [".kubetrain-ready", "config.json", "kubetrain_state.json", "model.safetensors", "optimizer.pt",
-                     "rng_state_0.pth", "scheduler.pt", "trainer_state.json",
-                     "training_args.json"]  # the marker: see readiness.py
+                     "rng_state.pth", "rng_state_0.pth", "scheduler.pt", "trainer_state.json",
+                     "training_args.json"]  # the marker: see readiness.py; rng_state.pth: HF's name in 1 process
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8 and "data_position" not in state  # HF's fields only: HF's Trainer reads it
     extra = json.loads((out / "checkpoint-8" / "kubetrain_state.json").read_text())
