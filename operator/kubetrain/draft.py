@@ -67,7 +67,7 @@ class Draft:
                     events=tuple(self.events), requeue_after=self.requeue)
 
 
-ATTEMPT_CONDITIONS = ("StartupDelayed", "Unschedulable", "CheckpointsLagging")
+ATTEMPT_CONDITIONS = ("StartupDelayed", "StartupSlow", "Unschedulable", "CheckpointsLagging")
 """Conditions about the pods of the running attempt: False once it ends (Failed, Succeeded, Suspended,
 Restarting, back in a queue), so a finished job does not say its pods cannot start, or that uploads
 lag that no pod makes any more."""

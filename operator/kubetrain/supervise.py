@@ -267,11 +267,17 @@ def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
         d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
 
 
+SLOW_START_MIN_SECONDS = 120
+"""The least time a container may take to be created before the job names it (startupGraceSeconds may be 0)."""
+
+
 def _slow_container_creation(d: Draft, pods: list[PodView]) -> None:
-    """A pod on its node still creating its container after runPolicy.startupGraceSeconds: the job says which and
-    where to look (a Secret or ConfigMap volume that cannot mount shows only in the pod's FailedMount events;
-    the job said "waiting for them to run" forever). Not a failure: a large image can take that long to pull."""
-    grace = d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0
+    """Condition StartupSlow while a pod on its node is still creating its container after
+    runPolicy.startupGraceSeconds (at least SLOW_START_MIN_SECONDS): it names the pod and where to look (a Secret
+    or ConfigMap volume that cannot mount shows only in the pod's FailedMount events; the job said "waiting for
+    them to run" forever), with one Warning event when it turns True. Not a failure (a large image can take that
+    long to pull), and it gives way to StartupDelayed and Unschedulable, which say more."""
+    grace = max(d.job.spec.run_policy.startup_grace_seconds if d.job.spec else 0, SLOW_START_MIN_SECONDS)
     slow = None
     for pod in pods:
         if pod.waiting_reason == "ContainerCreating" and pod.node_name and pod.starting_since is not None:
@@ -280,14 +286,20 @@ def _slow_container_creation(d: Draft, pods: list[PodView]) -> None:
                 slow = slow or pod
             else:
                 d.wake_at(due)
-    if slow is None or d.status.phase != "Pending":
+    current = d.status.condition("StartupSlow")
+    louder = any((c := d.status.condition(t)) is not None and c.status == "True"
+                 for t in ("StartupDelayed", "Unschedulable"))
+    if slow is None or louder or d.status.phase != "Pending":
+        if current is not None and current.status == "True":
+            d.cond("StartupSlow", "False", "ContainersCreated", "no pod is slow to create its container")
         return
-    message = (f"attempt {d.status.attempt}: pod {slow.name} has been creating its container on node {slow.node_name} "
-               f"for more than {grace}s (runPolicy.startupGraceSeconds): a large image still pulling, or a volume "
-               f"that cannot mount (kubectl describe pod {slow.name} shows the kubelet's events)")
-    if d.status.message != message:
-        d.update(message=message)
-        d.event("Warning", "SlowStart", message)
+    message = (f"pod {slow.name} has been creating its container on node {slow.node_name} for more than {grace}s: "
+               f"a large image still pulling, or a volume that cannot mount (kubectl describe pod {slow.name} "
+               "shows the kubelet's events)")
+    if current is None or current.status != "True":
+        d.cond("StartupSlow", "True", "ContainerCreating", message)
+        d.update(message=f"attempt {d.status.attempt}: {message}")
+        d.event("Warning", "StartupSlow", message)
 
 
 def message_shape(message: str) -> str:
