@@ -98,8 +98,11 @@ def plan_unqueued(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     status = status.with_condition(QUEUED, "False", reason=LABEL_REMOVED, message=message, now=now)
     result = _set_status(result, job, status)
     result = replace(result, events=result.events + (Event("Normal", LABEL_REMOVED, message),))
-    return _with(result, PatchWorkload(name=name, resource_version="", spec={"active": False},
-                                       annotations={kueue.ANNOTATION_SUSPENDED: "true"}))
+    # First: the status says it is done, so a write that failed after it would never be tried again (it is
+    # idempotent: no resourceVersion, NotFound is nothing left to do).
+    patch = PatchWorkload(name=name, resource_version="", spec={"active": False},
+                          annotations={kueue.ANNOTATION_SUSPENDED: "true"})
+    return replace(result, actions=(patch,) + result.actions)
 
 
 def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetime) -> Plan:
