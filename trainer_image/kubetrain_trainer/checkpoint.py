@@ -103,9 +103,27 @@ class ResumeRegistry:
             try:
                 item.load(directory)
             except UNREADABLE as exc:
-                if isinstance(exc, torch.distributed.DistError) or (item.collective and dist_util.world_size() > 1):
-                    raise  # maybe a peer's failure or the network's: the attempt is retried
+                if isinstance(exc, torch.distributed.DistError) or (item.collective and dist_util.world_size() > 1) \
+                        or not _about_the_bytes(exc):
+                    raise  # maybe a peer's failure, the network's or the device's: the attempt is retried
                 raise unreadable(directory, f"the {item.name} in it", exc) from exc
+
+
+_FORMAT_ERRORS = ("PytorchStreamReader failed reading zip archive", "failed finding central directory",
+                  "Error(s) in loading state_dict", "size mismatch", "Missing key(s)", "Unexpected key(s)",
+                  "invalid load key", "Invalid magic number", "unexpected EOF")
+"""What torch says of a file that is not what it should be (truncated, another format, another model's)."""
+
+
+def _about_the_bytes(exc: BaseException) -> bool:
+    """`exc` says the folder's bytes cannot be loaded, which a retry would read again. A RuntimeError also means
+    out of memory, a CUDA fault or a failed read of a network filesystem (torch's "file read failed"): those may
+    pass, and the attempt is retried as before."""
+    if isinstance(exc, StateDictMismatch) or not isinstance(exc, RuntimeError):
+        return True
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return False
+    return any(marker in str(exc) for marker in _FORMAT_ERRORS)
 
 
 def unreadable(directory: str | Path, what: str, exc: BaseException) -> CheckpointUnreadable:

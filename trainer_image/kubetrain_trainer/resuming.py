@@ -15,7 +15,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from . import distributed as dist_util
 from .args import ConfigError
-from .state import TrainerState, read_saved
+from .state import SCHEDULE_FIELDS, TrainerState, read_saved
 from .steps import StepPlan, position_from_step
 
 logger = logging.getLogger("kubetrain_trainer")
@@ -65,8 +65,7 @@ class ResumingMixin:
         current = self.state
         saved.is_world_process_zero, saved.is_local_process_zero = current.is_world_process_zero, current.is_local_process_zero
         # The schedule comes from this run's arguments, the progress from the checkpoint.
-        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "train_batch_size", "world_size"):
+        for name in SCHEDULE_FIELDS:
             setattr(saved, name, getattr(current, name))
         self.state = saved
         self.callback_handler.load_states(saved)

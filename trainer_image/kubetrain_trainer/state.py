@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .layout import KUBETRAIN_STATE
+
+logger = logging.getLogger("kubetrain_trainer")
 
 
 class TrainingPreempted(RuntimeError):
@@ -99,6 +102,7 @@ class TrainerState:
     def save_resume_fields(self, folder: str | Path) -> None:
         """`kubetrain_state.json` in a checkpoint folder: the fields beyond HF's (`RESUME_FIELDS`)."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k in RESUME_FIELDS}
+        fields["global_step"] = self.global_step  # ties it to its trainer_state.json (`read_saved`)
         (Path(folder) / KUBETRAIN_STATE).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -115,11 +119,17 @@ class TrainerState:
         known = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in data.items() if k in known}  # tolerate HF's extra fields
         position = data.pop("data_position", None) or {}
-        _check_types(cls, data)
+        # The schedule fields are this run's (a resume takes them from its arguments): any number saved there will
+        # do. The HF Trainer saves `logging_steps: 1.0` when its command line gave 1.
+        _check_types(cls, {k: v for k, v in data.items()
+                           if not (k in SCHEDULE_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool))})
         _check_types(DataPosition, position if isinstance(position, dict) else {"data_position": position})
         return cls(**data, data_position=DataPosition(**position))
 
 
+SCHEDULE_FIELDS = frozenset({"max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
+                             "train_batch_size", "world_size"})
+"""Saved fields a resume takes from its own arguments instead (`ResumingMixin._load_state`)."""
 RESUME_FIELDS = frozenset({"world_size", "last_checkpoint_dir", "data_position", "loss_since_log", "steps_since_log",
                            "loss_total", "loss_count", "skipped_steps", "epoch_end_pending"})
 """kubetrain's `TrainerState` fields that HF's has not: saved in `kubetrain_state.json`."""
@@ -140,6 +150,13 @@ def read_saved(path: str | Path) -> Any:
         except ValueError as exc:
             exc.add_note(f"while reading {extra}")
             raise
+        step = more.pop("global_step", data.get("global_step"))
+        if step != data.get("global_step"):
+            # Another step's (the HF Trainer re-saved the folder in place over a kubetrain checkpoint): its data
+            # position and loss sums are not this state's. Left out: the position is derived as HF derives it.
+            logger.warning("%s is of step %s, %s of step %s: %s is not used", extra, step, path.name,
+                           data.get("global_step"), extra.name)
+            return data
         data = {**data, **more}
     return data
 

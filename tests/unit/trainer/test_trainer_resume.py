@@ -278,3 +278,61 @@ def test_an_iterable_dataset_drawing_the_global_rng_resumes_bitwise(tiny_gpt, to
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-10"))
     assert _losses(straight.state) == _losses(resumed.state) and len(_losses(resumed.state)) == STEPS
     _assert_same(_params(straight.model), _params(resumed.model))
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("PytorchStreamReader failed reading file data/0: file read failed"),
+                                     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_a_read_that_may_pass_is_not_a_config_error(tiny_gpt, tokens, make_args, tmp_path, monkeypatch, failure):
+    """A network filesystem's failed read or an out-of-memory while loading is the attempt's trouble, not the
+    folder's: it stays the error it was (exit 1, the attempt retried), never exit 82 that fails the job for good;
+    the same folder loads the next time."""
+    from kubetrain_trainer import ConfigError
+
+    Trainer(model=tiny_gpt(0), args=make_args(max_steps=3), train_dataset=tokens()).train()
+    folder = str(tmp_path / "out" / "checkpoint-3")
+    real, fired = torch.load, []
+
+    def flaky(path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt") and not fired:
+            fired.append(path)
+            raise failure
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", flaky)
+    again = Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "b")), train_dataset=tokens())
+    with pytest.raises(type(failure)) as err:
+        again.train(resume_from_checkpoint=folder)
+    assert not isinstance(err.value, ConfigError) and fired
+    later = Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "c"), max_steps=4),
+                    train_dataset=tokens()).train(resume_from_checkpoint=folder)
+    assert later.global_step == 4
+
+
+def test_a_checkpoint_the_hf_trainer_wrote_with_float_schedule_fields_resumes(tiny_gpt, tokens, make_args, tmp_path):
+    """HF's command-line parser gives `--logging_steps 1` as 1.0, and its trainer_state.json keeps it: the
+    type check refused the checkpoint (exit 82). A resume takes those fields from its own arguments anyway."""
+    Trainer(model=tiny_gpt(0), args=make_args(max_steps=3), train_dataset=tokens()).train()
+    folder = tmp_path / "out" / "checkpoint-3"
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "logging_steps": 1.0, "eval_steps": 0.5}))
+    resumed = Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "b"), max_steps=4),
+                      train_dataset=tokens())
+    assert resumed.train(resume_from_checkpoint=str(folder)).global_step == 4
+
+
+def test_a_kubetrain_state_of_another_step_is_not_mixed_in(tiny_gpt, tokens, make_args, tmp_path, caplog):
+    """The HF Trainer re-saves checkpoint-N in place and leaves kubetrain_state.json of an older step there:
+    its data position was taken, and samples were trained again silently."""
+    from kubetrain_trainer.state import read_saved
+
+    Trainer(model=tiny_gpt(0), args=make_args(max_steps=6, save_steps=3), train_dataset=tokens()).train()
+    out = tmp_path / "out"
+    old = json.loads((out / "checkpoint-3" / "kubetrain_state.json").read_text())
+    assert old["global_step"] == 3
+    (out / "checkpoint-6" / "kubetrain_state.json").write_text(json.dumps(old))
+    with caplog.at_level("WARNING", logger="kubetrain_trainer"):
+        merged = read_saved(out / "checkpoint-6" / "trainer_state.json")
+    assert merged["global_step"] == 6 and "data_position" not in merged
+    assert "is of step 3" in caplog.text
+    own = read_saved(out / "checkpoint-3" / "trainer_state.json")
+    assert own["global_step"] == 3 and own["data_position"]
