@@ -13,6 +13,7 @@ are rebuilt from it on resume, as HF's Trainer does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -24,6 +25,10 @@ from .layout import metric_key
 from .state import TrainerState
 
 logger = logging.getLogger("kubetrain_trainer")
+
+
+CONTROL = "TrainerControl"
+"""`stateful_callbacks`' entry for the loop's control flags, as HF names it."""
 
 
 @dataclass
@@ -119,8 +124,10 @@ class CallbackHandler:
         self._dispatch[event] = (callbacks, handlers)
         return handlers
 
-    def save_states(self, state: TrainerState) -> None:
-        """Each callback's `state()` under its class name (a list where several share a class), as in HF.
+    def save_states(self, state: TrainerState, control: TrainerControl | None = None) -> None:
+        """Each callback's `state()` under its class name (a list where several share a class), as in HF, and the
+        loop's `control` under "TrainerControl" in HF's layout (the HF Trainer resuming the checkpoint reads it:
+        without it, its first save raised KeyError). A resume here keeps its own control.
 
         Callbacks without a `state` method (HF's plain `TrainerCallback`s) or whose `state()` is None have none.
         """
@@ -130,11 +137,15 @@ class CallbackHandler:
             if callable(export) and (saved := export()) is not None:
                 groups.setdefault(type(cb).__name__, []).append(saved)
         state.stateful_callbacks = {name: saved[0] if len(saved) == 1 else saved for name, saved in groups.items()}
+        if control is not None:
+            state.stateful_callbacks[CONTROL] = {"args": dataclasses.asdict(control), "attributes": {}}
 
     def load_states(self, state: TrainerState) -> None:
         """Give the callbacks their saved states back, matched by class name and then by order (as HF does)."""
         missing = []
         for name, saved in state.stateful_callbacks.items():
+            if name == CONTROL:
+                continue
             same = [i for i, cb in enumerate(self.callbacks) if type(cb).__name__ == name]
             if not same:
                 missing.append(name)

@@ -35,7 +35,7 @@ class SavingMixin:
         if state.best_global_step == state.global_step:  # as in HF: only the evaluated best step's checkpoint
             state.best_model_checkpoint = str(final)  # (a best found at a step without a save labels none)
         state.last_checkpoint_dir = str(final)
-        self.callback_handler.save_states(state)
+        self.callback_handler.save_states(state, self.control)
         keep = [state.best_model_checkpoint]
         if args.async_save if background is None else background:
             return self._saves.save(args.output_dir, state.global_step, registry, after_commit=functools.partial(

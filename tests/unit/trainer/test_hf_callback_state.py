@@ -59,7 +59,7 @@ def test_a_plain_hf_callback_runs_through_saves_and_a_resume(make_args, tmp_path
     first = SaveSteps()
     _trainer(make_args, [first], [3, 2]).train()
     assert first.saved == [2, 4]
-    assert _saved_callbacks(tmp_path, 2) == {}
+    assert _saved_callbacks(tmp_path, 2).keys() == {"TrainerControl"}  # only the loop's control, as HF saves it
     again = SaveSteps()
     out = _trainer(make_args, [again], [1, 0], max_steps=6).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
     assert out.global_step == 6 and again.saved == [6]

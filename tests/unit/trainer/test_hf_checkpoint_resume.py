@@ -98,6 +98,24 @@ def test_the_hf_trainer_reads_a_kubetrain_trainer_state(tiny_gpt, tokens, make_a
 
 
 
+def test_the_hf_trainer_resumes_a_kubetrain_checkpoint_and_saves_past_it(tiny_gpt, tokens, make_args, tmp_path):
+    """HF's first save after the resume read `stateful_callbacks["TrainerControl"]`: kubetrain wrote none, and
+    the HF Trainer stopped with KeyError at it."""
+    transformers = pytest.importorskip("transformers")
+    Trainer(model=tiny_gpt(0), args=make_args(max_steps=3), train_dataset=tokens()).train()
+    folder = tmp_path / "out" / "checkpoint-3"
+    saved = json.loads((folder / "trainer_state.json").read_text())["stateful_callbacks"]["TrainerControl"]
+    assert set(saved) == {"args", "attributes"} and set(saved["args"]) == set(transformers.TrainerControl().state()["args"])
+    hf = transformers.Trainer(model=tiny_gpt(0), train_dataset=tokens(), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=6, save_steps=3, logging_steps=1, per_device_train_batch_size=4,
+        report_to="none", use_cpu=True, disable_tqdm=True))
+    hf.train(resume_from_checkpoint=str(folder))
+    assert hf.state.global_step == 6 and (tmp_path / "hf" / "checkpoint-6" / "trainer_state.json").is_file()
+    # ... and kubetrain resumes it with its own control (no "state of callbacks this run does not have").
+    resumed = Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "b")), train_dataset=tokens())
+    assert resumed.train(resume_from_checkpoint=str(folder)).global_step == 6
+
+
 def test_an_older_checkpoint_with_kubetrain_s_fields_inline_resumes_bitwise(tiny_gpt, tokens, make_args, tmp_path):
     straight = _run(tiny_gpt, tokens, make_args, tmp_path / "a")
     _run(tiny_gpt, tokens, make_args, tmp_path / "b", stop=9)
