@@ -91,17 +91,21 @@ class Job:
     @classmethod
     def from_storage(cls, body: Mapping[str, Any], *, default_image: str | None = None) -> "Job":
         meta = body.get("metadata") or {}
+        status = Status.from_storage(body.get("status"))
+        started = status.attempt >= 1
         try:
-            spec, error = Spec.from_storage(body.get("spec"), default_image=default_image), None
+            spec, error = Spec.from_storage(body.get("spec"), default_image=default_image, started=started), None
         except SpecError as exc:
             spec, error = None, str(exc)
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            if started:  # it ran with this spec: a parsing bug must not fail it for good (the reconcile is retried)
+                raise
             # A value of a type the CRD's schema refuses (an object stored before the schema had it, or written
             # around it): the job fails as InvalidSpec instead of its reconcile crashing every 10 s, forever.
             spec, error = None, f"spec: a value does not have the type the CRD's schema gives it ({exc!r:.200})"
         return cls(
             name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "",
-            generation=meta.get("generation"), spec=spec, status=Status.from_storage(body.get("status")),
+            generation=meta.get("generation"), spec=spec, status=status,
             deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
             created=parse_time_or_none(meta.get("creationTimestamp")),
             labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},

@@ -137,8 +137,11 @@ class Spec:
     """Overrides merged into every pod (labels, nodeSelector, volumes, ...)."""
 
     @classmethod
-    def from_storage(cls, spec: Mapping[str, Any] | None, *, default_image: str | None = None) -> "Spec":
-        """Parse `.spec` of a stored TrainingJob; raises SpecError naming the field."""
+    def from_storage(cls, spec: Mapping[str, Any] | None, *, default_image: str | None = None,
+                     started: bool = False) -> "Spec":
+        """Parse `.spec` of a stored TrainingJob; raises SpecError naming the field. A `started` job (one that ran an
+        attempt) is not held to the checks added after it could have started (an operator upgraded under it must
+        not fail it): procsPerNode against the GPUs, the built-in trainer's strategy arguments."""
         spec = dict(spec or {})
         image = spec.get("image") or default_image
         if not image:
@@ -151,13 +154,10 @@ class Spec:
             resources = parse_resources(spec.get("resources"))
         except ResourceError as exc:
             raise SpecError(exc.field_path, exc.message) from None
-        for name, value in dict(resources.get("limits") or {}).items():
-            gpus = quantity(value, f"resources.limits.{name}")
-            if name.endswith("/gpu") and 0 < gpus < (procs or 1):
-                raise SpecError("procsPerNode", f"is {procs}, more than the {gpus} {name} of each pod "
-                                                f"(resources.limits.{name}): one worker process per GPU")
         trainer, strategy = _trainer(spec.get("trainer")), _strategy(spec.get("strategy"))
-        _check_builtin_strategy_args(trainer.builtin_args, strategy.type)
+        if not started:
+            _check_builtin_strategy_args(trainer.builtin_args, strategy.type)
+            _check_gpus_per_process(procs, resources, trainer)
         return cls(
             image=str(image),
             image_pull_policy=str(spec["imagePullPolicy"]) if spec.get("imagePullPolicy") else None,
@@ -191,6 +191,18 @@ def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "
     if maximum is not None and value > maximum:
         raise SpecError(name, f"must be <= {maximum}, got {value}")
     return min(value, ceiling) if ceiling is not None else value
+
+
+def _check_gpus_per_process(procs: int | None, resources: Mapping[str, Any], trainer: Trainer) -> None:
+    """The built-in trainer on GPUs takes one per process (its local rank's); a user's own command may map its
+    devices itself, and `use_cpu` takes none."""
+    if trainer.command or str(trainer.builtin_args.get("use_cpu")).lower() in ("true", "1"):
+        return
+    for name, value in dict(resources.get("limits") or {}).items():
+        gpus = quantity(value, f"resources.limits.{name}")
+        if name.endswith("/gpu") and 0 < gpus < (procs or 1):
+            raise SpecError("procsPerNode", f"is {procs}, more than the {gpus} {name} of each pod "
+                                            f"(resources.limits.{name}): the built-in trainer runs one process per GPU")
 
 
 def _trainer(raw: Any) -> Trainer:

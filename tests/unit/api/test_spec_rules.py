@@ -201,6 +201,31 @@ def test_more_worker_processes_than_gpus_per_pod_is_an_invalid_spec(gpus, procs,
     assert err.value.field_path == "procsPerNode" and "nvidia.com/gpu" in str(err.value)
 
 
+def test_more_processes_than_gpus_is_left_to_a_users_command_to_use_cpu_and_to_a_started_job() -> None:
+    """A user's command may map its devices itself, use_cpu takes none, and a job that already ran under an older
+    operator is not failed by a check added since (an upgrade under it)."""
+    many = {**BASE, "procsPerNode": 8, "resources": {"limits": {"nvidia.com/gpu": 2}}}
+    own = {**many, "trainer": {"command": ["python", "train.py"]}}
+    on_cpu = {**many, "trainer": {"builtin": {"task": "regression", "args": {"use_cpu": True}}}}
+    assert Spec.from_storage(own).procs_per_node == Spec.from_storage(on_cpu).procs_per_node == 8
+    assert Spec.from_storage(many, started=True).procs_per_node == 8
+    clash = {**BASE, "trainer": {"builtin": {"task": "regression", "args": {"strategy": "fsdp"}}}}
+    with pytest.raises(SpecError):
+        Spec.from_storage(clash)
+    assert Spec.from_storage(clash, started=True).strategy.type == "ddp"
+
+
+def test_a_started_job_with_a_spec_the_parser_chokes_on_is_not_failed_for_good() -> None:
+    """Once a job ran, a parsing error that is not a SpecError is a bug of the operator's, not the job's: the
+    reconcile raises (logged, retried) instead of failing the running job as InvalidSpec."""
+    from kubetrain.api import Job
+
+    body = {"metadata": {"name": "tj", "namespace": "ns"}, "spec": {**BASE, "strategy": "fsdp"}}
+    assert Job.from_storage(body).spec is None
+    with pytest.raises((TypeError, ValueError, AttributeError, KeyError)):
+        Job.from_storage({**body, "status": {"attempt": 1, "phase": "Running"}})
+
+
 @pytest.mark.parametrize("patch", [{"strategy": "fsdp"}, {"podTemplate": {"tolerations": ["x"]}}, {"checkpoint": "x"},
                                    {"resources": "x"}])
 def test_a_value_of_a_type_the_schema_refuses_is_an_invalid_spec_not_a_crash(patch: dict) -> None:
