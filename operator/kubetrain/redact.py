@@ -55,7 +55,7 @@ def redact(text: str) -> str:
     return _SECRET_SHAPED.sub(sub, text)
 
 
-REDACT_WINDOW_MAX = 64 << 10
+REDACT_WINDOW_MAX = 8 << 10
 """The most text `redacted_excerpt` redacts to fill its excerpt (the pattern is linear in it)."""
 
 
@@ -79,9 +79,16 @@ class RedactFilter(logging.Filter):
     (an admission webhook quoting a pod's env), kopf's own error lines and any later log call are covered
     without each call site remembering to redact."""
 
+    _formatter = logging.Formatter()
+
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError, KeyError):  # arguments that do not fit the format: logging reports it
+            return True
         shown = redact(message)
         if shown != message:
             record.msg, record.args = shown, None
+        if record.exc_info and not record.exc_text:  # a traceback (log.exception) carries the error's text too
+            record.exc_text = redact(self._formatter.formatException(record.exc_info))
         return True

@@ -105,3 +105,24 @@ def test_every_line_the_operator_logs_is_redacted(capsys) -> None:
                                                     "denied: env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG")
     err = capsys.readouterr().err
     assert "cannot run: denied: env AWS_SECRET_ACCESS_KEY=***" in err and "wJalr" not in err, err
+
+
+def test_a_logged_traceback_is_redacted_and_a_bad_log_call_does_not_raise(capsys) -> None:
+    import logging
+
+    from kubetrain.cli import configure_logging
+
+    configure_logging("INFO")
+    log = logging.getLogger("kubetrain.reconciler")
+    try:
+        raise RuntimeError("admission webhook denied: env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMIK7MDENG")
+    except RuntimeError:
+        log.exception("reconcile of %s crashed", "ns/j")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "AWS_SECRET_ACCESS_KEY=***" in err and "wJalr" not in err, err
+    # A call whose arguments do not fit its format: the filter lets logging report it ("--- Logging error ---")
+    # instead of raising into the caller (a filter's exception is not caught by logging).
+    from kubetrain.redact import RedactFilter
+
+    bad = logging.LogRecord("kubetrain", logging.ERROR, __file__, 1, "mismatched %s %s", ("one",), None)
+    assert RedactFilter().filter(bad) is True
