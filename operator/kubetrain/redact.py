@@ -71,7 +71,7 @@ def redacted_excerpt(text: str, limit: int) -> str:
         shown = redact(text[:window])
         if len(shown) >= limit + REDACT_MARGIN // 2 or window >= REDACT_WINDOW_MAX:
             return shown[:limit]
-        window *= 4
+        window = min(window * 4, REDACT_WINDOW_MAX)
 
 
 class RedactFilter(logging.Filter):
