@@ -4,7 +4,7 @@
 # Python version and the hash of pyproject.toml, so a fresh clone on a warm
 # machine reuses it in seconds; `.venv` in the repo is a symlink to it.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)  # resolved, as pip records the editable path
 cd "$root"
 py=${PYTHON:-python3}
 pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -24,7 +24,7 @@ quiet() {
 # waits here and then finds the environment made.
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
-if ! flock -n 9; then
+if command -v flock >/dev/null && ! flock -n 9; then  # no flock (macOS): no lock, as before
   echo "[setup] another setup of $venv is running; waiting for it" >&2
   flock 9
 fi
