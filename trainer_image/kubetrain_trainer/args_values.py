@@ -129,8 +129,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 pass
         if number is None:
             raise ConfigError(f"{name}: expected a number, got {value!r}")
-        if not math.isfinite(number):  # "nan", "inf", or JSON's NaN / Infinity
-            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        try:
+            finite = math.isfinite(number)  # "nan", "inf", or JSON's NaN / Infinity
+        except OverflowError:  # an integer past any float (10**400)
+            finite = False
+        if not finite:
+            raise ConfigError(f"{name}: expected a finite number, got {str(value)[:40]!r}")
         return number
     if tp is str:
         if isinstance(value, str):
