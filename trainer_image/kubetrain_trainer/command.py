@@ -38,23 +38,33 @@ def expand_command(command: Sequence[str], worker_env: Mapping[str, str]) -> lis
 
 
 _SECRET_WORD = (r"(?<![a-z])(?:secrets?|token|passw(?:or)?ds?|credentials?|api[_-]?keys?|access[_-]?keys?"
-                r"|private[_-]?keys?|auth)(?![a-z])")
+                r"|private[_-]?keys?)(?![a-z])")
 """A word of a name that holds a secret, on its own (`hub_token`, not `tokenizer_name`)."""
 _SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORD}|_key$|^key$)")
 """An environment variable whose value is a secret, by its name (AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY,
 DB_PASSWORD, ...)."""
 _SECRET_FLAG = re.compile(rf"(?i)^--?[\w.-]*(?:{_SECRET_WORD})[\w.-]*$")
-_SECRET_FLAG_VALUE = re.compile(rf"(?i)^(--?[\w.-]*(?:{_SECRET_WORD})[\w.-]*=).+$")
+_INLINE_FLAG_VALUE = re.compile(rf"(?i)((?<!\S)--?[\w.-]*(?:{_SECRET_WORD})[\w.-]*(?:=|\s+))[^\s\-][^\s\"']*")
+"""`--hub_token X` / `--password=X` anywhere in an argument (`bash -c "python train.py --hub_token X"` too)."""
+_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
 MASK = "***"
+
+
+def _secret_values(env: Mapping[str, str]) -> list[str]:
+    """Values of the variables named like secrets that look like one: not a plain word or number (AUTH_MODE=true
+    would mask every "true")."""
+    return sorted((v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 8 and not v.isalpha()
+                   and not v.isdigit()), key=len, reverse=True)
 
 
 def shown_command(command: Sequence[str], env: Mapping[str, str]) -> str:
     """`command` as it may be logged. The kubelet has already put the pod's env into `$(NAME)` references,
     Secret values included (`--hub_token $(HF_TOKEN)` arrives as the token itself), and the launcher's log
     line goes where anyone who reads pod logs, or a pod's termination message, sees it. So the value of
-    every variable named like a secret is masked wherever it appears, and so is the value of any flag
-    named like one (`--hub_token X`, `--password=X`)."""
-    values = sorted((v for k, v in env.items() if len(v) >= 4 and _SECRET_NAME.search(k)), key=len, reverse=True)
+    every variable named like a secret is masked wherever it appears, and so are the value of any flag
+    named like one (`--hub_token X`, `--password=X`, also inside one argument such as `bash -c "..."`) and a
+    URL's password (`s3://user:pass@host`)."""
+    values = _secret_values(env)
     shown: list[str] = []
     hide_next = False
     for arg in command:
@@ -62,11 +72,9 @@ def shown_command(command: Sequence[str], env: Mapping[str, str]) -> str:
             shown.append(MASK)
             hide_next = False
             continue
-        if m := _SECRET_FLAG_VALUE.match(arg):
-            shown.append(m.group(1) + MASK)
-            continue
         hide_next = bool(_SECRET_FLAG.match(arg))
         for value in values:
             arg = arg.replace(value, MASK)
-        shown.append(arg)
+        arg = _INLINE_FLAG_VALUE.sub(lambda m: m.group(1) + MASK, arg)
+        shown.append(_USERINFO.sub(lambda m: m.group(1) + MASK + "@", arg))
     return " ".join(shown)

@@ -62,10 +62,15 @@ def test_the_launchers_log_line_masks_secret_values_the_kubelet_put_into_the_com
     (["train.py", "--password=hunter22"], "train.py --password=***"),
     (["train.py", f"--uri=s3://x:{SECRET}@h"], "train.py --uri=s3://x:***@h"),  # by value: AWS_SECRET_ACCESS_KEY
     (["train.py", "--lr", "0.1", "--output_dir", "/out"], "train.py --lr 0.1 --output_dir /out"),
+    (["bash", "-c", "python train.py --hub_token hf_other1234 --bf16 true"],
+     "bash -c python train.py --hub_token *** --bf16 true"),  # a flag inside one argument
+    (["train.py", "--data", "s3://user:hunter2pass@minio:9000/d"], "train.py --data s3://***@minio:9000/d"),
+    (["train.py", "--bf16", "true", "--auth_type", "basic"], "train.py --bf16 true --auth_type basic"),
     (["train.py", "--tokenizer_name", "gpt2", "--max_new_tokens", "5"],  # not a secret's flags
      "train.py --tokenizer_name gpt2 --max_new_tokens 5"),
 ])
 def test_shown_command(command, expected):
     from kubetrain_trainer.command import shown_command
 
-    assert shown_command(command, {"AWS_SECRET_ACCESS_KEY": SECRET, "HOME": "/root", "KEYBOARD": "us"}) == expected
+    env = {"AWS_SECRET_ACCESS_KEY": SECRET, "HOME": "/root", "KEYBOARD": "us", "AUTH_MODE": "true"}
+    assert shown_command(command, env) == expected
