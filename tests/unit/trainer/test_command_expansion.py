@@ -60,7 +60,7 @@ def test_the_launchers_log_line_masks_secret_values_the_kubelet_put_into_the_com
 @pytest.mark.parametrize("command, expected", [
     (["train.py", "--hub_token", TOKEN], "train.py --hub_token ***"),
     (["train.py", "--password=hunter22"], "train.py --password=***"),
-    (["train.py", f"--uri=s3://x:{SECRET}@h"], "train.py --uri=s3://x:***@h"),  # by value: AWS_SECRET_ACCESS_KEY
+    (["train.py", f"--uri=s3://x:{SECRET}@h"], "train.py --uri=s3://***@h"),  # by value, then the URL rule
     (["train.py", "--lr", "0.1", "--output_dir", "/out"], "train.py --lr 0.1 --output_dir /out"),
     (["bash", "-c", "python train.py --hub_token hf_other1234 --bf16 true"],
      "bash -c python train.py --hub_token *** --bf16 true"),  # a flag inside one argument
