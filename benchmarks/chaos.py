@@ -448,8 +448,9 @@ def digest_matches(data: bytes, entry: dict[str, Any]) -> bool:
 
 
 def required_files(world_size: int) -> set[str]:
-    """What a complete checkpoint of the built-in trainer holds (the HF layout, one RNG state per rank)."""
-    return {"trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+    """What a complete checkpoint of the built-in trainer holds (the HF layout, one RNG state per rank, and
+    kubetrain's own state beside trainer_state.json: the data position an exact resume needs)."""
+    return {"trainer_state.json", "kubetrain_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
             *(f"rng_state_{r}.pth" for r in range(world_size))}
 
 
