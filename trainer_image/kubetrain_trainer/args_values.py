@@ -20,6 +20,14 @@ class ConfigError(ValueError):
     """A setting that can never work. Raised before training; the message says what to change."""
 
 
+class MetricNotFound(ConfigError, KeyError):
+    """`metric_for_best_model` names no metric the evaluation returns: a KeyError as in HF, and a ConfigError
+    (exit 82 in a pod: every retry would evaluate the same metrics)."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def unknown_name_message(name: str, valid: Sequence[str]) -> str:
     near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]!r}?" if near else ""

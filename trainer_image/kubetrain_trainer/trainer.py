@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist_util
 from . import rng
 from .args import ConfigError, TrainingArguments
+from .args_values import MetricNotFound
 from .background_save import BackgroundSaver
 from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
                         TrainerControl)
@@ -317,7 +318,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
             return
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
-            raise KeyError(f"metric_for_best_model {name!r} not in the eval metrics ({', '.join(metrics)}); "
+            raise MetricNotFound(f"metric_for_best_model {name!r} not in the eval metrics ({', '.join(metrics)}); "
                            "fix the name or return it from compute_metrics")
         value, best = metrics[key], self.state.best_metric
         if best is None or (value > best if self.args.greater_is_better else value < best):

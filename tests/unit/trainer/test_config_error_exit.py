@@ -28,3 +28,18 @@ def test_outside_the_launcher_python_exits_as_usual(tmp_path) -> None:
     plain = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
                            timeout=60)
     assert plain.returncode == 1 and "ConfigError" in plain.stderr
+
+
+def test_an_unknown_metric_for_best_model_is_a_key_error_as_in_hf_and_a_config_error(tiny_gpt, tokens, make_args):
+    """It shows at the first evaluation, and every retry would evaluate the same metrics: exit 82 in a pod
+    (a ConfigError), while code that catches HF's KeyError still does."""
+    import pytest
+
+    from kubetrain_trainer import ConfigError, Trainer
+
+    args = make_args(eval_strategy="steps", eval_steps=2, save_steps=2, metric_for_best_model="accuracy",
+                     load_best_model_at_end=True, max_steps=4)
+    trainer = Trainer(model=tiny_gpt(0), args=args, train_dataset=tokens(), eval_dataset=tokens(8, seed=1))
+    with pytest.raises(ConfigError, match=r"^metric_for_best_model 'accuracy' not in the eval metrics") as err:
+        trainer.train()
+    assert isinstance(err.value, KeyError)
