@@ -31,6 +31,8 @@ LAGGING_PENDING_UPLOADS = 2
 behind another: uploads are slower than saves, or storage is unreachable), and False again when
 at most one is in flight."""
 MESSAGE_LIMIT = 200
+FROM_PROGRESS = " (node rank 0's /progress)"
+"""How a CheckpointsLagging message from /progress ends (one from the pods' annotation is their text)."""
 
 
 class RecordError(ValueError):
@@ -133,7 +135,7 @@ def lagging_message(progress: Progress | None) -> str | None:
     pending = progress.pending_uploads
     if pending >= LAGGING_PENDING_UPLOADS:
         return (f"{pending} checkpoint(s) wait for upload, the newest saved one {progress.upload_lag_steps or 0} "
-                f"step(s) ahead of the newest committed one (node rank 0's /progress)")
+                f"step(s) ahead of the newest committed one{FROM_PROGRESS}")
     return ""
 
 

@@ -24,7 +24,7 @@ from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, 
 from kubetrain.values import format_time, parse_time
 from kubetrain.draft import Draft, delete_pods, excerpt, fail, ttl
 from kubetrain.observe import GONE_SUCCEEDED, Observed, PodView
-from kubetrain.progress import lagging_message
+from kubetrain.progress import FROM_PROGRESS, lagging_message
 
 FATAL_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 """Container waiting reasons that can never resolve by themselves: fail at once."""
@@ -123,7 +123,8 @@ def supervise(d: Draft, observed: Observed) -> None:
         # The annotation is the pod's to write: cut and redacted like every other text a pod reports.
         d.cond("CheckpointsLagging", "True", "UploadsLagging", excerpt(lagging) if lagging else polled or "")
     elif (c := d.status.condition("CheckpointsLagging")) is not None and c.status == "True" \
-            and (polled is not None or d.status.progress is None):
+            and (polled is not None or d.status.progress is None or not c.message.endswith(FROM_PROGRESS)):
+        # Set from the pods' annotation (now gone): cleared; from /progress: only by a reading that says so.
         d.cond("CheckpointsLagging", "False", "UploadsCaughtUp", "checkpoint uploads caught up")
     if all(p.phase == "Succeeded" for p in pods):  # every rank's pod succeeded (some may be deleted since)
         msg = f"attempt {attempt}: all {total} pod(s) succeeded"
@@ -231,6 +232,7 @@ def _startup_condition(d: Draft, blocked: tuple[str, str, dt.datetime] | None) -
     if blocked is None:
         if current is not None and current.status == "True":
             d.cond("StartupDelayed", "False", "PodsStarted", "no pod is failing to start")
+            _waiting_message(d, ended=" (retrying)")
         return
     reason, message, deadline = blocked
     text = (f"{message}; the kubelet retries, the job fails if this persists until "
@@ -267,6 +269,13 @@ def _scheduling_condition(d: Draft, pods: list[PodView]) -> None:
         d.update(message=f"attempt {d.status.attempt}: waiting for the gang to be scheduled: {text}")
 
 
+def _waiting_message(d: Draft, *, ended: str) -> None:
+    """The job's message once the start problem it named (its text ends with `ended`) is gone: the pods are
+    waiting to run, no longer failing (it said ImagePullBackOff until the whole gang ran)."""
+    if d.status.phase == "Pending" and d.status.message.endswith(ended):
+        d.update(message=f"attempt {d.status.attempt}: {d.status.nodes_total} pod(s) created, waiting for them to run")
+
+
 SLOW_START_MIN_SECONDS = 120
 """The least time a container may take to be created before the job names it (startupGraceSeconds may be 0)."""
 
@@ -292,6 +301,7 @@ def _slow_container_creation(d: Draft, pods: list[PodView]) -> None:
     if slow is None or louder or d.status.phase != "Pending":
         if current is not None and current.status == "True":
             d.cond("StartupSlow", "False", "ContainersCreated", "no pod is slow to create its container")
+            _waiting_message(d, ended="shows the kubelet's events)")
         return
     message = (f"pod {slow.name} has been creating its container on node {slow.node_name} for more than {grace}s: "
                f"a large image still pulling, or a volume that cannot mount (kubectl describe pod {slow.name} "

@@ -258,3 +258,21 @@ def test_a_restart_marks_the_old_attempts_reading_and_the_new_attempt_shows_no_0
 def test_a_fresh_job_at_step_0_shows_step_0() -> None:
     st = plan(running(), Observed(pods=gang(), progress=observe(step=0, maxSteps=None, loss=None)), at(5)).status
     assert st.progress.step == 0 and st.progress.reachable
+
+
+def test_lagging_set_from_the_pods_annotation_clears_when_it_goes_even_with_progress_unreachable() -> None:
+    """Behind a NetworkPolicy on 9410 every read fails: the condition the annotation set stayed True for the rest
+    of the attempt after uploads caught up. One set from /progress still waits for a reading that says so."""
+    from kubetrain_factories import pod
+
+    lag = {"kubetrain.io/checkpoint-sync": "2 checkpoint(s) waiting: s3 unreachable"}
+    tj = running()
+    tj = _stored(tj, plan(tj, Observed(pods=(pod(rank=0, annotations=lag), pod(rank=1)), progress=unreachable(5)),
+                          at(5)).status)
+    assert lagging(tj.status) == ("True", "UploadsLagging")
+    after = plan(tj, Observed(pods=gang(), progress=unreachable(600)), at(600)).status
+    assert lagging(after) == ("False", "UploadsCaughtUp")
+    polled = observe(pendingUploads=3, uploadLagSteps=60)
+    from_progress = _stored(running(), plan(running(), Observed(pods=gang(), progress=polled), at(5)).status)
+    kept = plan(from_progress, Observed(pods=gang(), progress=unreachable(600)), at(600)).status
+    assert lagging(kept or from_progress.status) == ("True", "UploadsLagging"), "no reading says it caught up"

@@ -61,3 +61,18 @@ def test_startup_delayed_says_more_and_keeps_the_message() -> None:
     flipped = replace(pulling, waiting_reason="ImagePullBackOff")
     second = plan(replace(tj, status=first.status), observed(creating(0), flipped), at(320))
     assert "StartupSlow" not in [e.reason for e in second.events] and slow(second.status) is None
+
+
+def test_once_the_start_problem_is_gone_the_message_says_the_pods_wait_to_run() -> None:
+    """The message said ImagePullBackOff (or named the slow pod) until the whole gang ran, next to
+    StartupDelayed=False / StartupSlow=False (a reviewer's fixpoint walk)."""
+    tj = job(status=started(phase="Pending"))
+    backoff = pod(rank=0, phase="Pending", waiting="ImagePullBackOff", waiting_message="Back-off", scheduled=iso(0))
+    first = plan(tj, observed(backoff, creating(1)), at(10)).status
+    assert first.message.endswith("(retrying)")
+    cleared = plan(replace(tj, status=first), observed(creating(0), creating(1)), at(20)).status
+    assert cleared.message == "attempt 1: 2 pod(s) created, waiting for them to run"
+    slow_status = plan(tj, observed(creating(0), creating(1)), at(400)).status
+    assert "creating its container" in slow_status.message
+    done = plan(replace(tj, status=slow_status), observed(pod(rank=0), pod(rank=1, phase="Pending")), at(410)).status
+    assert done.message == "attempt 1: 2 pod(s) created, waiting for them to run"
