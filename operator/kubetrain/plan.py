@@ -195,6 +195,9 @@ def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str) -> P
         d.event("Warning", reason, f"attempt {job.status.attempt + 1}: "
                                    f"{'' if earlier else 'the API server refused a pod: '}{text}; retrying with backoff")
         d.cond("Created", "False", reason, text)
+    queued = d.status.condition("Queued")
+    if queued is not None and queued.status == "True":  # Kueue admitted it (its pods are created only then)
+        d.cond("Queued", "False", "Admitted", "admitted by Kueue; the API server refused its pods")
     what = ("waiting for quota" if reason in ("QuotaExceeded", "QuotaPending") else "waiting for an earlier job of "
             "this name to be cleaned up" if earlier else "waiting for the ServiceAccount" if reason ==
             "ServiceAccountMissing" else "waiting for the API server to accept the pods")

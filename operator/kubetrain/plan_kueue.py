@@ -152,6 +152,10 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
         return d.build()
     if suspended:
         result = plan(job, observed, now)
+        status = result.status or job.status
+        if (cond := status.condition(QUEUED)) is not None and cond.status == "True":  # inactive: not in the queue
+            result = _set_status(result, job, status.with_condition(
+                QUEUED, "False", reason="Suspended", message="suspended: the Workload is inactive", now=now))
         return _with(result, _spec_patch(job, body, view, active=False) or _evicted_patch(body, view, observed, now))
     patch = _spec_patch(job, body, view, active=True)
     changed = _podsets(job, body) is not None
@@ -219,7 +223,12 @@ def _wait(d: Draft, observed: Observed, reason: str, message: str) -> None:
     if current is None or current.status != "True" or current.reason != reason:
         d.event("Normal", QUEUED, f"{reason}: {text}")
     d.cond(QUEUED, "True", reason, text)
-    d.update(phase=QUEUED, message=f"queued: {reason}: {text}", nodes_ready=0, next_attempt_time=None)
+    if (restarting := d.status.condition("Restarting")) is not None and restarting.status == "True":
+        d.cond("Restarting", "False", reason, f"waiting in the queue: {text}")
+    # A backoff still to run (after a failure) is kept: the next admission waits for it, as without Kueue.
+    backoff = parse_time(d.status.next_attempt_time)
+    d.update(phase=QUEUED, message=f"queued: {reason}: {text}", nodes_ready=0,
+             next_attempt_time=d.status.next_attempt_time if backoff is not None and backoff > d.now else None)
     delete_pods(d, observed, observed.pods)
 
 

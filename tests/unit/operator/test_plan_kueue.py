@@ -14,7 +14,7 @@ from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchStatus,
 from kubetrain.api import Job
 from kubetrain.observe import Observed
 from kubetrain.plan_kueue import LABEL_REMOVED, KueueObserved, is_queued, plan_queued, plan_unqueued
-from kubetrain_factories import at, gang, iso, job, observed, started
+from kubetrain_factories import at, gang, iso, job, observed, pod, started
 
 FLAVOR = "default-flavor"
 NAME = "trainingjob-tj-abcde"
@@ -402,3 +402,38 @@ def test_a_job_never_queued_is_planned_as_without_kueue() -> None:
     plain = job()
     from kubetrain.plan import plan
     assert plan_unqueued(plain, observed(), at(5)) == plan(plain, observed(), at(5))
+
+
+def _fed(tj: Job, result: Plan) -> Job:
+    return replace(tj, status=result.status) if result.status is not None else tj
+
+
+def test_status_stays_consistent_through_suspend_backoff_and_refused_pods() -> None:
+    """A reviewer's walk through plan_queued: a waiting job suspended kept Queued=True (its Workload is inactive:
+    not queued); a job in backoff after a failure that lost its admission was Queued with Restarting=True left
+    over, and its backoff was dropped; pods Kueue admitted but the API server refused left Queued=True."""
+    from kubetrain.plan import rejected_plan
+
+    tj = _fed(queued(status={}), plan_queued(queued(status={}), observed(), pending(), at(1)))
+    paused = replace(tj, spec=replace(tj.spec, run_policy=replace(tj.spec.run_policy, suspend=True)))
+    inactive = KueueObserved(workload=workload(cond("QuotaReserved", "False", "Pending", "x"), active=False,
+                                               marked=True))
+    for t in (2, 3):
+        paused = _fed(paused, plan_queued(paused, observed(), inactive, at(t)))
+    assert paused.status.phase == "Suspended"
+    assert (paused.status.condition("Queued").status, paused.status.condition("Queued").reason) == ("False",
+                                                                                                    "Suspended")
+
+    running = queued(status=started(phase="Running", nodesReady=2))
+    failed = _fed(running, plan_queued(running, observed(pod(rank=0, phase="Failed", exit_code=1), pod(rank=1)),
+                                       admitted(), at(5)))
+    assert failed.status.phase == "Restarting" and failed.status.next_attempt_time is not None
+    evicted = _fed(failed, plan_queued(failed, observed(), KueueObserved(
+        workload=workload(*ADMITTED, PREEMPTED, admitted=True), flavors=FLAVORS), at(6)))
+    assert evicted.status.phase == "Queued" and evicted.status.condition("Restarting").status == "False"
+    assert evicted.status.next_attempt_time == failed.status.next_attempt_time, "the backoff still runs"
+
+    refused = rejected_plan(tj, at(2), reason="QuotaExceeded",
+                            message='pods "tj-a1-n0" is forbidden: exceeded quota: q, used: pods=10, limited: pods=10')
+    assert (refused.status.condition("Queued").status, refused.status.condition("Queued").reason) == ("False",
+                                                                                                      "Admitted")
