@@ -26,11 +26,13 @@ def parse_time(value: Any) -> dt.datetime | None:
 
 
 def parse_time_or_none(value: Any) -> dt.datetime | None:
-    """`parse_time` for values others wrote (pods, metadata): None when it does not parse."""
+    """`parse_time` for values others wrote (pods, nodes, metadata): None when it does not parse, or lies past
+    the year 9000 (the API server takes 9999-12-31, and a grace period added to it overflowed the planner)."""
     try:
-        return parse_time(value)
+        parsed = parse_time(value)
     except (TypeError, ValueError, OverflowError):
         return None
+    return parsed if parsed is None or parsed.year < 9000 else None
 
 
 def format_time(value: dt.datetime | None, *, micro: bool = False) -> str | None:

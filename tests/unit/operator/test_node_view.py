@@ -7,7 +7,7 @@ import asyncio
 from kubetrain import handlers
 from kubetrain.observe import NodeView, node_view
 from kubetrain.plan import plan
-from kubetrain_factories import at, gang, iso, job, observed, started
+from kubetrain_factories import at, gang, iso, job, observed, pod, started
 
 NOT_READY = {"type": "Ready", "status": "False", "reason": "KubeletNotReady"}
 
@@ -58,3 +58,16 @@ def test_the_node_index_keeps_the_first_seen_time_until_the_node_is_deleted() ->
             pass
     asyncio.run(handlers.node_event(type="DELETED", name="n9", status={}, memo=type("M", (), {"reconciler": Rec()})()))
     assert "n9" not in handlers._NOT_READY_SEEN
+
+
+def test_times_at_the_end_of_the_calendar_are_unknown_not_an_overflow() -> None:
+    """The API server takes 9999-12-31T23:59:59Z in a pod's or node's conditions: the grace added to it overflowed
+    and the job's every reconcile crashed (and every job on that node's)."""
+    far = "9999-12-31T23:59:59Z"
+    view = node_view("n0", [{"type": "Ready", "status": "Unknown", "lastTransitionTime": far}], {}, at(3))
+    assert view.since == at(3)
+    for obs in (observed(pod(rank=0, phase="Pending", waiting="ErrImagePull", scheduled=far), pod(rank=1)),
+                observed(pod(rank=0, phase="Pending", waiting="ContainerCreating", scheduled=far), pod(rank=1)),
+                observed(pod(rank=0, phase="Unknown", ready=False, ready_since=far), pod(rank=1)),
+                observed(pod(rank=0, node="n0"), pod(rank=1), nodes={"n0": view})):
+        plan(job(status=started(phase="Running", nodesReady=2)), obs, at(10))
