@@ -168,9 +168,19 @@ class TrainingArguments(ProcessLogLevels):
     run_name: str | None = None
     """A name for reporters."""
 
+    # --- HF's flags for the user's script (the Trainer does not read them, as in HF) ------------------------
+    do_train: bool = False
+    """For your script (`if args.do_train:`), as in HF."""
+    do_eval: bool = False
+    """For your script, as in HF."""
+    do_predict: bool = False
+    """For your script, as in HF."""
+    push_to_hub: bool = False
+    """Only false: kubetrain does not push to the Hub (checkpoint storage and `save_model` keep the model)."""
+
     def __post_init__(self) -> None:
         errors: list[str] = []
-        hints = _field_types()
+        hints = _field_types(type(self))
         for f in dataclasses.fields(self):
             try:
                 setattr(self, f.name, _coerce(getattr(self, f.name), hints[f.name], f.name))
@@ -201,6 +211,9 @@ class TrainingArguments(ProcessLogLevels):
         e: list[str] = []
         if not self.output_dir:
             e.append("output_dir must name a folder, got an empty string (leave it out for the default)")
+        if self.push_to_hub:
+            e.append("push_to_hub: kubetrain does not push to the Hugging Face Hub; leave it false (checkpoint "
+                     "storage and save_model() keep the model; push it from there)")
         if self.per_device_train_batch_size < 1 or self.per_device_eval_batch_size < 1:
             e.append("per_device_train_batch_size and per_device_eval_batch_size must be >= 1")
         if self.gradient_accumulation_steps < 1:
@@ -323,7 +336,26 @@ class TrainingArguments(ProcessLogLevels):
         return cls.from_dict(parse_cli(argv))
 
 
+def _refusing_unknown_names(init: Any) -> Any:
+    """The dataclass's __init__, refusing an argument it has not with the nearest valid name (a ConfigError, exit 82
+    in a pod), as `from_dict` does: HF's `TrainingArguments(do_sample=...)` or an HF argument kubetrain lacks gave a
+    bare TypeError (exit 1, retried until backoffLimit)."""
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in dataclasses.fields(type(self))]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise ConfigError("; ".join(unknown_name_message(k, names) for k in unknown)
+                              + " (docs/trainer.md lists the HF arguments kubetrain has not)")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+TrainingArguments.__init__ = _refusing_unknown_names(TrainingArguments.__init__)  # type: ignore[method-assign]
+
+
 # ----------------------------------------------------------------------- coercion
 @functools.cache
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainingArguments)
+def _field_types(cls: type) -> dict[str, Any]:
+    """The field types of `TrainingArguments` or a user's dataclass subclass of it (its own fields checked too)."""
+    return typing.get_type_hints(cls)

@@ -120,3 +120,30 @@ def test_bare_flag_and_bad_token():
     assert parse_cli(["--bf16", "--max_steps", "2"]) == {"bf16": "true", "max_steps": "2"}
     with pytest.raises(ConfigError, match="unexpected command-line token"):
         parse_cli(["max_steps", "2"])
+
+
+def test_the_constructor_refuses_an_unknown_argument_with_the_nearest_name_as_a_config_error():
+    """HF scripts build TrainingArguments(...) directly: an HF argument kubetrain has not was a bare TypeError
+    (exit 1, retried until backoffLimit) where from_dict gave a ConfigError (exit 82) with a suggestion."""
+    with pytest.raises(ConfigError, match=r"unknown argument 'max_step'; did you mean 'max_steps'"):
+        TrainingArguments(output_dir="o", max_step=3)
+    with pytest.raises(ConfigError, match=r"unknown argument 'label_smoothing_factor'"):
+        TrainingArguments(output_dir="o", label_smoothing_factor=0.1)
+
+
+def test_hf_s_script_flags_are_there_and_push_to_hub_only_false():
+    args = TrainingArguments(output_dir="o", do_train=True, do_eval="true", push_to_hub=False)
+    assert (args.do_train, args.do_eval, args.do_predict, args.push_to_hub) == (True, True, False, False)
+    with pytest.raises(ConfigError, match="push_to_hub: kubetrain does not push"):
+        TrainingArguments(output_dir="o", push_to_hub=True)
+
+
+def test_a_dataclass_subclass_has_its_own_fields_coerced():
+    from dataclasses import dataclass
+
+    @dataclass
+    class ScriptArguments(TrainingArguments):
+        block_size: int = 128
+
+    args = ScriptArguments(output_dir="o", block_size="64", max_steps="5")
+    assert (args.block_size, args.max_steps) == (64, 5)
