@@ -135,3 +135,34 @@ def test_hf_s_rng_state_pth_is_read_in_a_1_process_run_only(tmp_path):
     assert not rng.load(tmp_path, rank=0, world_size=2)  # HF too reads rng_state_<rank>.pth only in several
     assert rng.load(tmp_path, rank=0, world_size=1)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_an_hf_checkpoint_of_a_model_with_tied_weights_resumes(tokens, make_args, tmp_path):
+    """HF saves GPT-2's tied lm_head once (as transformer.wte.weight): the strict load refused the checkpoint as
+    another model's ("the model's arguments changed"). A key really missing is still refused."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    from kubetrain_trainer import ConfigError
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16,
+                                                                    n_layer=1, n_head=2))
+
+    straight = Trainer(model=gpt2(), args=make_args(max_steps=6), train_dataset=tokens())
+    straight.train()
+    folder = tmp_path / "out" / "checkpoint-3"
+    weights = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" in weights
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    resumed = Trainer(model=gpt2(), args=make_args(output_dir=str(tmp_path / "b")), train_dataset=tokens())
+    resumed.train(resume_from_checkpoint=str(folder))
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    save_file({k: v for k, v in weights.items() if not k.startswith("transformer.h.0.ln_1")},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"Missing key\(s\).*ln_1"):
+        Trainer(model=gpt2(), args=make_args(output_dir=str(tmp_path / "c")), train_dataset=tokens()).train(
+            resume_from_checkpoint=str(folder))

@@ -135,11 +135,7 @@ class DDPStrategy(Strategy):
 
     def load_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
-        weights = self._read_weights(directory)
-        try:
-            self._module.load_state_dict(weights)
-        except RuntimeError as exc:  # missing, unexpected or differently shaped entries
-            raise StateDictMismatch(str(exc)) from exc
+        load_weights(self._module, self._read_weights(directory))
         if (directory / OPTIMIZER_NAME).is_file():
             with reading(directory / OPTIMIZER_NAME):
                 self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
@@ -153,7 +149,7 @@ class DDPStrategy(Strategy):
 
     def load_model_from_main_rank(self, directory: Path) -> bool:
         if dist_util.rank() == 0:
-            self._module.load_state_dict(self._read_weights(Path(directory)))
+            load_weights(self._module, self._read_weights(Path(directory)))
         if dist_util.world_size() > 1:
             with torch.no_grad():  # the replicas are the same model: rank 0's tensors, in place, everywhere
                 for tensor in self._module.state_dict().values():
@@ -179,3 +175,20 @@ class DDPStrategy(Strategy):
 
     def unwrap(self) -> nn.Module:
         return self._module
+
+
+def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """`module.load_state_dict(weights)`, where a tied weight the file holds once is no missing key: the HF Trainer
+    (and `save_pretrained`) saves GPT-2's `lm_head.weight` only as `transformer.wte.weight`, and a strict load
+    refused its checkpoints as another model's. StateDictMismatch for anything else missing, unexpected or
+    differently shaped."""
+    try:
+        missing, unexpected = module.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # differently shaped entries
+        raise StateDictMismatch(str(exc)) from exc
+    own = module.state_dict()
+    loaded = {own[k].data_ptr() for k in weights if k in own}
+    missing = [k for k in missing if own[k].data_ptr() not in loaded]  # a tied twin of a loaded one is loaded
+    if missing or unexpected:
+        raise StateDictMismatch(f"Error(s) in loading state_dict for {type(module).__name__}: Missing key(s) in "
+                                f"state_dict: {missing[:8]}; Unexpected key(s) in state_dict: {unexpected[:8]}")
