@@ -386,7 +386,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         def save_args(d: Path) -> None:
             if main():
                 (d / "training_args.json").write_text(self.args.to_json_string() + "\n")
-                save_model_config(self.strategy.unwrap(), d, processing_class=self.processing_class)  # as HF
+                save_model_config(self.strategy.unwrap(), d, processing_class=self._processing_to_save())  # as HF
         reg.register("training_args and model config", save=save_args, load=lambda d: None)
 
         def save_state(d: Path) -> None:
@@ -400,6 +400,13 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
     def stop_requested(self) -> bool:
         """Whether this process got SIGTERM during `train` (local; the loop agrees across ranks each step)."""
         return self._stop_requested
+
+    def _processing_to_save(self) -> Any:
+        """What is saved beside the model: the processing class or, without one, the data collator's tokenizer
+        (as HF: `AutoTokenizer.from_pretrained` of the checkpoint found no tokenizer and built a useless one)."""
+        if self.processing_class is not None:
+            return self.processing_class
+        return getattr(self.data_collator, "tokenizer", None)
 
     def _install_sigterm_handler(self):
         if threading.current_thread() is not threading.main_thread():
@@ -419,6 +426,6 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         if self.is_world_process_zero():
             module = self._unwrapped_model()
             save_model_files(module, state_dict, out, safe_serialization=self.args.save_safetensors,
-                             processing_class=self.processing_class)
+                             processing_class=self._processing_to_save())
             (out / "training_args.json").write_text(self.args.to_json_string() + "\n")
         dist_util.barrier()

@@ -220,3 +220,19 @@ def test_neftune_noise_while_training_only(collator, datasets, tmp_path):
     assert not noisy.model.get_input_embeddings()._forward_hooks  # NEFTune's hook removed after training
     assert not torch.equal(clean.model.transformer.h[0].mlp.c_fc.weight, noisy.model.transformer.h[0].mlp.c_fc.weight)
     assert noisy.evaluate()["eval_loss"] == noisy.evaluate()["eval_loss"]  # no noise at evaluation
+
+
+def test_without_a_processing_class_the_collators_tokenizer_is_saved_as_hf_does(tokenizer, collator, datasets,
+                                                                                    tmp_path):
+    """A script that gives the tokenizer only to its collator (DataCollatorWithPadding(tok)): HF saves the collator's
+    tokenizer; kubetrain saved none, and AutoTokenizer built a useless one from the config (all [UNK])."""
+    train, _ = datasets
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(WORDS), n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    trainer = Trainer(model=transformers.GPT2LMHeadModel(config), train_dataset=train, data_collator=collator,
+                      args=guide_args(tmp_path, load_best_model_at_end=False, eval_strategy="no", max_steps=2,
+                                      save_steps=2))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "my_model" / "checkpoint-2", tmp_path / "final"):
+        assert transformers.AutoTokenizer.from_pretrained(folder)("the cat sat")["input_ids"] == [3, 5, 8], folder
