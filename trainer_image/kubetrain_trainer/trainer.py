@@ -45,6 +45,7 @@ from .saving import SavingMixin
 from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput, defer_epoch_end
 from .steps import StepPlan, epoch_batches, plan_steps
 from .strategies import Strategy, get_strategy, strategy_options
+from .workerenv import WorkerEnv, unwatched_output_dir
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -60,6 +61,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         if model is None:
             raise ValueError("Trainer needs a model")
         self.args = args = args if args is not None else TrainingArguments()
+        if (unwatched := unwatched_output_dir(args.output_dir, WorkerEnv.from_environ())) is not None:
+            raise ConfigError(unwatched)
         dist_util.init_process_group(use_cpu=args.use_cpu, timeout_s=args.ddp_timeout)
         self.device = dist_util.device_for(args.use_cpu)
         if args.fp16 and self.device.type != "cuda":

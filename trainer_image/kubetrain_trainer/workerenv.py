@@ -112,3 +112,18 @@ class WorkerEnv:
             test_hold_seconds=env.get(contract.TEST_HOLD_SECONDS, ""),
             environ=env,
         )
+
+
+def unwatched_output_dir(output_dir: str | os.PathLike, env: "WorkerEnv") -> str | None:
+    """Why `output_dir` cannot hold this worker's checkpoints, or None. Under the launcher with checkpoint storage,
+    only `KUBETRAIN_LOCAL_CHECKPOINT_DIR` is watched and uploaded: checkpoints anywhere else are never stored, and
+    a preempted attempt starts over (an HF script's `output_dir="my_model"` did exactly that, silently)."""
+    local = env.local_checkpoint_dir
+    if not (env.sync_by_launcher and env.checkpoint_uri and local):
+        return None
+    if Path(output_dir).resolve().is_relative_to(Path(local).resolve()):
+        return None
+    return (f"output_dir {str(output_dir)!r} is not the folder the launcher uploads to checkpoint storage "
+            f"({local}, {contract.LOCAL_CHECKPOINT_DIR}): its checkpoints would never be stored and a preempted "
+            f"attempt would start over; use output_dir=os.environ[{contract.LOCAL_CHECKPOINT_DIR!r}] (or a folder "
+            "inside it)")

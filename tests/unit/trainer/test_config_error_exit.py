@@ -43,3 +43,22 @@ def test_an_unknown_metric_for_best_model_is_a_key_error_as_in_hf_and_a_config_e
     with pytest.raises(ConfigError, match=r"^metric_for_best_model 'accuracy' not in the eval metrics") as err:
         trainer.train()
     assert isinstance(err.value, KeyError)
+
+
+def test_under_the_launcher_with_storage_output_dir_must_be_the_uploaded_folder(tiny_gpt, tokens, make_args,
+                                                                               tmp_path, monkeypatch):
+    """An HF script's output_dir="my_model" in a pod: the launcher uploads only KUBETRAIN_LOCAL_CHECKPOINT_DIR, so
+    its checkpoints were never stored and a preempted attempt started over, silently."""
+    import pytest
+
+    from kubetrain_trainer import ConfigError, Trainer
+
+    local = tmp_path / "ck"
+    monkeypatch.setenv("KUBETRAIN_SYNC_BY_LAUNCHER", "1")
+    monkeypatch.setenv("KUBETRAIN_LOCAL_CHECKPOINT_DIR", str(local))
+    monkeypatch.setenv("KUBETRAIN_CHECKPOINT_URI", "s3://b/p")
+    with pytest.raises(ConfigError, match=r"output_dir '.*my_model' is not the folder the launcher uploads"):
+        Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "my_model")), train_dataset=tokens())
+    Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(local / "run")), train_dataset=tokens())
+    monkeypatch.delenv("KUBETRAIN_CHECKPOINT_URI")  # no storage: nothing to upload, any folder will do
+    Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "my_model")), train_dataset=tokens())
