@@ -155,8 +155,9 @@ class TrainingArguments(ProcessLogLevels):
     """Leave NaN/inf losses out of the logged average (the step is still handled by `nan_inf_policy`)."""
     logging_dir: str | None = None
     """Where reporters write (default `<output_dir>/runs`)."""
-    report_to: list[Reporter] = field(default_factory=lambda: ["jsonl"])
-    """Reporters: tensorboard, jsonl (`<logging_dir>/log.jsonl`), all or none."""
+    report_to: str | list[str] = field(default_factory=lambda: ["jsonl"])
+    """Reporters: tensorboard, jsonl (`<logging_dir>/log.jsonl`), all or none; one name, several, or a comma list
+    (typed as HF types it, so HF's `HfArgumentParser` parses `--report_to none`)."""
     log_level: LogLevel = "passive"
     """Log level of the main process ("passive": the application's level stays as it is)."""
     log_level_replica: LogLevel = "warning"
@@ -187,6 +188,8 @@ class TrainingArguments(ProcessLogLevels):
             except ConfigError as exc:
                 errors.append(str(exc))
         if not errors:
+            errors = self._reporters()
+        if not errors:
             errors = self._incompatibilities()
         if errors:
             raise ConfigError("invalid training arguments:\n  - " + "\n  - ".join(errors))
@@ -206,6 +209,14 @@ class TrainingArguments(ProcessLogLevels):
             self.logging_dir = str(Path(self.output_dir) / "runs")
 
     # ------------------------------------------------------------------ checks
+    def _reporters(self) -> list[str]:
+        """`report_to` as a list of known reporter names."""
+        given = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        self.report_to = [r.strip() for item in given for r in str(item).split(",") if r.strip()]
+        known = typing.get_args(Reporter)
+        return [f"report_to: {unknown_name_message(r, known).removeprefix('unknown argument ')} is not one of "
+                f"{', '.join(known)}" for r in self.report_to if r not in known]
+
     def _incompatibilities(self) -> list[str]:
         """Settings that are each valid but do not work together; each message says what to change."""
         e: list[str] = []

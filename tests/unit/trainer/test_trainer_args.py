@@ -147,3 +147,18 @@ def test_a_dataclass_subclass_has_its_own_fields_coerced():
 
     args = ScriptArguments(output_dir="o", block_size="64", max_steps="5")
     assert (args.block_size, args.max_steps) == (64, 5)
+
+
+def test_hf_s_argument_parser_builds_kubetrain_s_arguments():
+    """HF scripts (and examples/hf_trainer_script.py) parse their arguments with HfArgumentParser: report_to typed
+    list[Literal] made it refuse `--report_to none`, and `--do_train` was unknown."""
+    transformers = pytest.importorskip("transformers")
+    parser = transformers.HfArgumentParser((TrainingArguments,))
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "x", "--report_to", "none", "--do_train",
+                                                  "--max_steps", "5"])
+    assert (args.report_to, args.do_train, args.max_steps) == ([], True, 5)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "x", "--report_to", "tensorboard", "jsonl"])
+    assert args.report_to == ["tensorboard", "jsonl"]
+    assert TrainingArguments(output_dir="x", report_to="tensorboard,jsonl").report_to == ["tensorboard", "jsonl"]
+    with pytest.raises(ConfigError, match=r"report_to: 'wandb' is not one of tensorboard, jsonl, all, none"):
+        TrainingArguments(output_dir="x", report_to="wandb")
