@@ -11,6 +11,7 @@ maps to the "invalid configuration" exit code (82): such a job can never succeed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -23,6 +24,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from .args_values import ConfigError, _coerce, load_mapping_file, parse_cli, unknown_name_message
 from .loglevels import LogLevel, ProcessLogLevels
+from .workerenv import WorkerEnv
 
 IntervalStrategy = Literal["no", "steps", "epoch"]
 SaveStrategy = Literal["no", "steps", "epoch", "best"]
@@ -306,6 +308,65 @@ class TrainingArguments(ProcessLogLevels):
         return math.ceil(self.warmup_ratio * max_steps)
 
     # -------------------------------------------------------------- (de)serialise
+    # ------------------------------------------------------------------ HF's process properties
+    @property
+    def world_size(self) -> int:
+        """Processes in the run (WORLD_SIZE), as HF's `args.world_size`."""
+        return WorkerEnv.from_environ().world_size
+
+    @property
+    def process_index(self) -> int:
+        return WorkerEnv.from_environ().rank
+
+    @property
+    def local_process_index(self) -> int:
+        return WorkerEnv.from_environ().local_rank
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes what one process writes (the world's main one), as in HF."""
+        return self.process_index == 0
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0 or (self.log_on_each_node and self.local_process_index == 0)
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: one (its local rank's) or none; HF's data-parallel-in-one-process is not done."""
+        import torch
+
+        return int(torch.cuda.is_available() and not self.use_cpu)
+
+    @property
+    def device(self) -> Any:
+        from .distributed import device_for
+
+        return device_for(self.use_cpu)
+
+    @property
+    def train_batch_size(self) -> int:
+        """One process's micro-batch, as HF's `args.train_batch_size`."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Any:
+        """As HF's: the main process (of the node with `local`, else of the world) runs the block first, then the
+        others (a dataset's map cached by the first); a no-op without a process group."""
+        import torch.distributed as dist
+
+        together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        main = (self.local_process_index if local else self.process_index) == 0
+        if together and not main:
+            dist.barrier()
+        yield
+        if together and main:
+            dist.barrier()
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -255,6 +257,8 @@ class EvaluationMixin:
             real = n if dataset_len is None else sum(1 for j in range(seen, seen + n) if j * world + rank < dataset_len)
             seen += n
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            if logits is not None and self.preprocess_logits_for_metrics is not None:  # as HF: before gathering
+                logits = self.preprocess_logits_for_metrics(logits, label)
             if loss is not None and real:
                 loss_sum += loss.double() * real
                 count += real
@@ -303,6 +307,28 @@ class EvaluationMixin:
         if any(t is None for t in per_rank):
             return None
         return _interleave(per_rank, dataset_len or sum(_rows(t) for t in per_rank))
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print `metrics` under `***** {split} metrics *****`, one aligned line each, on the main process (HF's)."""
+        if not self.is_world_process_zero():
+            return
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sorted(metrics.items())}
+        width = max((len(k) for k in shown), default=0)
+        print(f"***** {split} metrics *****")
+        for key, value in shown.items():
+            print(f"  {key: <{width}} = {value}")
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """`<output_dir>/{split}_results.json` and, with `combined`, `all_results.json` updated with them (HF's)."""
+        if not self.is_world_process_zero():
+            return
+        out = Path(self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=4, sort_keys=True))
+        if combined:
+            path = out / "all_results.json"
+            every = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**every, **metrics}, indent=4, sort_keys=True))
 
     def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:

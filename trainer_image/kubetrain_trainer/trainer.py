@@ -57,7 +57,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                  data_collator: Callable | None = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | None = None, processing_class: Any = None, *,
                  compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
-                 optimizers: tuple[Any, Any] = (None, None)):
+                 optimizers: tuple[Any, Any] = (None, None), preprocess_logits_for_metrics: Callable | None = None):
         if model is None:
             raise ValueError("Trainer needs a model")
         self.args = args = args if args is not None else TrainingArguments()
@@ -83,6 +83,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         self.data_collator = data_collator if data_collator is not None else default_data_collator  # as HF
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics  # (logits, labels) -> what is gathered
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
         if self.optimizer is not None and args.strategy in ("fsdp", "zero3"):
