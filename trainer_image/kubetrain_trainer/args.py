@@ -46,7 +46,9 @@ class TrainingArguments(ProcessLogLevels):
     save_total_limit: int | None = None
     """Keep at most this many checkpoints; the best and the newest are never deleted."""
     save_safetensors: bool = True
-    """Write model weights as safetensors (`model.safetensors`) rather than a pickle."""
+    """Write model weights as safetensors (`model.safetensors`) rather than a pickle (HF 5 has no such argument:
+    it always writes safetensors, and so does `save_model()` of a transformers model here; false applies to the
+    checkpoints and to a plain module's final model)."""
     async_save: bool = False
     """Copy the state to CPU memory in the loop, write and commit the checkpoint in a thread (docs/trainer.md)."""
     resume_from_checkpoint: str | None = None
