@@ -252,7 +252,9 @@ class EvaluationMixin:
         preds, labels = [], []
         seen = 0  # samples of this rank so far, to tell padding from real samples
         start = time.perf_counter()
+        batches = 0
         for batch in dataloader:
+            batches += 1
             n = batch_size_of(batch)
             real = n if dataset_len is None else sum(1 for j in range(seen, seen + n) if j * world + rank < dataset_len)
             seen += n
@@ -287,6 +289,7 @@ class EvaluationMixin:
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
         if dataset_len:
             metrics[f"{prefix}_samples_per_second"] = round(dataset_len / max(runtime, 1e-9), 3)
+        metrics[f"{prefix}_steps_per_second"] = round(batches / max(runtime, 1e-9), 3)
         return all_preds, all_labels, metrics
 
     def _label_names(self) -> tuple[str, ...]:

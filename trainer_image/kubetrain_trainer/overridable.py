@@ -265,7 +265,7 @@ class OverridableMixin:
     # --------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.state.epoch is not None:
-            logs = {**logs, "epoch": self.state.epoch}
+            logs["epoch"] = self.state.epoch  # in the caller's dict too, as HF: evaluate()'s metrics carry it
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 

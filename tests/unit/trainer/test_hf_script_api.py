@@ -51,3 +51,22 @@ def test_preprocess_logits_for_metrics_shapes_what_compute_metrics_gets(tiny_gpt
                       compute_metrics=compute_metrics, preprocess_logits_for_metrics=argmax)
     metrics = trainer.evaluate(tokens(8, seed=1))
     assert seen["labels"] and seen["shape"] == (8, 8) and metrics["eval_n"] == 64
+
+
+def test_evaluate_returns_the_epoch_and_the_step_rate_as_hf(tiny_gpt, tokens, make_args):
+    """HF's evaluate() metrics (and on_evaluate's) carry `epoch` and `eval_steps_per_second`: an HF callback reading
+    metrics["epoch"] raised KeyError."""
+    from kubetrain_trainer import TrainerCallback
+
+    seen = {}
+
+    class Watch(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen.update(metrics)
+
+    trainer = Trainer(model=tiny_gpt(0), args=make_args(max_steps=2, eval_strategy="no"), train_dataset=tokens(),
+                      callbacks=[Watch()])
+    trainer.train()
+    metrics = trainer.evaluate(tokens(8, seed=1))
+    assert metrics["epoch"] == trainer.state.epoch and metrics["eval_steps_per_second"] > 0
+    assert seen["epoch"] == trainer.state.epoch
