@@ -215,11 +215,16 @@ class TrainingArguments(ProcessLogLevels):
     # ------------------------------------------------------------------ checks
     def _reporters(self) -> list[str]:
         """`report_to` as a list of known reporter names."""
-        given = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        value = self.report_to
+        if isinstance(value, str) and value.strip().startswith("["):  # '["jsonl", "tensorboard"]' as before
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return [f"report_to: {value!r} is not a JSON list"]
+        given = [value] if isinstance(value, str) else list(value or [])
         self.report_to = [r.strip() for item in given for r in str(item).split(",") if r.strip()]
         known = typing.get_args(Reporter)
-        return [f"report_to: {unknown_name_message(r, known).removeprefix('unknown argument ')} is not one of "
-                f"{', '.join(known)}" for r in self.report_to if r not in known]
+        return [f"report_to: {r!r} is not one of {', '.join(known)}" for r in self.report_to if r not in known]
 
     def _incompatibilities(self) -> list[str]:
         """Settings that are each valid but do not work together; each message says what to change."""
@@ -358,9 +363,14 @@ class TrainingArguments(ProcessLogLevels):
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Any:
         """As HF's: the main process (of the node with `local`, else of the world) runs the block first, then the
-        others (a dataset's map cached by the first); a no-op without a process group."""
+        others (a dataset's map cached by the first). HF scripts call it before the Trainer exists: the process
+        group is joined here then, as HF's arguments do (the Trainer reuses it)."""
         import torch.distributed as dist
 
+        from .distributed import init_process_group
+
+        if self.world_size > 1:
+            init_process_group(use_cpu=self.use_cpu, timeout_s=self.ddp_timeout)
         together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         main = (self.local_process_index if local else self.process_index) == 0
         if together and not main:
@@ -431,5 +441,10 @@ TrainingArguments.__init__ = _refusing_unknown_names(TrainingArguments.__init__)
 # ----------------------------------------------------------------------- coercion
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
-    """The field types of `TrainingArguments` or a user's dataclass subclass of it (its own fields checked too)."""
-    return typing.get_type_hints(cls)
+    """The field types of `TrainingArguments` or a user's dataclass subclass of it (its own fields checked too).
+    A subclass whose annotations do not resolve here (a name imported under TYPE_CHECKING) keeps its own fields
+    unchecked (Any), as before."""
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        return {f.name: Any for f in dataclasses.fields(cls)} | typing.get_type_hints(TrainingArguments)

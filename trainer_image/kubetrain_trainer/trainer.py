@@ -61,7 +61,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         if model is None:
             raise ValueError("Trainer needs a model")
         self.args = args = args if args is not None else TrainingArguments()
-        if (unwatched := unwatched_output_dir(args.output_dir, WorkerEnv.from_environ())) is not None:
+        if args.save_strategy != "no" and (unwatched := unwatched_output_dir(args.output_dir,
+                                                                            WorkerEnv.from_environ())) is not None:
             raise ConfigError(unwatched)
         dist_util.init_process_group(use_cpu=args.use_cpu, timeout_s=args.ddp_timeout)
         self.device = dist_util.device_for(args.use_cpu)

@@ -121,9 +121,9 @@ def unwatched_output_dir(output_dir: str | os.PathLike, env: "WorkerEnv") -> str
     local = env.local_checkpoint_dir
     if not (env.sync_by_launcher and env.checkpoint_uri and local):
         return None
-    if Path(output_dir).resolve().is_relative_to(Path(local).resolve()):
+    if Path(output_dir).resolve() == Path(local).resolve():  # the watcher looks at its checkpoint-N children only
         return None
     return (f"output_dir {str(output_dir)!r} is not the folder the launcher uploads to checkpoint storage "
             f"({local}, {contract.LOCAL_CHECKPOINT_DIR}): its checkpoints would never be stored and a preempted "
-            f"attempt would start over; use output_dir=os.environ[{contract.LOCAL_CHECKPOINT_DIR!r}] (or a folder "
-            "inside it)")
+            f"attempt would start over; use output_dir=os.environ[{contract.LOCAL_CHECKPOINT_DIR!r}] itself "
+            "(or save_strategy 'no' for a Trainer that only evaluates)")

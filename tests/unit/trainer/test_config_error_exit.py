@@ -59,6 +59,10 @@ def test_under_the_launcher_with_storage_output_dir_must_be_the_uploaded_folder(
     monkeypatch.setenv("KUBETRAIN_CHECKPOINT_URI", "s3://b/p")
     with pytest.raises(ConfigError, match=r"output_dir '.*my_model' is not the folder the launcher uploads"):
         Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "my_model")), train_dataset=tokens())
-    Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(local / "run")), train_dataset=tokens())
+    with pytest.raises(ConfigError, match="itself"):  # the watcher looks at local's children only: not uploaded
+        Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(local / "run")), train_dataset=tokens())
+    Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(local)), train_dataset=tokens())
+    Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "eval"), save_strategy="no"),
+            train_dataset=tokens())  # an evaluation-only Trainer saves no checkpoint
     monkeypatch.delenv("KUBETRAIN_CHECKPOINT_URI")  # no storage: nothing to upload, any folder will do
     Trainer(model=tiny_gpt(0), args=make_args(output_dir=str(tmp_path / "my_model")), train_dataset=tokens())

@@ -166,3 +166,19 @@ def test_an_hf_checkpoint_of_a_model_with_tied_weights_resumes(tokens, make_args
     with pytest.raises(ConfigError, match=r"Missing key\(s\).*ln_1"):
         Trainer(model=gpt2(), args=make_args(output_dir=str(tmp_path / "c")), train_dataset=tokens()).train(
             resume_from_checkpoint=str(folder))
+
+
+def test_a_missing_key_is_excused_only_as_the_same_tensor_under_another_name():
+    """A reviewer's catch: a loaded tensor that is only a slice of the missing one shares its data pointer."""
+    from kubetrain_trainer.strategies.base import StateDictMismatch
+    from kubetrain_trainer.strategies.ddp import load_weights
+
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = torch.nn.Parameter(torch.zeros(8))
+            self.register_buffer("head", self.big.data[:2], persistent=True)
+
+    module = Sliced()
+    with pytest.raises(StateDictMismatch, match="big"):
+        load_weights(module, {"head": torch.ones(2)})

@@ -162,3 +162,24 @@ def test_hf_s_argument_parser_builds_kubetrain_s_arguments():
     assert TrainingArguments(output_dir="x", report_to="tensorboard,jsonl").report_to == ["tensorboard", "jsonl"]
     with pytest.raises(ConfigError, match=r"report_to: 'wandb' is not one of tensorboard, jsonl, all, none"):
         TrainingArguments(output_dir="x", report_to="wandb")
+
+
+def test_report_to_as_a_json_list_string_still_works():
+    assert TrainingArguments.from_cli(["--report_to", '["jsonl","tensorboard"]']).report_to == ["jsonl", "tensorboard"]
+    assert TrainingArguments.from_dict({"report_to": '["jsonl"]'}).report_to == ["jsonl"]
+    with pytest.raises(ConfigError, match=r"report_to: 'wandb' is not one of"):
+        TrainingArguments.from_dict({"report_to": '["wandb"]'})
+
+
+def test_a_subclass_whose_annotations_do_not_resolve_here_still_builds():
+    """`tokenizer: PreTrainedTokenizer | None` with the name imported under TYPE_CHECKING: get_type_hints raised
+    NameError on the subclass (exit 1) once its own fields were looked up."""
+    namespace: dict = {}
+    exec("from __future__ import annotations\n"
+         "from dataclasses import dataclass\n"
+         "from kubetrain_trainer import TrainingArguments\n"
+         "@dataclass\n"
+         "class MyArgs(TrainingArguments):\n"
+         "    tokenizer: PreTrainedTokenizer | None = None\n", namespace)
+    args = namespace["MyArgs"](output_dir="o", max_steps="3")
+    assert args.max_steps == 3 and args.tokenizer is None

@@ -187,8 +187,11 @@ def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
     except RuntimeError as exc:  # differently shaped entries
         raise StateDictMismatch(str(exc)) from exc
     own = module.state_dict()
-    loaded = {own[k].data_ptr() for k in weights if k in own}
-    missing = [k for k in missing if own[k].data_ptr() not in loaded]  # a tied twin of a loaded one is loaded
+
+    def view(t: torch.Tensor) -> tuple:  # the same tensor under another name: a tie, not a part of one
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    loaded = {view(own[k]) for k in weights if k in own and own[k].numel()}
+    missing = [k for k in missing if not own[k].numel() or view(own[k]) not in loaded]
     if missing or unexpected:
         raise StateDictMismatch(f"Error(s) in loading state_dict for {type(module).__name__}: Missing key(s) in "
                                 f"state_dict: {missing[:8]}; Unexpected key(s) in state_dict: {unexpected[:8]}")
