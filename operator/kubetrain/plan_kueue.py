@@ -151,11 +151,9 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
         fail(d, observed, reason="DeactivatedByKueue", message=excerpt(message))
         return d.build()
     if suspended:
-        result = plan(job, observed, now)
-        status = result.status or job.status
-        if (cond := status.condition(QUEUED)) is not None and cond.status == "True":  # inactive: not in the queue
-            result = _set_status(result, job, status.with_condition(
-                QUEUED, "False", reason="Suspended", message="suspended: the Workload is inactive", now=now))
+        result = plan(job, observed, now)  # inactive: not in the queue
+        result = _set_status(result, job, _left_queue(result.status or job.status, "Suspended",
+                                                      "suspended: the Workload is inactive", now))
         return _with(result, _spec_patch(job, body, view, active=False) or _evicted_patch(body, view, observed, now))
     patch = _spec_patch(job, body, view, active=True)
     changed = _podsets(job, body) is not None
@@ -189,11 +187,8 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
         d.requeue = WAIT_POLL_SECONDS
         return d.build()
     result = plan(job, observed, now)
-    status = result.status or job.status
-    cond = status.condition(QUEUED)
-    if cond is not None and cond.status == "True":
-        status = status.with_condition(QUEUED, "False", reason=kueue.ADMITTED,
-                                       message=f"admitted by ClusterQueue {view.cluster_queue}", now=now)
+    status = _left_queue(result.status or job.status, kueue.ADMITTED, f"admitted by ClusterQueue {view.cluster_queue}",
+                         now)
     actions = tuple(replace(a, admission=info) if isinstance(a, CreatePod) else a for a in result.actions)
     result = _set_status(replace(result, actions=actions), job, status)
     all_ready = status.phase == "Running" and status.nodes_total > 0 and status.nodes_ready >= status.nodes_total
@@ -204,6 +199,14 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
 
 
 # ------------------------------------------------------------------ the job's side
+
+def _left_queue(status: Status, reason: str, message: str, now: dt.datetime) -> Status:
+    """`status` with Queued=False for `reason` if it said True (admitted, suspended)."""
+    cond = status.condition(QUEUED)
+    if cond is None or cond.status != "True":
+        return status
+    return status.with_condition(QUEUED, "False", reason=reason, message=message, now=now)
+
 
 def _wait(d: Draft, observed: Observed, reason: str, message: str) -> None:
     """The job waits for Kueue: phase Queued with Kueue's reason and message; a gang that exists

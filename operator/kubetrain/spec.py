@@ -357,7 +357,7 @@ def _env(raw: Any) -> tuple[Mapping[str, Any], ...]:
     for i, var in enumerate(env):
         if not isinstance(var, Mapping) or not isinstance(var.get("name"), str):
             raise SpecError(f"env[{i}]", "must be an object with a name and a value or valueFrom")
-        name = var.get("name") if isinstance(var, Mapping) else None
+        name = var["name"]
         if name in CREDENTIAL_ENV_NAMES and var.get("value"):
             raise SpecError(f"env[{i}].value", f"{name} is a credential and must not be written into the "
                                                "TrainingJob; take it from a Secret with valueFrom.secretKeyRef")

@@ -314,29 +314,17 @@ class TrainingArguments(ProcessLogLevels):
             return self.resolve_steps(self.warmup_steps, max_steps)
         return math.ceil(self.warmup_ratio * max_steps)
 
-    # -------------------------------------------------------------- (de)serialise
     # ------------------------------------------------------------------ HF's process properties
+    # (process_index, local_process_index and should_log come with ProcessLogLevels)
     @property
     def world_size(self) -> int:
         """Processes in the run (WORLD_SIZE), as HF's `args.world_size`."""
         return WorkerEnv.from_environ().world_size
 
     @property
-    def process_index(self) -> int:
-        return WorkerEnv.from_environ().rank
-
-    @property
-    def local_process_index(self) -> int:
-        return WorkerEnv.from_environ().local_rank
-
-    @property
     def should_save(self) -> bool:
         """Whether this process writes what one process writes (the world's main one), as in HF."""
         return self.process_index == 0
-
-    @property
-    def should_log(self) -> bool:
-        return self.process_index == 0 or (self.log_on_each_node and self.local_process_index == 0)
 
     @property
     def n_gpu(self) -> int:
@@ -379,6 +367,7 @@ class TrainingArguments(ProcessLogLevels):
         if together and main:
             dist.barrier()
 
+    # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

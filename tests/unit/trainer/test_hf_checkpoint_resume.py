@@ -14,18 +14,10 @@ import json
 import pytest
 import torch
 
-from kubetrain_trainer import Trainer, TrainerCallback
+from kubetrain_trainer import Trainer
+from test_trainer_resume import StopAt
 
 STEPS = 12  # 30 samples / batch 4 = 8 micro-batches an epoch = 4 steps of 2: two epochs and a half
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def _run(tiny_gpt, tokens, make_args, out, *, seed=0, stop=None, resume=None, **kw):

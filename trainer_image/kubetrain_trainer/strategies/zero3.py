@@ -229,9 +229,10 @@ def fill_auto(config: Mapping[str, Any], values: AutoValues) -> dict[str, Any]:
     f.match("scheduler.params.warmup_max_lr", v.learning_rate, "learning_rate")
     f.match("scheduler.params.warmup_num_steps", v.warmup_steps, "warmup_steps/warmup_ratio (x total steps)")
     f.match("scheduler.params.total_num_steps", v.num_training_steps, "the number of training steps (max_steps)")
-    scheduler = f.config.get("scheduler") if isinstance(f.config.get("scheduler"), dict) else {}
-    warmup = (scheduler.get("params") or {}).get("warmup_num_steps") if isinstance(scheduler.get("params"), dict) else None
-    if str(scheduler.get("type", "")).startswith("Warmup") and isinstance(warmup, int) and warmup <= 0:
+    scheduler = f.config.get("scheduler")
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    warmup = params.get("warmup_num_steps") if isinstance(params, dict) else None
+    if isinstance(warmup, int) and warmup <= 0 and str(scheduler.get("type", "")).startswith("Warmup"):
         # DeepSpeed's warmup schedulers refuse it when the engine is built, after the model is partitioned.
         f.errors.append(f"scheduler.params.warmup_num_steps is {warmup} (with 'auto': warmup_steps/warmup_ratio "
                         f"give none): {scheduler['type']} needs at least 1 warmup step; set warmup_steps >= 1")
