@@ -410,16 +410,31 @@ def test_security_contexts_default_to_restricted_and_can_be_overridden():
                                                        "capabilities": {"drop": ["ALL"]}}
 
 
-@needs_helm
-@pytest.mark.parametrize("sets, ns", [((), RELEASE_NS), (('namespaces=["ml","research"]',), "ml"),
-                                      (("clusterWide=true",), "<namespace>")])
-def test_notes_watch_the_namespace_the_example_went_to(tmp_path, sets, ns):
+def render_notes(tmp_path: Path, *sets: str) -> str:
     """NOTES.txt is not rendered by `helm template`: render it from a copy of the chart as a comment."""
     chart = tmp_path / "kubetrain"
     shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("crds"))
     (chart / "templates" / "notes-as-comment.yaml").write_text(
         '{{ include "kubetrain/templates/NOTES.txt" . | replace "\\n" "\\n# " | printf "# %s" }}\n')
     args = ["template", "kt", str(chart), "--namespace", RELEASE_NS, "--show-only", "templates/notes-as-comment.yaml"]
-    notes = helm(*args, *[a for s in sets for a in ("--set-json", s)]).stdout
+    return helm(*args, *[a for s in sets for a in ("--set-json", s)]).stdout
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, ns", [((), RELEASE_NS), (('namespaces=["ml","research"]',), "ml"),
+                                      (("clusterWide=true",), "<namespace>")])
+def test_notes_watch_the_namespace_the_example_went_to(tmp_path, sets, ns):
+    notes = render_notes(tmp_path, *sets)
     assert f"kubectl apply -n {ns} -f examples/trainingjob.yaml" in notes
     assert f"kubectl get trainingjobs -n {ns} -w" in notes
+
+
+@needs_helm
+def test_notes_say_what_the_example_needs_changed_on_a_real_cluster(tmp_path):
+    """The example is the testbed's (its MinIO, its Secret, an image named without a registry):
+    NOTES says what to change before it runs elsewhere (spec.image is required: no default applies)."""
+    example = yaml.safe_load((ROOT / "examples" / "trainingjob.yaml").read_text())["spec"]
+    assert example["image"] and example["checkpoint"]["endpoint"] and example["checkpoint"]["credentialsSecret"]
+    notes = render_notes(tmp_path)
+    assert f"set its\n# spec.image to the trainer image your nodes pull (it names {example['image']})" in notes
+    assert f"credentialsSecret: a Secret in {RELEASE_NS}" in notes
