@@ -49,6 +49,18 @@ def test_every_field_has_a_description(schema):
     assert set(schema["properties"]["metadata"]) == {"type", "properties"}
 
 
+def test_every_default_is_in_its_description(schema):
+    """`kubectl explain` prints a field's type, enum and description, never its `default`: a user who
+    asks `kubectl explain tj.spec.runPolicy.backoffLimit` learns the default only from the text."""
+    def shown(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    missing = [f"{p}: default {shown(node['default'])}" for p, node in walk(schema)
+               if "default" in node and not isinstance(node["default"], dict)
+               and f"default {shown(node['default'])}".lower() not in " ".join(node["description"].split()).lower()]
+    assert missing == []
+
+
 def test_schema_is_structural(schema):
     """Every node has a type, except int-or-string and free-form ones."""
     untyped = [
