@@ -61,6 +61,25 @@ def test_every_default_is_in_its_description(schema):
     assert missing == []
 
 
+def test_status_descriptions_name_what_the_operator_writes(schema):
+    """`kubectl explain tj.status.conditions` and docs/operator.md list every condition type the
+    operator sets, and status.progress.reason every reason it writes there (a dashboard or a
+    `kubectl wait` written from them must not miss one)."""
+    from kubetrain import draft, plan_kueue
+
+    src = "\n".join(p.read_text() for p in (ROOT / "operator" / "kubetrain").glob("*.py"))
+    types = (set(re.findall(r'\.cond\("(\w+)"', src)) | set(re.findall(r'with_condition\("(\w+)"', src))
+             | set(draft.ATTEMPT_CONDITIONS) | {plan_kueue.QUEUED})
+    status = schema["properties"]["status"]["properties"]
+    section = (ROOT / "docs" / "operator.md").read_text().split("## Phases, conditions, events")[1].split("\n## ")[0]
+    assert {t for t in types if t not in status["conditions"]["description"]} == set()
+    assert {t for t in types if f"`{t}`" not in section} == set()
+    src_poller = (ROOT / "operator" / "kubetrain" / "poller.py").read_text()
+    reasons = set(re.findall(r'reason="(\w+)"', src_poller)) | set(re.findall(r'problem=\("(\w+)"', src_poller))
+    reasons |= {"NoMetricsPort", draft.ENDED}
+    assert {r for r in reasons if r not in status["progress"]["properties"]["reason"]["description"]} == set()
+
+
 def test_schema_is_structural(schema):
     """Every node has a type, except int-or-string and free-form ones."""
     untyped = [
