@@ -111,14 +111,19 @@ def _finished(d: Draft, observed: Observed) -> None:
 
 def _suspend(d: Draft, observed: Observed) -> None:
     if d.status.phase != "Suspended":
-        d.update(phase="Suspended", message="suspended: pods deleted, the job is kept",
-                 nodes_ready=0, next_attempt_time=None)
+        # A job created suspended (or suspended before its pods were all accepted) had no attempt: it said
+        # "suspended at attempt 0: deleting its pods" when there was neither.
+        first = d.status.attempt == 0
+        d.update(phase="Suspended", nodes_ready=0, next_attempt_time=None,
+                 message="suspended before its first attempt: no pod starts until spec.runPolicy.suspend is false"
+                 if first else "suspended: pods deleted, the job is kept")
         d.cond("Suspended", "True", "Suspended", "spec.runPolicy.suspend is true")
         if d.status.condition("Running"):
             d.cond("Running", "False", "Suspended", "suspended")
         if (restarting := d.status.condition("Restarting")) is not None and restarting.status == "True":
             d.cond("Restarting", "False", "Suspended", "suspended: no attempt starts until resumed")
-        d.event("Normal", "Suspended", f"suspended at attempt {d.status.attempt}: deleting its pods")
+        d.event("Normal", "Suspended", f"suspended at attempt {d.status.attempt}: deleting its pods" if not first
+                else "suspended before its first attempt" + (": deleting its pods" if observed.pods else ""))
     delete_pods(d, observed, observed.pods)
 
 
