@@ -74,6 +74,8 @@ def test_status_descriptions_name_what_the_operator_writes(schema):
     section = (ROOT / "docs" / "operator.md").read_text().split("## Phases, conditions, events")[1].split("\n## ")[0]
     assert {t for t in types if t not in status["conditions"]["description"]} == set()
     assert {t for t in types if f"`{t}`" not in section} == set()
+    sketch = next(line for line in (ROOT / "docs" / "api-sketch.md").read_text().splitlines() if "conditions:" in line)
+    assert {t for t in types if t not in sketch} == set()
     src_poller = (ROOT / "operator" / "kubetrain" / "poller.py").read_text()
     reasons = set(re.findall(r'reason="(\w+)"', src_poller)) | set(re.findall(r'problem=\("(\w+)"', src_poller))
     reasons |= {"NoMetricsPort", draft.ENDED}
