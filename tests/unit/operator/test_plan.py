@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kubetrain.api import Job
 from kubetrain.actions import CreatePod, CreateService, DeleteJob, DeletePod, EnsureDeepSpeedConfigMap, PatchStatus
@@ -530,6 +532,16 @@ def test_pods_are_created_before_the_status_records_the_attempt() -> None:
     result = plan(job(nodes=2), observed(), at(0))
     kinds = [type(a) for a in result.actions]
     assert kinds == [CreateService, CreatePod, CreatePod, PatchStatus]
+
+
+def test_spec_edits_apply_from_the_next_attempt_as_the_crd_says() -> None:
+    """`kubectl explain tj.spec` tells a user who edits a running job (its image, say) why nothing happens yet."""
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "crds" / "trainingjob.yaml").read_text())
+    text = " ".join(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["description"].split())
+    assert "take effect at its next attempt" in text and "running pods are never changed" in text
+    edited = job(status=started(nodesReady=2), generation=2, spec={"image": "img:2"})
+    result = plan(edited, observed(*gang()), at(10))
+    assert [type(a) for a in result.actions] == [PatchStatus] and result.status.observed_generation == 2
 
 
 def test_restart_status_is_written_before_pods_are_deleted() -> None:
