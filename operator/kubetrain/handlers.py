@@ -75,7 +75,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
 
     memo.informer = PodInformer(watch_client(), namespaces=config.namespaces,
                                 label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY}", on_event=rec.pod_event)
-    rec.pods_synced = memo.informer.synced
+    rec.pods_synced, rec.pods_watching = memo.informer.synced, memo.informer.watching
     memo.informer.start()
     memo.job_informer = JobInformer(watch_client(), namespaces=config.namespaces,
                                     on_event=lambda kind, body: rec.job_event(kind, key_of(body), body))

@@ -17,6 +17,10 @@ Semantics, per watched scope (one namespace, or the whole cluster):
 - other errors back off (1 s doubling to 30 s) and resume.
 `synced` is set once every scope has listed: until then the store is
 incomplete and nobody may plan from it (a missing pod would look deleted).
+`watching(namespace)` is clear while that namespace's watch is down (an error,
+a relist) and set again once it watches: a store no event reaches is stale in
+the same way (a pod created meanwhile never shows up, and once the reconciler's
+expectation of it expires it would read as deleted by someone else).
 
 Events reach `on_event(type, obj)` on the event loop, in order per scope.
 """
@@ -56,6 +60,8 @@ class PodInformer:
         self.on_event = on_event
         self.synced = asyncio.Event()
         self._unsynced = set(self.scopes)
+        self._watching = {s: asyncio.Event() for s in self.scopes}  # set while the scope's store is current
+        self._down: set[str | None] = set()  # scopes whose watch broke (reader threads' side)
         self._known: dict[str | None, dict[tuple[str, str], dict[str, Any]]] = {s: {} for s in self.scopes}
         self._queue: collections.deque[tuple[str, str | None, Any]] = collections.deque()
         self._scheduled = False
@@ -69,6 +75,10 @@ class PodInformer:
         for scope in self.scopes:
             threading.Thread(target=self._run, args=(scope,), daemon=True,
                              name=f"kubetrain-watch-{self.what}-{scope or 'all'}").start()
+
+    def watching(self, namespace: str) -> asyncio.Event:
+        """Set while the store of `namespace` is current: listed, and its watch up."""
+        return self._watching[namespace if namespace in self._watching else None]
 
     def stop(self) -> None:
         """Nothing more is delivered; readers notice at their next event or watch timeout (daemon threads)."""
@@ -86,6 +96,7 @@ class PodInformer:
                 rv = self._watch(scope, rv)
                 backoff = 1.0
             except ApiException as exc:
+                self._broken(scope)
                 if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
                     # Rare (watch bookmarks keep the version fresh); a relist re-delivers every object, a
                     # burst of reconciles worth knowing about when a phase costs more than it should.
@@ -97,9 +108,16 @@ class PodInformer:
                             exc.status, exc.reason, backoff)
                 backoff = self._pause(backoff)
             except Exception as exc:  # noqa: BLE001  (network trouble: resume, never die)
+                self._broken(scope)
                 log.warning("%s watch (%s): %s: %s; retrying in %.0fs", self.what, scope or "all namespaces",
                             type(exc).__name__, exc, backoff)
                 backoff = self._pause(backoff)
+
+    def _broken(self, scope: str | None) -> None:
+        """No event reaches this scope's store until its watch is back: stale (see the module's docstring)."""
+        if scope not in self._down:
+            self._down.add(scope)
+            self._post("STALE", scope, None)
 
     def _pause(self, backoff: float) -> float:
         self._stop.wait(backoff)
@@ -133,6 +151,9 @@ class PodInformer:
     def _watch(self, scope: str | None, rv: str) -> str:
         resp = self._call(scope, watch=True, resource_version=rv, allow_watch_bookmarks=True,
                           timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30))
+        if scope in self._down:  # watching again from where it broke: what happened meanwhile comes next
+            self._down.discard(scope)
+            self._post("CURRENT", scope, None)
         try:
             for line in resp:
                 if self._stop.is_set():
@@ -169,6 +190,8 @@ class PodInformer:
             try:
                 if kind == "SYNC":
                     self._replace(scope, payload)
+                elif kind in ("STALE", "CURRENT"):
+                    (self._watching[scope].clear if kind == "STALE" else self._watching[scope].set)()
                 else:
                     self._deliver(kind, scope, payload)
             except Exception:  # a bad object or a handler bug must not stop the stream
@@ -204,6 +227,7 @@ class PodInformer:
             if kept and kept["uid"] and uid and kept["uid"] != uid:  # deleted and re-created meanwhile
                 self._gone(scope, key, kept)
             self._deliver("MODIFIED", scope, item)
+        self._watching[scope].set()
         self._unsynced.discard(scope)
         if not self._unsynced and not self.synced.is_set():
             self.synced.set()

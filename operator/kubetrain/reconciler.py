@@ -62,6 +62,8 @@ class Reconciler:
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods_index = PodIndex()
         self.pods_synced = asyncio.Event()
+        self.pods_watching: Callable[[str], asyncio.Event] = lambda namespace: self.pods_synced
+        """Set while the pod store of a namespace is current (`PodInformer.watching`)."""
         self.nodes_index: Any = None
         self.nodes_indexed = False  # kopf calls node_event only once its node index is filled
         self.missing_nodes: dict[str, dt.datetime] = {}
@@ -131,6 +133,7 @@ class Reconciler:
         try:
             await self.pods_synced.wait()  # until the pod list is in, a missing pod proves nothing
             while True:
+                await self.pods_watching(key[0]).wait()  # nor while the pod watch of its namespace is down
                 self._dirty.discard(key)
                 async with self._sem:
                     self.active += 1

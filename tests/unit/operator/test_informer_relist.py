@@ -8,6 +8,7 @@ import logging
 import time
 
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from kubetrain.informer import JobInformer, PodInformer
 
@@ -137,3 +138,90 @@ def test_a_410_in_the_watch_stream_relists_and_reports_the_pods_that_vanished(ca
     assert calls[3]["resource_version"] == "20"
     relists = [r for r in caplog.records if "410" in r.getMessage()]
     assert len(relists) == 1 and relists[0].levelname == "INFO" and "(a)" in relists[0].getMessage()
+
+
+def test_while_a_namespace_s_watch_is_down_its_store_is_not_current_and_it_is_again_once_watching():
+    """A pod created while the pod watch was down (API server errors, a dropped connection) never reached the
+    store; once the reconciler's expectation of it expired (60 s) it read as deleted by someone else and the gang
+    was restarted. `watching(namespace)` is clear while that namespace's watch is down; other namespaces go on."""
+    def listing(ns: str) -> _Response:
+        return _Response(data=json.dumps({"metadata": {"resourceVersion": "10"},
+                                          "items": [_pod(ns, f"{ns}0", "j")]}).encode())
+
+    added = json.dumps({"type": "ADDED", "object": {"metadata": {**_pod("a", "a1", "j")["metadata"],
+                                                                 "resourceVersion": "11"}}}).encode()
+    seen: list[tuple[str, bool]] = []
+
+    async def main() -> None:
+        informer = PodInformer(client.ApiClient(), namespaces=("a", "b"), label_selector="x=y",
+                               on_event=lambda kind, obj: seen.append((obj["metadata"]["name"],
+                                                                       informer.watching("a").is_set())))
+        fail, back = asyncio.Event(), asyncio.Event()
+        scripts: dict[str, list] = {
+            "a": [listing("a"), fail, ApiException(status=500, reason="Internal Server Error"), back,
+                  _Response(lines=(added + b"\n",))],
+            "b": [listing("b")]}
+        loop = asyncio.get_running_loop()
+
+        def fake_call(scope, **kwargs):
+            script = scripts[scope]
+            if not script:
+                informer._stop.wait(0.05)
+                return _Response()
+            step = script.pop(0)
+            if isinstance(step, asyncio.Event):  # the next answer waits for the test
+                asyncio.run_coroutine_threadsafe(step.wait(), loop).result()
+                step = script.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            return step
+
+        informer._call = fake_call
+        informer._pause = lambda backoff: backoff  # no wait between tries
+        informer.start()
+        try:
+            await asyncio.wait_for(informer.synced.wait(), 5)
+            assert informer.watching("a").is_set() and informer.watching("b").is_set()
+            fail.set()
+            deadline = time.monotonic() + 5
+            while informer.watching("a").is_set():  # a's watch failed: its store is stale
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert informer.watching("b").is_set() and informer.synced.is_set()
+            back.set()
+            await asyncio.wait_for(informer.watching("a").wait(), 5)  # watching again from rv 10
+            while len(seen) < 3:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        finally:
+            informer.stop()
+
+    asyncio.run(main())
+    assert sorted(seen) == [("a0", False), ("a1", True), ("b0", True)]  # a0: while a listed the first time
+
+
+def test_a_job_is_not_reconciled_while_the_pod_watch_of_its_namespace_is_down():
+    from kubetrain.config import Settings
+    from kubetrain.reconciler import Reconciler
+
+    async def main() -> list[tuple[str, str]]:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type]  (no API call: reconcile stubbed)
+        runs: list[tuple[str, str]] = []
+
+        async def reconcile(key: tuple[str, str]) -> None:
+            runs.append(key)
+
+        rec.reconcile = reconcile  # type: ignore[method-assign]
+        watching = {"a": asyncio.Event(), "b": asyncio.Event()}
+        watching["b"].set()
+        rec.pods_synced.set()
+        rec.pods_watching = watching.__getitem__
+        rec.enqueue(("a", "j"))
+        rec.enqueue(("b", "k"))
+        await asyncio.sleep(0.05)
+        assert runs == [("b", "k")]
+        watching["a"].set()
+        await asyncio.sleep(0.05)
+        return runs
+
+    assert asyncio.run(main()) == [("b", "k"), ("a", "j")]
