@@ -10,7 +10,10 @@ kopf still watches the nodes.
 
 Semantics, per watched scope (one namespace, or the whole cluster):
 - LIST (paginated), then WATCH from the list's resourceVersion with bookmarks;
-  a watch that ends is resumed from the last resourceVersion seen;
+  a watch that ends is resumed from the last resourceVersion seen (one that
+  ended within a second with nothing in it backs off as an error does, as
+  client-go's reflector does: else a server or proxy that closes every watch at
+  once meets a loop of requests as fast as they can be sent);
 - 410 Gone (the resourceVersion is too old, as an HTTP status or an ERROR
   event in the stream) means LIST again: objects that
   vanished meanwhile are delivered as DELETED, so nothing is missed;
@@ -31,6 +34,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import orjson
@@ -43,6 +47,7 @@ log = logging.getLogger("kubetrain.informer")
 WATCH_SECONDS = 270
 PAGE = 500
 MAX_BACKOFF = 30.0
+SHORT_WATCH = 1.0
 
 OnEvent = Callable[[str, dict[str, Any]], None]
 
@@ -93,7 +98,13 @@ class PodInformer:
             try:
                 if rv is None:
                     rv = self._list(scope)
+                started, before = time.monotonic(), rv
                 rv = self._watch(scope, rv)
+                if rv == before and time.monotonic() - started < SHORT_WATCH and not self._stop.is_set():
+                    log.warning("%s watch (%s) ended at once with nothing in it; retrying in %.0fs", self.what,
+                                scope or "all namespaces", backoff)
+                    backoff = self._pause(backoff)
+                    continue
                 backoff = 1.0
             except ApiException as exc:
                 self._broken(scope)

@@ -225,3 +225,37 @@ def test_a_job_is_not_reconciled_while_the_pod_watch_of_its_namespace_is_down():
         return runs
 
     assert asyncio.run(main()) == [("b", "k"), ("a", "j")]
+
+
+def test_a_watch_that_ends_at_once_with_nothing_in_it_backs_off():
+    """A server or proxy that closes every watch at once (200, no events) met a loop of watch requests as fast as
+    they could be sent (some 800,000 a second against this stand-in); each one now backs off as an error does."""
+    listing = _Response(data=json.dumps({"metadata": {"resourceVersion": "10"}, "items": []}).encode())
+    watches: list[str] = []
+    pauses: list[float] = []
+
+    async def main() -> None:
+        informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y",
+                               on_event=lambda kind, obj: None)
+
+        def fake_call(scope, **kwargs):
+            if "watch" not in kwargs:
+                return listing
+            watches.append(kwargs["resource_version"])
+            return _Response()
+
+        def pause(backoff: float) -> float:
+            pauses.append(backoff)
+            if len(pauses) >= 4:
+                informer.stop()
+            return min(30.0, backoff * 2)
+
+        informer._call, informer._pause = fake_call, pause
+        informer.start()
+        deadline = time.monotonic() + 5
+        while len(pauses) < 4:
+            assert time.monotonic() < deadline, len(watches)
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert pauses == [1.0, 2.0, 4.0, 8.0] and watches == ["10"] * 4
