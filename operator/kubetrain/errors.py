@@ -4,7 +4,8 @@
 inspects an HTTP status. Two families, the kopf way:
 - `TemporaryError`: no definite answer (network trouble, 5xx, 429 or any other
   status): retry after `delay`. `RejectedError` is a refusal of a pod create
-  that can pass (a full ResourceQuota, RBAC not yet granted): wait with backoff.
+  that can pass (a full ResourceQuota, RBAC not yet granted, an admission
+  webhook the API server cannot call): wait with backoff, showing why.
 - `RefusedError`: a definite answer about this request: `ConflictError` (409:
   changed since read, or already exists), `NotFoundError` (404), `InvalidError`
   (400, 422: the object is wrong), `ForbiddenError` (403). What it means
@@ -112,6 +113,15 @@ def classify_forbidden(api_message: str, message: str) -> RejectedError | Perman
     if "violates PodSecurity" in api_message:
         return PermanentError("PodSecurity", message)
     return PermanentError("PodRejected", message)
+
+
+def classify_unavailable(error: TemporaryError, message: str) -> TemporaryError:
+    """A create the API server could not decide on: an admission webhook it could not call (a policy engine that
+    is down or slow, with failurePolicy Fail: HTTP 500 "failed calling webhook") stays so until someone fixes it,
+    so it is shown on the job while it waits (`RejectedError`); any other error is retried quietly as it is."""
+    if "failed calling webhook" in error.api_message:
+        return RejectedError("AdmissionWebhookUnavailable", message)
+    return error
 
 
 def _api_message(exc: ApiException) -> str:

@@ -34,7 +34,7 @@ from kubetrain import builders, kueue, kueue_admission
 from kubetrain.transport import Transport
 from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError,
-    TemporaryError, classify, classify_forbidden,
+    TemporaryError, classify, classify_forbidden, classify_unavailable,
 )
 from kubetrain.api import GROUP, KIND, PLURAL, VERSION, Job
 from kubetrain.values import format_time
@@ -311,6 +311,8 @@ async def _create(api: Api, job: Job, what: str, fn: Callable[..., Any], body: d
         raise classify_forbidden(exc.api_message, f"{what} {body['metadata']['name']}: {exc.api_message}") from None
     except NotFoundError as exc:
         raise TemporaryError(f"{what}: HTTP {exc.status} {exc.http_reason}") from None
+    except TemporaryError as exc:
+        raise classify_unavailable(exc, f"{what} {body['metadata']['name']}: {exc.api_message}") from None
 
 
 async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
