@@ -94,8 +94,21 @@ def classify(exc: ApiException, what: str) -> ApiError:
     refused = _REFUSALS.get(status) if isinstance(status, int) else None
     if refused is not None:
         return refused(message, status=status, http_reason=reason, api_message=api_message)
-    return TemporaryError(message, delay=5.0 if status == 429 else 2.0, status=status, http_reason=reason,
-                          api_message=api_message)
+    delay = max(5.0 if status == 429 else 2.0, _retry_after(exc))
+    return TemporaryError(message, delay=delay, status=status, http_reason=reason, api_message=api_message)
+
+
+RETRY_AFTER_LIMIT = 300.0
+"""The longest Retry-After (seconds) a temporary error waits for."""
+
+
+def _retry_after(exc: ApiException) -> float:
+    """The seconds of the answer's Retry-After header (429, 503), 0 when none or not a number of seconds."""
+    value = next((v for k, v in (exc.headers or {}).items() if str(k).lower() == "retry-after"), None)
+    try:
+        return min(RETRY_AFTER_LIMIT, max(0.0, float(value)))
+    except (TypeError, ValueError):  # none, or an HTTP date (the API server sends seconds)
+        return 0.0
 
 
 def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:

@@ -40,6 +40,8 @@ POD_EVENT_DELAY = 0.3
 CONFLICT_RETRIES = 5
 REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
 """Seconds between pod creates the API server refused for a reason that can pass (quota)."""
+TEMPORARY_MAX_DELAY = 60.0
+"""Longest wait after temporary errors in a row (each one doubles the error's own delay)."""
 
 
 def utcnow() -> dt.datetime:
@@ -71,6 +73,7 @@ class Reconciler:
         self.node_ready: dict[str, bool] = {}
         self.expectations: dict[tuple[str, str], Expectations] = {}
         self.rejections: dict[tuple[str, str], int] = {}
+        self.failures: dict[tuple[str, str], int] = {}  # temporary errors in a row, by job
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -96,6 +99,7 @@ class Reconciler:
         self.expectations.pop(key, None)
         self.gone.pop(key, None)
         self.rejections.pop(key, None)
+        self.failures.pop(key, None)
         self.progress.pop(key, None)
         timer = self._timers.pop(key, None)
         if timer:
@@ -348,6 +352,7 @@ class Reconciler:
             else:
                 result = plan_unqueued(job, observed, now)
             if not result.actions and not result.events:
+                self.failures.pop(key, None)
                 if result.requeue_after is not None:
                     self.enqueue(key, result.requeue_after + 0.05)
                 return
@@ -393,9 +398,12 @@ class Reconciler:
                 self.enqueue(key, delay)
                 return
             except TemporaryError as exc:
+                # Backs off while it lasts (an API server overloaded or away): not every job every 2 s.
                 metrics.ERRORS.labels("temporary").inc()
-                log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, exc.delay)
-                self.enqueue(key, exc.delay)
+                count = self.failures[key] = self.failures.get(key, 0) + 1
+                delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
+                log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, delay)
+                self.enqueue(key, delay)
                 return
             except ApiError as exc:  # refused (404, 403, 400/422 on a write that is not a create): look again later
                 metrics.ERRORS.labels("api").inc()
@@ -404,6 +412,7 @@ class Reconciler:
                 self.enqueue(key, 5.0)
                 return
             self._remember(key, job.uid, result, now)
+            self.failures.pop(key, None)
             metrics.count_plan(job.status, result)
             if any(isinstance(a, CreatePod) for a in result.actions):
                 self.rejections.pop(key, None)
