@@ -361,7 +361,11 @@ class Reconciler:
                 written = await k8s.apply(self.api, job, rv, result)
             except ConflictError:
                 metrics.ERRORS.labels("conflict").inc()
-                fresh = await self.api.get_job(*key)
+                try:
+                    fresh = await self.api.get_job(*key)
+                except TemporaryError as exc:  # the re-read failed: tried again later, not a crash
+                    self._retry_later(key, exc)
+                    return
                 if fresh is None:
                     self.forget(key)
                     return
@@ -398,12 +402,7 @@ class Reconciler:
                 self.enqueue(key, delay)
                 return
             except TemporaryError as exc:
-                # Backs off while it lasts (an API server overloaded or away): not every job every 2 s.
-                metrics.ERRORS.labels("temporary").inc()
-                count = self.failures[key] = self.failures.get(key, 0) + 1
-                delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
-                log.warning("reconcile of %s/%s: %s; retrying in %.0fs", job.namespace, job.name, exc, delay)
-                self.enqueue(key, delay)
+                self._retry_later(key, exc)
                 return
             except ApiError as exc:  # refused (404, 403, 400/422 on a write that is not a create): look again later
                 metrics.ERRORS.labels("api").inc()
@@ -424,6 +423,14 @@ class Reconciler:
                 self.enqueue(key, result.requeue_after + 0.05)
             return
         self.enqueue(key, 1.0)
+
+    def _retry_later(self, key: tuple[str, str], exc: TemporaryError) -> None:
+        """Backs off while it lasts (an API server overloaded or away): not every job every 2 s."""
+        metrics.ERRORS.labels("temporary").inc()
+        count = self.failures[key] = self.failures.get(key, 0) + 1
+        delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
+        log.warning("reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+        self.enqueue(key, delay)
 
     def _expectations(self, key: tuple[str, str], uid: str) -> Expectations:
         exp = self.expectations.get(key)

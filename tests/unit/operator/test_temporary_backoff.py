@@ -95,3 +95,34 @@ def test_temporary_errors_in_a_row_back_off_and_a_success_resets_it() -> None:
 
     asyncio.run(main())
     assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0, 2.0]
+
+
+def test_a_conflict_whose_re_read_fails_is_tried_again_later_not_a_crash() -> None:
+    """Before: the status write met a newer job (409) and the re-read of the job then met a 503 or a reset: the
+    TemporaryError escaped the reconcile, logged as a crash with a traceback (metric reconcile_crash), retried
+    in a fixed 10 s."""
+    delays: list[float] = []
+
+    def refuse(status: int):
+        def call(*_: Any, **__: Any) -> None:
+            raise _error(status)
+        return call
+
+    async def main() -> None:
+        api = Api(client.ApiClient(), threads=4)
+        ok = lambda *_, **__: _Response({})  # noqa: E731
+        api.core = SimpleNamespace(create_namespaced_pod=ok, read_namespaced_pod=ok, create_namespaced_service=ok,
+                                   read_namespaced_service=ok, create_namespaced_event=ok)
+        api.custom = SimpleNamespace(patch_namespaced_custom_object_status=refuse(409),
+                                     get_namespaced_custom_object=refuse(503))
+        rec = Reconciler(api=api, settings=Settings())
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec.jobs[("ml", "train")] = copy.deepcopy(BODY)
+        try:
+            await rec.reconcile(("ml", "train"))
+        finally:
+            api.close()
+
+    asyncio.run(main())
+    assert delays == [2.0]
