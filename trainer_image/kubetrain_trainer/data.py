@@ -75,6 +75,42 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.total_size // self.num_replicas
 
 
+class IterableShard(IterableDataset):
+    """One rank's part of an iterable dataset, as HF splits it (accelerate's `IterableDatasetShard`; its default,
+    where rank 0 reads and sends each rank its batch, gives each rank the same samples): of every
+    `batch_size * num_replicas` samples in a row, rank r takes the r-th `batch_size`. The last incomplete group
+    is dropped (`drop_last`) or completed from the first samples, so every rank has as many batches and none
+    waits at a collective for a rank whose data ran out."""
+
+    def __init__(self, dataset: IterableDataset, *, batch_size: int, num_replicas: int, rank: int,
+                 drop_last: bool) -> None:
+        self.dataset, self.batch_size, self.num_replicas, self.rank = dataset, batch_size, num_replicas, rank
+        self.drop_last = drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n, group = len(self.dataset), self.batch_size * self.num_replicas  # TypeError without a length
+        return (n // group if self.drop_last else math.ceil(n / group)) * self.batch_size
+
+    def __iter__(self) -> Iterator:
+        group, mine = self.batch_size * self.num_replicas, slice(self.rank * self.batch_size,
+                                                               (self.rank + 1) * self.batch_size)
+        first: list = []
+        current: list = []
+        for sample in self.dataset:
+            current.append(sample)
+            if len(current) == group:
+                yield from current[mine]
+                first = first or current
+                current = []
+        if current and not self.drop_last:
+            current += (first or current) * math.ceil(group / len(first or current))
+            yield from current[:group][mine]
+
+
 def batches_per_epoch(sampler: ResumableDistributedSampler, batch_size: int, drop_last: bool) -> int:
     n = sampler.samples_per_rank()
     return n // batch_size if drop_last else math.ceil(n / batch_size)

@@ -43,11 +43,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed as dist_util
 from . import optim
-from .data import ResumableDistributedSampler, has_length, make_loader, remove_unused_columns, to_device
+from .data import (IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
+                   to_device)
 from .evaluation import call_model, count_items, extract_loss
 
 
@@ -121,12 +122,15 @@ class OverridableMixin:
         if self.train_dataset is None:
             raise ValueError("training needs a train_dataset")
         args = self.args
-        sampler = None
-        if has_length(self.train_dataset):
-            sampler = ResumableDistributedSampler(len(self.train_dataset), num_replicas=dist_util.world_size(),
-                                                  rank=dist_util.rank(), shuffle=True, seed=args.data_seed,
+        sampler, dataset, world = None, self.train_dataset, dist_util.world_size()
+        if has_length(dataset):
+            sampler = ResumableDistributedSampler(len(dataset), num_replicas=world, rank=dist_util.rank(),
+                                                  shuffle=True, seed=args.data_seed,
                                                   drop_last=args.dataloader_drop_last)
-        return make_loader(self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+        elif isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
+            dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
+                                    rank=dist_util.rank(), drop_last=args.dataloader_drop_last)
+        return make_loader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                            collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
                            generator_seed=args.data_seed)

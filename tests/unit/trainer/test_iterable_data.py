@@ -1,0 +1,82 @@
+"""Iterable training data on several ranks and over several epochs, as the HF Trainer feeds it.
+
+- every rank gets its own batches of the stream (HF: accelerate's `IterableDatasetShard`, or rank 0 reading
+  and sending each rank its batch, which gives each rank the same samples), never the whole stream each,
+  and as many batches as every other rank, so no rank waits at a collective for one whose data ran out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from kubetrain_trainer import Trainer
+from kubetrain_trainer import distributed as dist_util
+from kubetrain_trainer.data import IterableShard
+
+
+class Stream(IterableDataset):
+    """Rows {"x": i} (plus 1000 x the epoch set, when one was)."""
+
+    def __init__(self, n):
+        self.n, self.epochs = n, []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        offset = 1000 * self.epochs[-1] if self.epochs else 0
+        return iter([{"x": torch.tensor(float(offset + i))} for i in range(self.n)])
+
+
+class Recorder(nn.Module):
+    """Records the `x` of every training row it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+        self.seen = []
+
+    def forward(self, x):
+        if self.training:
+            self.seen += [int(v) for v in x.tolist()]
+        return {"loss": (self.w * x).mean()}
+
+
+def _rank_rows(trainer, monkeypatch, world):
+    parts = []
+    for rank in range(world):
+        monkeypatch.setattr(dist_util, "world_size", lambda: world)
+        monkeypatch.setattr(dist_util, "rank", lambda r=rank: r)
+        parts.append([int(v) for batch in trainer.get_train_dataloader() for v in batch["x"].tolist()])
+    return parts
+
+
+@pytest.mark.parametrize("n, drop_last", [(16, False), (11, False), (11, True), (3, False)])
+def test_each_rank_trains_its_own_batches_of_a_stream(make_args, monkeypatch, n, drop_last):
+    """Before, every rank iterated the whole stream: a 2-rank run trained each sample twice per epoch, and
+    ranks whose streams ended at different batches hung at the step's collective."""
+    args = make_args(per_device_train_batch_size=2, dataloader_drop_last=drop_last, save_strategy="no")
+    trainer = Trainer(model=Recorder(), args=args, train_dataset=Stream(n))
+    rank0, rank1 = _rank_rows(trainer, monkeypatch, 2)
+    assert rank0[:4] == [0, 1, 4, 5] if n >= 8 else rank0[:2] == [0, 1]
+    assert len(rank0) == len(rank1) and len(rank0) % 2 == 0  # as many full batches on each rank
+    if n == 16:
+        assert sorted(rank0 + rank1) == list(range(16))
+    elif drop_last:
+        assert sorted(rank0 + rank1) == list(range(8))  # the incomplete last group dropped
+    else:
+        assert set(rank0 + rank1) == set(range(n))  # completed from the first rows, as HF does
+
+
+@pytest.mark.parametrize("n, drop_last, world", [(16, False, 2), (11, False, 2), (11, True, 2), (3, False, 2),
+                                                 (10, False, 3), (1, False, 4)])
+def test_the_split_is_accelerates(n, drop_last, world):
+    shard = pytest.importorskip("accelerate.data_loader").IterableDatasetShard
+    for rank in range(world):
+        theirs = shard(list(range(n)), batch_size=2, drop_last=drop_last, num_processes=world, process_index=rank)
+        ours = IterableShard(list(range(n)), batch_size=2, num_replicas=world, rank=rank, drop_last=drop_last)
+        assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
