@@ -74,6 +74,8 @@ def epoch_batches(dataloader: DataLoader, *, epoch: int, skip_samples: int, args
         return iter(dataloader)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
+    elif hasattr(dataloader.dataset, "set_epoch"):  # a stream that shuffles per epoch (HF's loader calls it)
+        dataloader.dataset.set_epoch(epoch)
     skip_batches = skip_samples // (args.per_device_train_batch_size * world_size)
     if not skip_batches:
         return iter(dataloader)

@@ -2,7 +2,9 @@
 
 - every rank gets its own batches of the stream (HF: accelerate's `IterableDatasetShard`, or rank 0 reading
   and sending each rank its batch, which gives each rank the same samples), never the whole stream each,
-  and as many batches as every other rank, so no rank waits at a collective for one whose data ran out.
+  and as many batches as every other rank, so no rank waits at a collective for one whose data ran out;
+- a stream with `set_epoch` (a shuffling buffer, `datasets.IterableDataset`) is told each epoch, on a
+  resume too, as HF's loader tells it.
 """
 
 from __future__ import annotations
@@ -80,3 +82,16 @@ def test_the_split_is_accelerates(n, drop_last, world):
         ours = IterableShard(list(range(n)), batch_size=2, num_replicas=world, rank=rank, drop_last=drop_last)
         assert list(ours) == list(theirs) and len(ours) == len(theirs)
 
+
+def test_a_stream_is_told_each_epoch_also_on_a_resume(make_args, tmp_path):
+    """Before, `set_epoch` was never called: a shuffling stream replayed epoch 0's order every epoch."""
+    def run(**kw):
+        model, stream = Recorder(), Stream(6)
+        args = make_args(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=7, save_steps=4)
+        Trainer(model=model, args=args, train_dataset=stream).train(**kw)
+        return model.seen, stream.epochs
+
+    seen, epochs = run()
+    assert epochs == [0, 1, 2] and seen == [0, 1, 2, 3, 4, 5, 1000, 1001, 1002, 1003, 1004, 1005, 2000, 2001]
+    seen, epochs = run(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-4"))  # 1 batch into epoch 1
+    assert epochs == [1, 2] and seen == [1002, 1003, 1004, 1005, 2000, 2001]
