@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import sys
 from operator import attrgetter
 from typing import Any, Callable, Iterator, Mapping, Sequence, Sized
 
@@ -177,12 +178,19 @@ class RemoveColumns:
 
 def remove_unused_columns(collate: Callable | None, model: Any, label_names: Sequence[str] | None,
                           what: str) -> Callable | None:
-    """`collate` (None: `default_data_collator`) behind `RemoveColumns`; as it is for a `forward(**kwargs)`."""
+    """`collate` (None: `default_data_collator`) behind `RemoveColumns`; as it is for a plain module's
+    `forward(**kwargs)`. A transformers model's `**kwargs` (every one's, in transformers 5) are its own options
+    (attention, cache), never a column: its named arguments are kept, as HF keeps them (of a PEFT model's base
+    model, as HF reads them)."""
+    if type(model).__module__.partition(".")[0] == "peft" and hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # no signature to read: nothing is known to be unused
         return collate
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    transformers = sys.modules.get("transformers")  # a transformers model has imported it
+    if (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            and not (transformers and isinstance(model, getattr(transformers, "PreTrainedModel", ())))):
         return collate  # it takes any keyword: no column is unused
     keep = frozenset(params) | {"label", "label_ids"} | set(label_names or ())
     return RemoveColumns(collate or default_data_collator, keep, what)

@@ -6,6 +6,7 @@ set without the labels the model takes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -182,6 +183,44 @@ def test_columns_the_model_does_not_take_are_dropped_as_hf_does(tmp_path, caplog
     else:
         raise AssertionError("remove_unused_columns: false passed idx on")
 
+
+def test_a_transformers_model_s_unused_columns_are_dropped_too(tmp_path):
+    """transformers 5 gives every model's forward `**kwargs` (its attention and cache options): the columns it
+    does not name were all kept, so a tokenised GLUE set's `sentence` and `idx` reached the collator and the
+    model. With HF's `DataCollatorWithPadding` training failed ("Unable to create tensor"), where HF drops
+    them. A PEFT model is read through its base model, as HF reads it."""
+    transformers = pytest.importorskip("transformers")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c"]) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
+    config = transformers.BertConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=8, num_labels=2)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    rows = [{**tokenizer(s), "sentence": s, "label": i % 2, "idx": i} for i, s in enumerate(["a b", "b", "a c b", "c"])]
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=2, per_device_train_batch_size=2),
+                      train_dataset=rows, data_collator=transformers.DataCollatorWithPadding(tokenizer))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "labels"}
+    assert trainer.train().global_step == 2
+
+    class PeftModel(nn.Module):  # peft's wrapper: forward(*args, **kwargs) around the model it adapts
+        __module__ = "peft.peft_model"
+
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    trainer = Trainer(model=PeftModel(model), args=_args(tmp_path, max_steps=1, per_device_train_batch_size=2),
+                      train_dataset=rows, data_collator=transformers.DataCollatorWithPadding(tokenizer))
+    assert set(next(iter(trainer.get_train_dataloader()))) == {"input_ids", "token_type_ids", "attention_mask",
+                                                               "labels"}
 
 class TwoTowers(nn.Module):
     """CLIP-shaped: no `logits`, two tensors of scores, a tower's own nested output and a cache-like object."""
