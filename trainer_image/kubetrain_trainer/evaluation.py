@@ -1,6 +1,7 @@
 """Evaluation and prediction, kept apart from the training loop (a mixin of `Trainer`).
 
-Every rank evaluates its shard of the (padded) eval set; losses are averaged
+Every rank evaluates its shard of the (padded) eval set (an iterable set: its
+batches dealt round-robin, `_dealt`); losses are averaged
 across ranks weighted by the real (non-padding) sample count, and predictions
 are gathered and re-interleaved into dataset order for `compute_metrics`.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist_util
 from .args import ConfigError
@@ -172,6 +174,15 @@ def _interleave(per_rank: list, total: int) -> Any:
     return stacked.reshape(-1, *stacked.shape[2:])[:total]
 
 
+def _dealt(batches: Any, world: int, rank: int) -> Any:
+    """(batch, real) of an iterable set on one of `world` ranks, as HF deals it: every rank reads every batch and
+    takes batch k where k % world == rank; in a last round short of this rank's batch it takes a copy of the
+    round's first, not real, so every rank runs as many forwards (and reaches every collective)."""
+    batches = iter(batches)
+    while round_ := list(itertools.islice(batches, world)):
+        yield (round_[rank], True) if rank < len(round_) else (round_[0], False)
+
+
 def _numpy(value: Any):
     return _nested(lambda t: (t.float() if t.is_floating_point() else t).numpy(), value)
 
@@ -247,18 +258,23 @@ class EvaluationMixin:
         model.eval()
         world, rank = dist_util.world_size(), dist_util.rank()
         dataset_len = len(dataloader.dataset) if has_length(dataloader.dataset) else None
+        # An iterable set has no sampler to shard it: its batches are dealt to the ranks (each row once, as HF).
+        dealt = dataset_len is None and world > 1 and isinstance(dataloader.dataset, IterableDataset)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         preds, labels = [], []
         seen = 0  # samples of this rank so far, to tell padding from real samples
         start = time.perf_counter()
         batches = 0
-        for batch in dataloader:
+        for batch, mine in (_dealt(dataloader, world, rank) if dealt else zip(dataloader, itertools.repeat(True))):
             batches += 1
             n = batch_size_of(batch)
-            real = n if dataset_len is None else sum(1 for j in range(seen, seen + n) if j * world + rank < dataset_len)
+            real = (n if mine else 0) if dataset_len is None else sum(1 for j in range(seen, seen + n)
+                                                                     if j * world + rank < dataset_len)
             seen += n
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            if not mine:  # run for the collectives only
+                continue
             if logits is not None and self.preprocess_logits_for_metrics is not None:  # as HF: before gathering
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if loss is not None and real:
@@ -277,8 +293,8 @@ class EvaluationMixin:
         metrics: dict[str, float] = {}
         if count.item() > 0:
             metrics[f"{prefix}_loss"] = (loss_sum / count).item()
-        all_preds = self._gather(preds, dataset_len)
-        all_labels = self._gather(labels, dataset_len)
+        all_preds = self._gather(preds, dataset_len, dealt)
+        all_labels = self._gather(labels, dataset_len, dealt)
         # As HF: no metrics of a set without the labels the model takes (predict() on a test set without them);
         # a model that takes none (its targets under another name) gets them with label_ids None, as before.
         if self.compute_metrics is not None and all_preds is not None and (all_labels is not None
@@ -301,8 +317,13 @@ class EvaluationMixin:
         params = inspect.signature(model_class.forward).parameters
         return any(name in params for name in self._label_names())
 
-    def _gather(self, chunks: list[torch.Tensor], dataset_len: int | None) -> torch.Tensor | None:
-        """*Collective.* This rank's batches → the whole eval set's tensor in dataset order (every rank)."""
+    def _gather(self, chunks: list[torch.Tensor], dataset_len: int | None, dealt: bool = False) -> torch.Tensor | None:
+        """*Collective.* This rank's batches → the whole eval set's tensor in dataset order (every rank); `dealt`:
+        batch j of rank r is the set's batch j * world + r (`_dealt`)."""
+        if dealt:
+            per_rank = dist_util.gather_objects(chunks)
+            ordered = [c for round_ in itertools.zip_longest(*per_rank) for c in round_ if c is not None]
+            return _concat(ordered) if ordered else None
         local = _concat(chunks) if chunks else None
         if dist_util.world_size() == 1:
             return local

@@ -1,8 +1,9 @@
-"""Iterable training data on several ranks and over several epochs, as the HF Trainer feeds it.
+"""Iterable training and eval data on several ranks and over several epochs, as the HF Trainer feeds it.
 
 - every rank gets its own batches of the stream (HF: accelerate's `IterableDatasetShard`, or rank 0 reading
   and sending each rank its batch, which gives each rank the same samples), never the whole stream each,
   and as many batches as every other rank, so no rank waits at a collective for one whose data ran out;
+- an iterable eval set's batches are dealt to the ranks, so `evaluate` and `predict` see each row once;
 - a stream with `set_epoch` (a shuffling buffer, `datasets.IterableDataset`) is told each epoch, on a
   resume too, as HF's loader tells it.
 """
@@ -95,3 +96,57 @@ def test_a_stream_is_told_each_epoch_also_on_a_resume(make_args, tmp_path):
     assert epochs == [0, 1, 2] and seen == [0, 1, 2, 3, 4, 5, 1000, 1001, 1002, 1003, 1004, 1005, 2000, 2001]
     seen, epochs = run(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-4"))  # 1 batch into epoch 1
     assert epochs == [1, 2] and seen == [1002, 1003, 1004, 1005, 2000, 2001]
+
+
+EVAL_SCRIPT = """
+import json, os, sys, torch
+from torch import nn
+from torch.utils.data import IterableDataset
+from kubetrain_trainer import Trainer, TrainingArguments
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(1, 1)
+        torch.nn.init.constant_(self.w.weight, 0.5)
+        torch.nn.init.constant_(self.w.bias, 0.25)
+
+    def forward(self, x, labels=None):
+        out = self.w(x.view(-1, 1)).view(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": x}
+
+class Rows(IterableDataset):
+    def __iter__(self):
+        return iter([{"x": torch.tensor(float(i)), "labels": torch.tensor(float(i % 3))} for i in range(5)])
+
+args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to="none", disable_tqdm=True,
+                         save_strategy="no", per_device_eval_batch_size=2, ddp_timeout=60)
+trainer = Trainer(model=Model(), args=args, compute_metrics=lambda p: {"n": len(p.label_ids)})
+metrics, predicted = trainer.evaluate(Rows()), trainer.predict(Rows())
+print(json.dumps([metrics["eval_loss"], metrics["eval_n"], predicted.predictions.tolist(),
+                  predicted.label_ids.tolist()]), flush=True)
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
+"""
+
+
+def test_an_iterable_eval_set_is_dealt_to_the_ranks_each_row_once(tmp_path):
+    """Before, every rank evaluated the whole stream and the gather interleaved the copies: on 2 ranks
+    `predict` returned each row twice (10 predictions of 5 rows), and compute_metrics saw them so."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "evaluate.py"
+    script.write_text(EVAL_SCRIPT)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29537"}
+    alone = subprocess.run([sys.executable, str(script), str(tmp_path / "one")], env=env, capture_output=True,
+                           text=True, timeout=120, check=True).stdout.splitlines()[-1]
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "two")], stdout=subprocess.PIPE, text=True,
+                              env={**env, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].splitlines()[-1] for p in procs]
+    loss, n, predictions, labels = json.loads(alone)
+    assert n == 5 and predictions == [0, 1, 2, 3, 4] and labels == [0, 1, 2, 0, 1]
+    for out in outs:  # the last round has no batch for rank 1: its copy is neither counted nor gathered
+        assert json.loads(out)[1:] == [5, predictions, labels] and json.loads(out)[0] == pytest.approx(loss)
