@@ -16,6 +16,7 @@ makes them (`default_data_collator` here; transformers is not needed).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -124,19 +125,23 @@ def has_length(dataset: Any) -> bool:
         return False
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed python/numpy in each worker from torch's per-worker seed (which derives from the loader's generator)."""
+def seed_worker(worker_id: int, num_workers: int = 1, rank: int = 0) -> None:
+    """Seed python/numpy in each worker from torch's per-worker seed (which derives from the loader's generator),
+    offset by `num_workers * rank` as HF's `seed_worker` offsets it: the loader's generator is seeded alike on every
+    rank, and without it each rank's worker k drew the same augmentation as every other rank's."""
     import random
 
     import numpy as np
 
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
+    seed = torch.initial_seed() + num_workers * rank
+    if rank:
+        torch.manual_seed(seed)
+    random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, collate_fn: Callable | None,
-                num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int) -> DataLoader:
+                num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int, rank: int = 0) -> DataLoader:
     # A private generator: DataLoader draws the workers' base seed from it rather than from the
     # global torch RNG, which would otherwise advance at each epoch start and break exact resume.
     g = torch.Generator()
@@ -150,7 +155,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
         pin_memory=pin_memory,
         drop_last=drop_last,
         generator=g,
-        worker_init_fn=seed_worker if num_workers else None,
+        worker_init_fn=functools.partial(seed_worker, num_workers=num_workers, rank=rank) if num_workers else None,
         persistent_workers=False,
     )
 

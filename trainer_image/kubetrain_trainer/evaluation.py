@@ -217,7 +217,8 @@ class EvaluationMixin:
                                                   rank=dist_util.rank(), shuffle=False)
         return make_loader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
                            collate_fn=self._collator("evaluation data"), num_workers=self.args.dataloader_num_workers,
-                           pin_memory=self._pin_memory, drop_last=False, generator_seed=self.args.data_seed)
+                           pin_memory=self._pin_memory, drop_last=False, generator_seed=self.args.data_seed,
+                           rank=dist_util.rank())
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """Forward pass without gradients: (loss, logits, labels), any of which may be None.

@@ -5,7 +5,8 @@
   and as many batches as every other rank, so no rank waits at a collective for one whose data ran out;
 - an iterable eval set's batches are dealt to the ranks, so `evaluate` and `predict` see each row once;
 - a stream with `set_epoch` (a shuffling buffer, `datasets.IterableDataset`) is told each epoch, on a
-  resume too, as HF's loader tells it.
+  resume too, as HF's loader tells it;
+- data workers are seeded per rank, as HF seeds them.
 """
 
 from __future__ import annotations
@@ -150,3 +151,30 @@ def test_an_iterable_eval_set_is_dealt_to_the_ranks_each_row_once(tmp_path):
     assert n == 5 and predictions == [0, 1, 2, 3, 4] and labels == [0, 1, 2, 0, 1]
     for out in outs:  # the last round has no batch for rank 1: its copy is neither counted nor gathered
         assert json.loads(out)[1:] == [5, predictions, labels] and json.loads(out)[0] == pytest.approx(loss)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Rows whose `aug` is drawn in `__getitem__` (a random crop's offsets) from torch's and python's generators."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import random
+        return {"x": torch.tensor(float(i)), "aug": torch.tensor([torch.rand(()).item(), random.random()])}
+
+
+def test_data_workers_draw_differently_on_each_rank(make_args, monkeypatch):
+    """Before, the workers' seeds came from the loader's generator alone, seeded alike on every rank: with
+    `dataloader_num_workers` > 0 each rank's k-th sample got the same augmentation as every other rank's.
+    HF offsets the worker seed by `num_workers * rank`; rank 0's draws stay what they were."""
+    args = make_args(per_device_train_batch_size=2, dataloader_num_workers=1, save_strategy="no",
+                     remove_unused_columns=False)
+    trainer = Trainer(model=Recorder(), args=args, train_dataset=Augmented())
+
+    def draws(rank):
+        monkeypatch.setattr(dist_util, "world_size", lambda: 2)
+        monkeypatch.setattr(dist_util, "rank", lambda: rank)
+        return torch.cat([batch["aug"] for batch in trainer.get_train_dataloader()]).tolist()
+
+    assert draws(0) != draws(1) and draws(1) == draws(1)  # still a function of the seed, the epoch and the rank
