@@ -44,6 +44,11 @@ def plan_steps(dataloader: DataLoader, args: TrainingArguments) -> StepPlan:
     else:
         per_epoch = None
     if per_epoch is None or per_epoch == 0:
+        if args.max_steps <= 0 and isinstance(sampler, ResumableDistributedSampler) and sampler.dataset_len:
+            raise ConfigError(f"the training data's {sampler.dataset_len} rows make no batch of "
+                              f"per_device_train_batch_size {args.per_device_train_batch_size} on each of "
+                              f"{sampler.num_replicas} rank(s) with dataloader_drop_last: set dataloader_drop_last: "
+                              "false, or a smaller per_device_train_batch_size")
         if args.max_steps <= 0:
             raise ConfigError("the training data has no length (or is empty): set max_steps")
         return StepPlan(args.max_steps, 1, None)

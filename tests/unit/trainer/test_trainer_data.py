@@ -56,3 +56,16 @@ def test_batches_per_epoch():
 
 def _sampler(n, world, rank):
     return ResumableDistributedSampler(n, num_replicas=world, rank=rank, seed=5)
+
+
+def test_a_set_too_small_for_one_dropped_last_batch_says_so(make_args):
+    """Before, 3 rows with dataloader_drop_last and batches of 4 failed with 'the training data has no length (or
+    is empty): set max_steps', naming neither the rows nor the setting that dropped them."""
+    import torch
+
+    from kubetrain_trainer import ConfigError, Trainer
+
+    args = make_args(max_steps=-1, num_train_epochs=1, dataloader_drop_last=True, save_strategy="no")
+    with pytest.raises(ConfigError, match=r"3 rows make no batch of per_device_train_batch_size 4 .* "
+                                          r"set dataloader_drop_last: false"):
+        Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=[{"x": torch.ones(1)}] * 3).train()
