@@ -38,6 +38,7 @@ from kubetrain_trainer.exiting import exit_at_once
 from kubetrain_trainer.grace import GraceSplit, split_grace
 from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level, pod_environ
 from kubetrain_trainer.metrics import Telemetry
+from kubetrain_trainer.orphans import Orphans, become_subreaper
 from kubetrain_trainer.podreport import report_storage_refused
 from kubetrain_trainer.progress import PROGRESS_FILE_ENV
 from kubetrain_trainer.restore import RestoreAgreementError
@@ -127,6 +128,9 @@ class Workers:
         self._termed = False
         self._outcome_pipes = outcome_pipes or []
         """Write ends of the workers that wait for the restore's outcome (`handoff.py`)."""
+        self.orphans = Orphans([p.pid for p in procs])
+        self._handed: dict[int, tuple[int, ...]] = {}
+        """Per stopping worker whose leader exited: the processes it left that got the SIGTERM (`orphans.py`)."""
 
     @classmethod
     def spawn(cls, cfg: LaunchConfig, base_env: Mapping[str, str], resume_from: Path | None, *,
@@ -168,13 +172,19 @@ class Workers:
         self.kill()
 
     def poll(self) -> bool:
-        """Record exits; True when every worker has exited."""
+        """Record exits; True when every worker has exited (a stopping one: its whole process group)."""
+        self.orphans.reap()
         for p in self.procs:
             code = p.poll()
             if code is not None and code != 0 and self.first_failure is None:
                 self.first_failure = code
                 log.warning("worker pid %d exited with %d", p.pid, code)
-        return all(p.returncode is not None for p in self.procs)
+            if code is not None and self._termed and p.pid not in self._handed:
+                self._handed[p.pid] = handed = self.orphans.hand_over(p.pid)
+                if handed:
+                    log.warning("worker pid %d exited and left pid(s) %s running: SIGTERM to them",
+                                p.pid, ", ".join(map(str, handed)))
+        return all(p.returncode is not None and not (self._termed and self.orphans.live(p.pid)) for p in self.procs)
 
     @property
     def all_ok(self) -> bool:
@@ -182,8 +192,14 @@ class Workers:
 
     @property
     def exited_cleanly(self) -> bool:
-        """Every worker exited by itself with success or the contract's "preempted" (no signal, no crash)."""
-        return all(p.returncode in (EXIT_OK, EXIT_PREEMPTED) for p in self.procs)
+        """Every worker exited by itself with success or the contract's "preempted" (no signal, no crash);
+        a shell the SIGTERM ended counts by the processes it left (`orphans.py`)."""
+        def clean(p: subprocess.Popen) -> bool:
+            handed = self._handed.get(p.pid)
+            if p.returncode == -signal.SIGTERM and handed:
+                return all(self.orphans.codes.get(pid) in (EXIT_OK, EXIT_PREEMPTED) for pid in handed)
+            return p.returncode in (EXIT_OK, EXIT_PREEMPTED)
+        return all(clean(p) for p in self.procs)
 
     def terminate(self) -> None:
         if self._termed:
@@ -195,11 +211,12 @@ class Workers:
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
+            if p.poll() is None or self.orphans.live(p.pid):
                 log.error("worker pid %d did not stop in time: SIGKILL", p.pid)
                 _signal(p, signal.SIGKILL, group=True)
         for p in self.procs:
             p.wait()
+        self.orphans.reap()
 
 
 def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig,
@@ -254,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    become_subreaper()  # the orphans of the workers' processes come to us (as to PID 1): reaped, and stopped
     cfg.local_dir.mkdir(parents=True, exist_ok=True)
     telemetry = Telemetry.for_pod(attempt=cfg.attempt, incarnation=cfg.incarnation)
     if cfg.metrics_port:

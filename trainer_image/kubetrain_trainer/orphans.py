@@ -1,0 +1,126 @@
+"""The processes a worker leaves behind: the launcher's PID 1 duties beyond its own workers.
+
+Each worker runs in its own process group (`launch.Workers.spawn`). A user's command is often a
+shell (`sh train.sh`, `bash -c "pip install x && python train.py; echo done"`): the SIGTERM the
+launcher forwards ends the shell, and the training process it ran never sees one. It is orphaned
+in the worker's group, trains on, and dies with the pod, without its emergency checkpoint, while
+the launcher had already reported the worker gone. So once a stopping worker's leader has exited,
+the members of its group whose parent is gone (the shell's children, not their DataLoader workers)
+get the SIGTERM in its place, and the worker counts as stopped only when its group is empty.
+
+As PID 1 (or, anywhere else, as the child subreaper it makes itself) the launcher also adopts
+every orphan of the pod and must reap them, or each one stays a zombie holding a PID until the pod
+ends. `Orphans.reap` never touches a worker itself, nor a process in the launcher's own group (a
+library's subprocess): their `subprocess.Popen` reaps them, and a stolen exit status would read as 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from typing import Collection
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Adopt the orphans of this process's descendants (as PID 1 does anyway); False where Linux refuses."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgrp: int
+    state: str
+
+
+def parse_stat(text: str) -> Proc | None:
+    """`/proc/<pid>/stat` parsed (its command name may hold spaces and parentheses); None when unreadable."""
+    head, sep, tail = text.rpartition(")")
+    fields = tail.split()
+    if not sep or len(fields) < 3:
+        return None
+    try:
+        return Proc(pid=int(head.split("(", 1)[0]), state=fields[0], ppid=int(fields[1]), pgrp=int(fields[2]))
+    except ValueError:
+        return None
+
+
+def processes(proc: str = "/proc") -> list[Proc]:
+    """Every process this one can see (none where there is no /proc)."""
+    found = []
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat") as f:
+                parsed = parse_stat(f.read())
+        except OSError:  # it exited meanwhile
+            continue
+        if parsed is not None:
+            found.append(parsed)
+    return found
+
+
+def _group(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parsed = parse_stat(f.read())
+    except OSError:
+        return None
+    return parsed.pgrp if parsed is not None else None
+
+
+class Orphans:
+    """The adopted processes of the launcher whose workers are `workers` (their pids)."""
+
+    def __init__(self, workers: Collection[int], *, list_processes=processes) -> None:
+        self.workers = frozenset(workers)
+        self.codes: dict[int, int] = {}
+        """Exit codes of the adopted processes reaped so far (`Popen.returncode`'s convention)."""
+        self._list = list_processes
+
+    def reap(self) -> None:
+        """Collect every adopted process that has exited, never a worker."""
+        while True:
+            try:
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if found is None or found.si_pid in self.workers:
+                return  # the worker's Popen collects it (then the next call sees past it)
+            if _group(found.si_pid) == os.getpgrp():
+                return  # the launcher's own (a library's subprocess, in its group): its owner collects it
+            try:
+                _pid, status = os.waitpid(found.si_pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            self.codes[found.si_pid] = os.waitstatus_to_exitcode(status)
+
+    def live(self, group: int) -> list[Proc]:
+        """The processes of process group `group` that still run (a zombie no longer does)."""
+        return [p for p in self._list() if p.pgrp == group and p.state != "Z"]
+
+    def hand_over(self, group: int, sig: int = signal.SIGTERM) -> tuple[int, ...]:
+        """Send `sig` to the members of `group` whose parent is not in it (its exited leader's
+        children, not theirs); their pids."""
+        live = self.live(group)
+        inside = {p.pid for p in live}
+        tops = tuple(p.pid for p in live if p.ppid not in inside)
+        for pid in tops:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return tops
