@@ -60,14 +60,23 @@ def writable_extensions(base: Mapping[str, str], scratch: Path) -> dict[str, str
 
     torch takes a lock file in an extension's build folder even when the op is prebuilt, so the
     image's prebuilt DeepSpeed ops fail to load from a read-only root file system (the pods'
-    default) unless they sit in a writable folder.
+    default) unless they sit in a writable folder. A folder that does not exist (an image built
+    without the prebuilt ops still names it) is one torch would create there: `scratch` instead.
     """
     env = dict(base)
     src = env.get("TORCH_EXTENSIONS_DIR")
-    if not src or not Path(src).is_dir() or os.access(src, os.W_OK):
+    if not src:
+        return env
+    existing = Path(src)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if os.access(existing, os.W_OK):  # torch can create or lock it where it is
         return env
     if not scratch.exists():
-        shutil.copytree(src, scratch)
+        if Path(src).is_dir():
+            shutil.copytree(src, scratch)
+        else:
+            scratch.mkdir(parents=True)
     env["TORCH_EXTENSIONS_DIR"] = str(scratch)
     return env
 

@@ -214,3 +214,21 @@ def test_prebuilt_torch_extensions_in_a_read_only_folder_are_copied_where_torch_
     writable.mkdir()
     assert writable_extensions({"TORCH_EXTENSIONS_DIR": str(writable)}, tmp_path / "s2")["TORCH_EXTENSIONS_DIR"] == str(writable)
     assert "TORCH_EXTENSIONS_DIR" not in writable_extensions({}, tmp_path / "s3")
+
+
+def test_a_missing_torch_extensions_folder_on_a_read_only_root_moves_where_torch_can_build(tmp_path, monkeypatch):
+    """An image built without the prebuilt ops (PREBUILD_DEEPSPEED_CPU_OPS=0, the GPU images) still names
+    /opt/torch_extensions: a JIT-built DeepSpeed op (CPU Adam for offload, fused Adam) failed with
+    'Read-only file system' creating it."""
+    from kubetrain_trainer import launch
+
+    root = tmp_path / "root"  # stands for the pod's read-only root file system
+    root.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(launch.os, "access", lambda p, mode: False if Path(p) == root else real_access(p, mode))
+    env = launch.writable_extensions({"TORCH_EXTENSIONS_DIR": str(root / "opt" / "torch_extensions")}, tmp_path / "s")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "s") and (tmp_path / "s").is_dir()
+    volume = tmp_path / "volume"  # a writable volume where the folder does not exist yet: torch creates it there
+    volume.mkdir()
+    assert launch.writable_extensions({"TORCH_EXTENSIONS_DIR": str(volume / "ext")}, tmp_path / "s2") == {
+        "TORCH_EXTENSIONS_DIR": str(volume / "ext")}
