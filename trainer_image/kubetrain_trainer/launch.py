@@ -266,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = LaunchConfig.from_env(environ, argv)
+        cfg.make_local_dir()
     except ConfigError as e:
         log.error("invalid configuration: %s", e)
         return EXIT_INVALID_CONFIG
@@ -281,7 +282,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     become_subreaper()  # the orphans of the workers' processes come to us (as to PID 1): reaped, and stopped
-    cfg.local_dir.mkdir(parents=True, exist_ok=True)
     telemetry = Telemetry.for_pod(attempt=cfg.attempt, incarnation=cfg.incarnation)
     if cfg.metrics_port:
         telemetry.serve(cfg.metrics_port)  # a taken port costs a warning, never the job

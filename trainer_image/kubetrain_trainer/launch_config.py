@@ -8,6 +8,7 @@ variable, and the launcher exits 82 (invalid configuration) without starting any
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -171,6 +172,19 @@ class LaunchConfig:
             metrics_port=metrics_port,
             termination_log=Path(env.get(TERMINATION_LOG) or "/dev/termination-log"),
         )
+
+    def make_local_dir(self) -> None:
+        """Create `local_dir`; ConfigError when it cannot be (a read-only root file system, a file in the way):
+        no retry changes that. Other errors (a full disk) propagate."""
+        try:
+            self.local_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST):
+                raise
+            name = "KUBETRAIN_TRAINER_ARGS output_dir" if self.builtin and self.trainer_args.get("output_dir") \
+                else LOCAL_CHECKPOINT_DIR
+            raise ConfigError(f"{name}: cannot create {str(self.local_dir)!r} ({e.strerror}): use a folder under /tmp "
+                              "or on a writable volume (a kubetrain pod's root file system is read-only)") from None
 
     def retention(self) -> RetentionPolicy:
         """Remote retention from the trainer's own arguments (HF defaults for the best metric)."""

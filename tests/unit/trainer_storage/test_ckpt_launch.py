@@ -232,3 +232,37 @@ def test_a_missing_torch_extensions_folder_on_a_read_only_root_moves_where_torch
     volume.mkdir()
     assert launch.writable_extensions({"TORCH_EXTENSIONS_DIR": str(volume / "ext")}, tmp_path / "s2") == {
         "TORCH_EXTENSIONS_DIR": str(volume / "ext")}
+
+
+@pytest.mark.parametrize("builtin_output_dir, variable", [
+    (True, "KUBETRAIN_TRAINER_ARGS output_dir"), (False, "KUBETRAIN_LOCAL_CHECKPOINT_DIR")])
+def test_a_local_checkpoint_folder_that_cannot_be_created_is_invalid_configuration(tmp_path, monkeypatch,
+                                                                                   builtin_output_dir, variable):
+    """`output_dir: "results"` resolved under the image's working directory, on the pod's read-only root: the
+    launcher died with a traceback and exit 1, and the job was retried until backoffLimit for a mistake no
+    retry fixes."""
+    import errno
+
+    monkeypatch.chdir(tmp_path)
+    env = {"KUBETRAIN_TRAINER_ARGS": '{"output_dir": "results"}'} if builtin_output_dir else {
+        "KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    cfg = LaunchConfig.from_env(env, [] if builtin_output_dir else ["--", "python", "train.py"])
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ConfigError, match=f"^{variable}: cannot create .*Read-only file system"):
+        cfg.make_local_dir()
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(OSError, match="full"):  # a full disk is no configuration mistake
+        cfg.make_local_dir()
+
+
+def test_the_launcher_exits_82_when_the_local_checkpoint_folder_cannot_be_created(tmp_path, monkeypatch):
+    from kubetrain_trainer import launch
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(launch, "pod_environ", lambda: {
+        "KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path / "file" / "ckpt"), "KUBETRAIN_METRICS_PORT": "0"})
+    assert launch.main(["--", "true"]) == EXIT_INVALID_CONFIG
