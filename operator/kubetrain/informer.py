@@ -156,6 +156,7 @@ class PodInformer:
             meta = page.get("metadata") or {}
             token = meta.get("continue")
             if not token:
+                self._down.discard(scope)  # current once listed: a watch that fails next is down again
                 self._post("SYNC", scope, items)
                 return str(meta.get("resourceVersion") or "")
 

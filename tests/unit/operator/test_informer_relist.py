@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 from kubernetes import client
@@ -259,3 +260,47 @@ def test_a_watch_that_ends_at_once_with_nothing_in_it_backs_off():
 
     asyncio.run(main())
     assert pauses == [1.0, 2.0, 4.0, 8.0] and watches == ["10"] * 4
+
+
+def test_a_watch_that_fails_right_after_a_relist_leaves_the_namespace_not_current():
+    """After a 410 and its relist, a watch that could not be opened again (the API server going away) left the
+    namespace marked current while no event reached it."""
+    expired = json.dumps({"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}).encode()
+    paused, hold = threading.Event(), threading.Event()
+
+    async def main() -> bool:
+        informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y",
+                               on_event=lambda kind, obj: None)
+        watches: list[str] = []
+
+        def fake_call(scope, **kwargs):
+            if "watch" not in kwargs:
+                return _Response(data=json.dumps({"metadata": {"resourceVersion": "10"}, "items": []}).encode())
+            watches.append(kwargs["resource_version"])
+            if len(watches) == 1:
+                return _Response(lines=(expired + b"\n",))
+            if len(watches) == 2:
+                raise ConnectionRefusedError("connection refused")
+            informer._stop.wait(5)
+            return _Response()
+
+        def pause(backoff: float) -> float:
+            paused.set()
+            hold.wait(5)
+            return backoff
+
+        informer._call, informer._pause = fake_call, pause
+        informer.start()
+        try:
+            await asyncio.wait_for(informer.synced.wait(), 5)
+            deadline = time.monotonic() + 5
+            while not paused.is_set():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # what the reader posted before its pause is handled
+            return informer.watching("a").is_set()
+        finally:
+            informer.stop()
+            hold.set()
+
+    assert asyncio.run(main()) is False
