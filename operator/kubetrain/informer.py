@@ -17,13 +17,18 @@ Semantics, per watched scope (one namespace, or the whole cluster):
 - 410 Gone (the resourceVersion is too old, as an HTTP status or an ERROR
   event in the stream) means LIST again: objects that
   vanished meanwhile are delivered as DELETED, so nothing is missed;
-- other errors back off (1 s doubling to 30 s) and resume.
+- other errors back off (1 s doubling to 30 s) and LIST again (client-go's
+  reflector, too, lists again after most watch errors): a watch resumed from
+  where it broke would bring what happened meanwhile only after it answered
+  (see `watching`).
 `synced` is set once every scope has listed: until then the store is
 incomplete and nobody may plan from it (a missing pod would look deleted).
 `watching(namespace)` is clear while that namespace's watch is down (an error,
-a relist) and set again once it watches: a store no event reaches is stale in
-the same way (a pod created meanwhile never shows up, and once the reconciler's
-expectation of it expires it would read as deleted by someone else).
+a relist) and set again once it has listed again: a store no event reaches is
+stale in the same way (a pod created meanwhile never shows up, and once the
+reconciler's expectation of it expires it would read as deleted by someone
+else). Not once a watch answers again: its first events may still be on their
+way while the namespace's jobs are already being planned.
 
 Events reach `on_event(type, obj)` on the event loop, in order per scope.
 """
@@ -108,24 +113,25 @@ class PodInformer:
                 backoff = 1.0
             except ApiException as exc:
                 self._broken(scope)
+                rv = None  # list again: see the module's docstring
                 if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
                     # Rare (watch bookmarks keep the version fresh); a relist re-delivers every object, a
                     # burst of reconciles worth knowing about when a phase costs more than it should.
                     log.info("%s watch (%s): resourceVersion expired (410), listing again", self.what,
                              scope or "all namespaces")
-                    rv = None
                     continue
                 log.warning("%s watch (%s): HTTP %s %s; retrying in %.0fs", self.what, scope or "all namespaces",
                             exc.status, exc.reason, backoff)
                 backoff = self._pause(backoff)
-            except Exception as exc:  # noqa: BLE001  (network trouble: resume, never die)
+            except Exception as exc:  # noqa: BLE001  (network trouble: list again, never die)
                 self._broken(scope)
+                rv = None
                 log.warning("%s watch (%s): %s: %s; retrying in %.0fs", self.what, scope or "all namespaces",
                             type(exc).__name__, exc, backoff)
                 backoff = self._pause(backoff)
 
     def _broken(self, scope: str | None) -> None:
-        """No event reaches this scope's store until its watch is back: stale (see the module's docstring)."""
+        """No event reaches this scope's store until it has listed again: stale (see the module's docstring)."""
         if scope not in self._down:
             self._down.add(scope)
             self._post("STALE", scope, None)
@@ -163,9 +169,6 @@ class PodInformer:
     def _watch(self, scope: str | None, rv: str) -> str:
         resp = self._call(scope, watch=True, resource_version=rv, allow_watch_bookmarks=True,
                           timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30))
-        if scope in self._down:  # watching again from where it broke: what happened meanwhile comes next
-            self._down.discard(scope)
-            self._post("CURRENT", scope, None)
         try:
             for line in resp:
                 if self._stop.is_set():
@@ -202,8 +205,8 @@ class PodInformer:
             try:
                 if kind == "SYNC":
                     self._replace(scope, payload)
-                elif kind in ("STALE", "CURRENT"):
-                    (self._watching[scope].clear if kind == "STALE" else self._watching[scope].set)()
+                elif kind == "STALE":
+                    self._watching[scope].clear()
                 else:
                     self._deliver(kind, scope, payload)
             except Exception:  # a bad object or a handler bug must not stop the stream
