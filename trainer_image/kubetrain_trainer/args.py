@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-from .args_values import ConfigError, _coerce, load_mapping_file, parse_cli, unknown_name_message
+from .args_values import (ConfigError, _coerce, _refusing_unknown_names, load_mapping_file, parse_cli,
+                          unknown_name_message)
 from .loglevels import LogLevel, ProcessLogLevels
 from .workerenv import WorkerEnv
 
@@ -407,21 +408,6 @@ class TrainingArguments(ProcessLogLevels):
     def from_cli(cls, argv: Sequence[str]) -> "TrainingArguments":
         """Build from command-line flags: `--max_steps 10`, `--bf16`, `--config args.yaml` (flags win)."""
         return cls.from_dict(parse_cli(argv))
-
-
-def _refusing_unknown_names(init: Any) -> Any:
-    """The dataclass's __init__, refusing an argument it has not with the nearest valid name (a ConfigError, exit 82
-    in a pod), as `from_dict` does: HF's `TrainingArguments(do_sample=...)` or an HF argument kubetrain lacks gave a
-    bare TypeError (exit 1, retried until backoffLimit)."""
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        names = [f.name for f in dataclasses.fields(type(self))]
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
-            raise ConfigError("; ".join(unknown_name_message(k, names) for k in unknown)
-                              + " (docs/trainer.md lists the HF arguments kubetrain has not)")
-        init(self, *args, **kwargs)
-    return __init__
 
 
 TrainingArguments.__init__ = _refusing_unknown_names(TrainingArguments.__init__)  # type: ignore[method-assign]

@@ -6,7 +6,9 @@ arguments themselves are).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -32,6 +34,21 @@ def unknown_name_message(name: str, valid: Sequence[str]) -> str:
     near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     return f"unknown argument {name!r}{hint}"
+
+
+def _refusing_unknown_names(init: Any) -> Any:
+    """The dataclass's __init__, refusing an argument it has not with the nearest valid name (a ConfigError, exit 82
+    in a pod), as `from_dict` does: HF's `TrainingArguments(do_sample=...)` or an HF argument kubetrain lacks gave a
+    bare TypeError (exit 1, retried until backoffLimit)."""
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in dataclasses.fields(type(self))]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise ConfigError("; ".join(unknown_name_message(k, names) for k in unknown)
+                              + " (docs/trainer.md lists the HF arguments kubetrain has not)")
+        init(self, *args, **kwargs)
+    return __init__
 
 
 def load_mapping_file(path: str | os.PathLike) -> dict[str, Any]:
