@@ -127,6 +127,10 @@ class TrainingArguments(ProcessLogLevels):
     """Pin host memory of batches (only used with a GPU)."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch of each epoch."""
+    dataloader_persistent_workers: bool = False
+    """Keep the worker processes between epochs and between evaluations (needs `dataloader_num_workers` > 0)."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches each worker loads ahead (torch's default, 2, when null; needs `dataloader_num_workers` > 0)."""
     remove_unused_columns: bool = True
     """Drop the keys of dict rows that the model's `forward` does not take (and no label column), as HF does."""
     average_tokens_across_devices: bool = True
@@ -297,6 +301,14 @@ class TrainingArguments(ProcessLogLevels):
             e.append(f"deepspeed config file {self.deepspeed!r} does not exist")
         if self.dataloader_num_workers < 0:
             e.append("dataloader_num_workers must be >= 0")
+        # Without workers HF refuses a prefetch factor when its arguments are made, and torch's DataLoader persistent
+        # workers when HF makes the loader (exit 1 after the model loaded; here exit 82 before it).
+        unused = {"dataloader_prefetch_factor": self.dataloader_prefetch_factor is not None,
+                  "dataloader_persistent_workers": self.dataloader_persistent_workers}
+        e += [f"{name} needs worker processes: set dataloader_num_workers > 0 (or leave {name} out)"
+              for name, given in unused.items() if given and self.dataloader_num_workers == 0]
+        if self.dataloader_prefetch_factor is not None and self.dataloader_prefetch_factor < 1:
+            e.append(f"dataloader_prefetch_factor must be >= 1, got {self.dataloader_prefetch_factor}")
         if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
             e.append("neftune_noise_alpha must be > 0 (or null to disable NEFTune)")
         return e

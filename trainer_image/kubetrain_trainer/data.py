@@ -141,7 +141,9 @@ def seed_worker(worker_id: int, num_workers: int = 1, rank: int = 0) -> None:
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, collate_fn: Callable | None,
-                num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int, rank: int = 0) -> DataLoader:
+                num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int, rank: int = 0,
+                persistent_workers: bool = False, prefetch_factor: int | None = None) -> DataLoader:
+    """`persistent_workers` and `prefetch_factor` apply with workers only (torch refuses them without)."""
     # A private generator: DataLoader draws the workers' base seed from it rather than from the
     # global torch RNG, which would otherwise advance at each epoch start and break exact resume.
     g = torch.Generator()
@@ -156,7 +158,8 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
         drop_last=drop_last,
         generator=g,
         worker_init_fn=functools.partial(seed_worker, num_workers=num_workers, rank=rank) if num_workers else None,
-        persistent_workers=False,
+        persistent_workers=persistent_workers and num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers else None,
     )
 
 

@@ -190,8 +190,12 @@ def _numpy(value: Any):
 class EvaluationMixin:
     """`evaluate`, `predict`, `prediction_step` and the eval and test dataloaders of `Trainer`."""
 
+    _eval_loaders: dict[str, DataLoader] | None = None
+    """With `dataloader_persistent_workers`: the eval loaders kept with their workers, by set name ("eval")."""
+
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """The eval set's loader; a str names one entry of a dict `eval_dataset` (as in HF)."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
         if isinstance(eval_dataset, str):
             if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
                 names = ", ".join(map(repr, self.eval_dataset)) if isinstance(self.eval_dataset, dict) else None
@@ -204,7 +208,15 @@ class EvaluationMixin:
         if isinstance(dataset, dict):
             raise ValueError(f"eval_dataset is a dict: name one of its sets ({', '.join(map(repr, dataset))}), "
                              "or call evaluate(), which evaluates each")
-        return self._ordered_loader(dataset)
+        if not (self.args.dataloader_persistent_workers and self.args.dataloader_num_workers):
+            return self._ordered_loader(dataset)
+        # As HF: the loader is kept, so the next evaluation finds its workers running instead of starting new ones
+        # (never dropped, each loader's would stay). One per set name; another set passed replaces it (HF's would
+        # evaluate the first set again).
+        kept = self._eval_loaders = self._eval_loaders or {}
+        if key not in kept or kept[key].dataset is not dataset:
+            kept[key] = self._ordered_loader(dataset)
+        return kept[key]
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """The loader `predict` runs over."""
@@ -218,7 +230,8 @@ class EvaluationMixin:
         return make_loader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
                            collate_fn=self._collator("evaluation data"), num_workers=self.args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=False, generator_seed=self.args.data_seed,
-                           rank=dist_util.rank())
+                           rank=dist_util.rank(), persistent_workers=self.args.dataloader_persistent_workers,
+                           prefetch_factor=self.args.dataloader_prefetch_factor)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """Forward pass without gradients: (loss, logits, labels), any of which may be None.

@@ -133,7 +133,9 @@ class OverridableMixin:
         return make_loader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                            collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
-                           generator_seed=args.data_seed, rank=dist_util.rank())
+                           generator_seed=args.data_seed, rank=dist_util.rank(),
+                           persistent_workers=args.dataloader_persistent_workers,
+                           prefetch_factor=args.dataloader_prefetch_factor)
 
     def _collator(self, what: str):
         """`data_collator`, behind HF's column removal with `remove_unused_columns` (the default)."""
