@@ -131,6 +131,10 @@ class TrainingArguments(ProcessLogLevels):
     """Keep the worker processes between epochs and between evaluations (needs `dataloader_num_workers` > 0)."""
     dataloader_prefetch_factor: int | None = None
     """Batches each worker loads ahead (torch's default, 2, when null; needs `dataloader_num_workers` > 0)."""
+    group_by_length: bool = False
+    """Train on batches of samples of similar length (HF's grouped order; map-style training data only)."""
+    length_column_name: str = "length"
+    """The training data's column of lengths for `group_by_length` (else each row's `input_ids` is measured)."""
     remove_unused_columns: bool = True
     """Drop the keys of dict rows that the model's `forward` does not take (and no label column), as HF does."""
     average_tokens_across_devices: bool = True

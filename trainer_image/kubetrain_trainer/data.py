@@ -54,13 +54,16 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = epoch
         self.start_sample = min(start_sample - start_sample % self.num_replicas, self.total_size)
 
-    def epoch_order(self) -> list[int]:
+    def permutation(self) -> list[int]:
+        """The epoch's order of the dataset's rows, before the padding to a multiple of the world."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_len))
+            return torch.randperm(self.dataset_len, generator=g).tolist()
+        return list(range(self.dataset_len))
+
+    def epoch_order(self) -> list[int]:
+        order = self.permutation()
         if self.total_size > len(order):  # pad by wrapping around, like DistributedSampler
             order += (order * math.ceil(self.total_size / max(len(order), 1)))[: self.total_size - len(order)]
         return order[: self.total_size]

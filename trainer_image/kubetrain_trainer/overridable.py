@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,6 +51,9 @@ from . import optim
 from .data import (IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
                    to_device)
 from .evaluation import call_model, count_items, extract_loss
+from .length_grouping import LengthGroupedSampler, dataset_lengths
+
+logger = logging.getLogger("kubetrain_trainer")
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,18 +128,33 @@ class OverridableMixin:
         args = self.args
         sampler, dataset, world = None, self.train_dataset, dist_util.world_size()
         if has_length(dataset):
-            sampler = ResumableDistributedSampler(len(dataset), num_replicas=world, rank=dist_util.rank(),
-                                                  shuffle=True, seed=args.data_seed,
-                                                  drop_last=args.dataloader_drop_last)
-        elif isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
-            dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
-                                    rank=dist_util.rank(), drop_last=args.dataloader_drop_last)
+            sampler = self._train_sampler(dataset, world)
+        else:
+            if args.group_by_length:  # as HF 5: without random access no grouping, with a warning
+                logger.warning("group_by_length is ignored: the training data has no length (an IterableDataset); "
+                               "its rows are trained in the order it yields them")
+            if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
+                dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
+                                        rank=dist_util.rank(), drop_last=args.dataloader_drop_last)
         return make_loader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                            collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
                            generator_seed=args.data_seed, rank=dist_util.rank(),
                            persistent_workers=args.dataloader_persistent_workers,
                            prefetch_factor=args.dataloader_prefetch_factor)
+
+    def _train_sampler(self, dataset: Any, world: int) -> ResumableDistributedSampler:
+        """The training data's order: shuffled per epoch, or grouped by length (`group_by_length`, as HF)."""
+        args = self.args
+        common = dict(num_replicas=world, rank=dist_util.rank(), seed=args.data_seed,
+                      drop_last=args.dataloader_drop_last)
+        if not args.group_by_length:
+            return ResumableDistributedSampler(len(dataset), shuffle=True, **common)
+        names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]  # HF's choice
+        lengths = dataset_lengths(dataset, column=args.length_column_name, model_input_name=names[0])
+        return LengthGroupedSampler(lengths, batch_size=args.per_device_train_batch_size,
+                                    group=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                                    **common)
 
     def _collator(self, what: str):
         """`data_collator`, behind HF's column removal with `remove_unused_columns` (the default)."""
