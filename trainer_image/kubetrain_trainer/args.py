@@ -133,6 +133,8 @@ class TrainingArguments(ProcessLogLevels):
     """Batches each worker loads ahead (torch's default, 2, when null; needs `dataloader_num_workers` > 0)."""
     group_by_length: bool = False
     """Train on batches of samples of similar length (HF's grouped order; map-style training data only)."""
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
+    """The training data's order: shuffled per epoch, as it is, or `group_by_length` (HF 5.2's name for it)."""
     length_column_name: str = "length"
     """The training data's column of lengths for `group_by_length` (else each row's `input_ids` is measured)."""
     remove_unused_columns: bool = True
@@ -216,6 +218,8 @@ class TrainingArguments(ProcessLogLevels):
             self.report_to = ["tensorboard", "jsonl"]
         elif "none" in self.report_to:
             self.report_to = []
+        if self.group_by_length or self.train_sampling_strategy == "group_by_length":  # either name sets both
+            self.group_by_length, self.train_sampling_strategy = True, "group_by_length"
         if self.data_seed is None:
             self.data_seed = self.seed
         if self.logging_dir is None:
@@ -313,6 +317,8 @@ class TrainingArguments(ProcessLogLevels):
               for name, given in unused.items() if given and self.dataloader_num_workers == 0]
         if self.dataloader_prefetch_factor is not None and self.dataloader_prefetch_factor < 1:
             e.append(f"dataloader_prefetch_factor must be >= 1, got {self.dataloader_prefetch_factor}")
+        if self.group_by_length and self.train_sampling_strategy == "sequential":
+            e.append("group_by_length and train_sampling_strategy 'sequential' are both set: pick one")
         if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
             e.append("neftune_noise_alpha must be > 0 (or null to disable NEFTune)")
         return e

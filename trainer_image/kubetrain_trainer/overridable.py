@@ -144,12 +144,14 @@ class OverridableMixin:
                            prefetch_factor=args.dataloader_prefetch_factor)
 
     def _train_sampler(self, dataset: Any, world: int) -> ResumableDistributedSampler:
-        """The training data's order: shuffled per epoch, or grouped by length (`group_by_length`, as HF)."""
+        """The training data's order (`train_sampling_strategy`): shuffled per epoch, as it is, or grouped by
+        length (`group_by_length`), as HF's."""
         args = self.args
         common = dict(num_replicas=world, rank=dist_util.rank(), seed=args.data_seed,
                       drop_last=args.dataloader_drop_last)
         if not args.group_by_length:
-            return ResumableDistributedSampler(len(dataset), shuffle=True, **common)
+            return ResumableDistributedSampler(len(dataset), shuffle=args.train_sampling_strategy != "sequential",
+                                               **common)
         names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]  # HF's choice
         lengths = dataset_lengths(dataset, column=args.length_column_name, model_input_name=names[0])
         return LengthGroupedSampler(lengths, batch_size=args.per_device_train_batch_size,

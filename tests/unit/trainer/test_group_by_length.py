@@ -206,3 +206,30 @@ def test_an_iterable_dataset_is_trained_in_its_own_order_with_a_warning(make_arg
         _trainer(make_args, seen, dataset=Stream(), max_steps=3, save_strategy="no").train()
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert "group_by_length is ignored: the training data has no length" in caplog.text
+
+
+# ------------------------------------------------------------- HF 5.2's name: train_sampling_strategy
+def test_train_sampling_strategy_group_by_length_is_the_same_option(make_args):
+    args = TrainingArguments(train_sampling_strategy="group_by_length")
+    assert args.group_by_length is True
+    assert TrainingArguments(group_by_length=True).train_sampling_strategy == "group_by_length"
+    by_name, by_flag = [], []
+    _trainer(make_args, by_name, group_by_length=False, train_sampling_strategy="group_by_length",
+             save_strategy="no", max_steps=10).train()
+    _trainer(make_args, by_flag, save_strategy="no", max_steps=10).train()
+    assert by_name == by_flag
+
+
+def test_train_sampling_strategy_sequential_trains_the_rows_in_order(make_args):
+    seen = []
+    _trainer(make_args, seen, group_by_length=False, train_sampling_strategy="sequential", save_strategy="no",
+             max_steps=12).train()
+    assert seen == [list(range(i, i + 4)) for i in range(0, 40, 4)] + [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_train_sampling_strategies_kubetrain_has_not_or_that_conflict_are_refused():
+    with pytest.raises(ConfigError, match="train_sampling_strategy: 'batch_rebalance' is not one of 'random', "
+                                          "'sequential', 'group_by_length'"):
+        TrainingArguments(train_sampling_strategy="batch_rebalance")
+    with pytest.raises(ConfigError, match="group_by_length and train_sampling_strategy 'sequential' are both set"):
+        TrainingArguments(group_by_length=True, train_sampling_strategy="sequential")
