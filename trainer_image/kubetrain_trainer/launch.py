@@ -138,8 +138,6 @@ class Workers:
         self._outcome_pipes = outcome_pipes or []
         """Write ends of the workers that wait for the restore's outcome (`handoff.py`)."""
         self.orphans = Orphans([p.pid for p in procs])
-        self._handed: dict[int, tuple[int, ...]] = {}
-        """Per stopping worker whose leader exited: the processes it left that got the SIGTERM (`orphans.py`)."""
 
     @classmethod
     def spawn(cls, cfg: LaunchConfig, base_env: Mapping[str, str], resume_from: Path | None, *,
@@ -183,17 +181,19 @@ class Workers:
     def poll(self) -> bool:
         """Record exits; True when every worker has exited (a stopping one: its whole process group)."""
         self.orphans.reap()
+        groups = None  # read once a stopping worker's leader exited, once per call (/proc may list many)
         for p in self.procs:
             code = p.poll()
             if code is not None and code != 0 and self.first_failure is None:
                 self.first_failure = code
                 log.warning("worker pid %d exited with %d", p.pid, code)
-            if code is not None and self._termed and p.pid not in self._handed:
-                self._handed[p.pid] = handed = self.orphans.hand_over(p.pid)
+            if code is not None and self._termed:
+                groups = self.orphans.groups() if groups is None else groups
+                handed = self.orphans.hand_over(p.pid, groups.get(p.pid, []))
                 if handed:
-                    log.warning("worker pid %d exited and left pid(s) %s running: SIGTERM to them",
+                    log.warning("worker pid %d: its exited process(es) left pid(s) %s running: SIGTERM to them",
                                 p.pid, ", ".join(map(str, handed)))
-        return all(p.returncode is not None and not (self._termed and self.orphans.live(p.pid)) for p in self.procs)
+        return all(p.returncode is not None and not (groups and groups.get(p.pid)) for p in self.procs)
 
     @property
     def all_ok(self) -> bool:
@@ -203,12 +203,7 @@ class Workers:
     def exited_cleanly(self) -> bool:
         """Every worker exited by itself with success or the contract's "preempted" (no signal, no crash);
         a shell the SIGTERM ended counts by the processes it left (`orphans.py`)."""
-        def clean(p: subprocess.Popen) -> bool:
-            handed = self._handed.get(p.pid)
-            if p.returncode == -signal.SIGTERM and handed:
-                return all(self.orphans.codes.get(pid) in (EXIT_OK, EXIT_PREEMPTED) for pid in handed)
-            return p.returncode in (EXIT_OK, EXIT_PREEMPTED)
-        return all(clean(p) for p in self.procs)
+        return all(self.orphans.clean(p.pid, p.returncode, (EXIT_OK, EXIT_PREEMPTED)) for p in self.procs)
 
     def terminate(self) -> None:
         if self._termed:
@@ -219,8 +214,9 @@ class Workers:
                 _signal(p, signal.SIGTERM, group=False)
 
     def kill(self) -> None:
+        groups = self.orphans.groups()
         for p in self.procs:
-            if p.poll() is None or self.orphans.live(p.pid):
+            if p.poll() is None or groups.get(p.pid):
                 log.error("worker pid %d did not stop in time: SIGKILL", p.pid)
                 _signal(p, signal.SIGKILL, group=True)
         for p in self.procs:

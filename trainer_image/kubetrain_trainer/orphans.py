@@ -6,7 +6,9 @@ launcher forwards ends the shell, and the training process it ran never sees one
 in the worker's group, trains on, and dies with the pod, without its emergency checkpoint, while
 the launcher had already reported the worker gone. So once a stopping worker's leader has exited,
 the members of its group whose parent is gone (the shell's children, not their DataLoader workers)
-get the SIGTERM in its place, and the worker counts as stopped only when its group is empty.
+get the SIGTERM in its place, and so do, in turn, those of a shell that shell ran (`sh -c "./train.sh;
+..."`); the worker counts as stopped only when its group is empty, and a shell the SIGTERM ended as
+clean as the processes it left (`Orphans.clean`).
 
 As PID 1 (or, anywhere else, as the child subreaper it makes itself) the launcher also adopts
 every orphan of the pod and must reap them, or each one stays a zombie holding a PID until the pod
@@ -89,6 +91,10 @@ class Orphans:
         self.workers = frozenset(workers)
         self.codes: dict[int, int] = {}
         """Exit codes of the adopted processes reaped so far (`Popen.returncode`'s convention)."""
+        self.left: dict[int, list[int]] = {}
+        """pid -> the processes it left running when it exited, which got the signal in its place."""
+        self._parents: dict[int, int] = {}
+        """pid -> its parent in its group when last seen (whom it was left by, once that one exited)."""
         self._list = list_processes
 
     def reap(self) -> None:
@@ -108,19 +114,40 @@ class Orphans:
                 continue
             self.codes[found.si_pid] = os.waitstatus_to_exitcode(status)
 
-    def live(self, group: int) -> list[Proc]:
-        """The processes of process group `group` that still run (a zombie no longer does)."""
-        return [p for p in self._list() if p.pgrp == group and p.state != "Z"]
+    def groups(self) -> dict[int, list[Proc]]:
+        """Process group -> its processes that still run (a zombie no longer does): one look at /proc."""
+        found: dict[int, list[Proc]] = {}
+        for p in self._list():
+            if p.state != "Z":
+                found.setdefault(p.pgrp, []).append(p)
+        return found
 
-    def hand_over(self, group: int, sig: int = signal.SIGTERM) -> tuple[int, ...]:
-        """Send `sig` to the members of `group` whose parent is not in it (its exited leader's
-        children, not theirs); their pids."""
-        live = self.live(group)
+    def live(self, group: int) -> list[Proc]:
+        """The processes of process group `group` that still run."""
+        return self.groups().get(group, [])
+
+    def hand_over(self, group: int, live: list[Proc] | None = None, sig: int = signal.SIGTERM) -> tuple[int, ...]:
+        """Send `sig` to the members of `group` (its leader exited) whose parent is not in it and that did not
+        get it yet: its leader's children, then those of one of them that exits in turn (a shell's shell),
+        never their own children (DataLoader workers); their pids. `live`: the group's processes (`groups`)."""
+        live = self.live(group) if live is None else live
         inside = {p.pid for p in live}
-        tops = tuple(p.pid for p in live if p.ppid not in inside)
+        handed = {pid for pids in self.left.values() for pid in pids}
+        tops = tuple(p.pid for p in live if p.ppid not in inside and p.pid not in handed)
         for pid in tops:
+            # Its parent when last seen; none seen (the leader's own children): the leader's.
+            self.left.setdefault(self._parents.pop(pid, group), []).append(pid)
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        self._parents.update((p.pid, p.ppid) for p in live if p.ppid in inside)
         return tops
+
+    def clean(self, pid: int, code: int | None, ok: Collection[int]) -> bool:
+        """Whether process `pid`, which exited with `code`, stopped on its own terms: `code` in `ok`, or the
+        SIGTERM ended it (a shell) and every process it left stopped so."""
+        if code in ok:
+            return True
+        left = self.left.get(pid)
+        return code == -signal.SIGTERM and bool(left) and all(self.clean(c, self.codes.get(c), ok) for c in left)

@@ -165,3 +165,29 @@ def test_a_shell_ended_by_the_sigterm_is_as_clean_as_the_training_process_it_lef
     workers.orphans.codes[11] = trainer_code
     assert workers.poll()
     assert workers.exited_cleanly is clean
+
+
+@pytest.mark.parametrize("trainer_code, clean", [(EXIT_PREEMPTED, True), (1, False)])
+def test_a_shell_a_shell_ran_passes_the_sigterm_on_too(monkeypatch, trainer_code, clean):
+    """`sh -c "./train.sh; ..."`: the SIGTERM ends the outer shell, the one it hands over ends train.sh's shell.
+    Before, the SIGTERM was handed over once, when the worker's leader exited: the training process train.sh
+    had started never got one, trained on until the SIGKILL and never saved its emergency checkpoint."""
+    from kubetrain_trainer.launch import Workers
+
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(pid))
+    workers = Workers([_Leader(10, -signal.SIGTERM)])
+    # train.sh's shell 11, its training process 12, that one's DataLoader worker 13
+    running = [Proc(11, 1, 10, "S"), Proc(12, 11, 10, "S"), Proc(13, 12, 10, "S")]
+    workers.orphans = Orphans([10], list_processes=lambda: running)
+    monkeypatch.setattr(workers.orphans, "reap", lambda: None)
+    workers.terminate()
+    assert not workers.poll() and sent == [11]
+    running[:] = [Proc(12, 1, 10, "S"), Proc(13, 12, 10, "S")]  # the SIGTERM ended train.sh's shell
+    workers.orphans.codes[11] = -signal.SIGTERM
+    assert not workers.poll() and sent == [11, 12]
+    assert not workers.poll() and sent == [11, 12]  # once each, never the DataLoader worker
+    running.clear()
+    workers.orphans.codes[12] = trainer_code
+    assert workers.poll()
+    assert workers.exited_cleanly is clean
