@@ -151,6 +151,8 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
     # global torch RNG, which would otherwise advance at each epoch start and break exact resume.
     g = torch.Generator()
     g.manual_seed(generator_seed)
+    if sampler is None:  # every rank reads the whole stream and keeps its part (`IterableShard`, `_dealt`): its
+        rank = 0  # workers must draw alike on every rank (HF seeds per rank only the sets a sampler shards)
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -178,3 +178,23 @@ def test_data_workers_draw_differently_on_each_rank(make_args, monkeypatch):
         return torch.cat([batch["aug"] for batch in trainer.get_train_dataloader()]).tolist()
 
     assert draws(0) != draws(1) and draws(1) == draws(1)  # still a function of the seed, the epoch and the rank
+
+
+class ShuffledStream(IterableDataset):
+    """Rows 0..15 in an order drawn from python's generator when read (a shard list shuffled per worker)."""
+
+    def __iter__(self):
+        import random
+        rows = list(range(16))
+        random.shuffle(rows)
+        return iter([{"x": torch.tensor(float(i))} for i in rows])
+
+
+def test_a_stream_every_rank_reads_draws_alike_on_every_rank(make_args, monkeypatch):
+    """Every rank reads the whole stream and keeps its own batches of it: the ranks' data workers must draw
+    the same order, or rank 0 keeps batches of one order and rank 1 of another (rows trained twice, others
+    never). Before, the per-rank worker seed (HF's, for a dataset a sampler shards) reached them too."""
+    args = make_args(per_device_train_batch_size=2, dataloader_num_workers=1, save_strategy="no")
+    trainer = Trainer(model=Recorder(), args=args, train_dataset=ShuffledStream())
+    rank0, rank1 = _rank_rows(trainer, monkeypatch, 2)
+    assert sorted(rank0 + rank1) == list(range(16))
