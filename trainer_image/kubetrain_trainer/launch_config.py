@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -174,17 +175,22 @@ class LaunchConfig:
         )
 
     def make_local_dir(self) -> None:
-        """Create `local_dir`; ConfigError when it cannot be (a read-only root file system, a file in the way):
-        no retry changes that. Other errors (a full disk) propagate."""
+        """Create `local_dir`; ConfigError when it cannot be or, already there (a folder the image holds), cannot be
+        written to (a read-only root file system, a file in the way): no retry changes that. Other errors (a full
+        disk) propagate."""
+        doing = "create"
         try:
             self.local_dir.mkdir(parents=True, exist_ok=True)
+            doing = "write to"
+            with tempfile.TemporaryFile(dir=self.local_dir):  # where a checkpoint goes: on the first save, too late
+                pass
         except OSError as e:
             if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST):
                 raise
             name = "KUBETRAIN_TRAINER_ARGS output_dir" if self.builtin and self.trainer_args.get("output_dir") \
                 else LOCAL_CHECKPOINT_DIR
-            raise ConfigError(f"{name}: cannot create {str(self.local_dir)!r} ({e.strerror}): use a folder under /tmp "
-                              "or on a writable volume (a kubetrain pod's root file system is read-only)") from None
+            raise ConfigError(f"{name}: cannot {doing} {str(self.local_dir)!r} ({e.strerror}): use a folder under "
+                              "/tmp or on a writable volume (a kubetrain pod's root file system is read-only)") from None
 
     def retention(self) -> RetentionPolicy:
         """Remote retention from the trainer's own arguments (HF defaults for the best metric)."""

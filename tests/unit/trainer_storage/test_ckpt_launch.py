@@ -266,3 +266,27 @@ def test_the_launcher_exits_82_when_the_local_checkpoint_folder_cannot_be_create
     monkeypatch.setattr(launch, "pod_environ", lambda: {
         "KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path / "file" / "ckpt"), "KUBETRAIN_METRICS_PORT": "0"})
     assert launch.main(["--", "true"]) == EXIT_INVALID_CONFIG
+
+
+def test_a_local_checkpoint_folder_the_image_holds_that_cannot_be_written_is_invalid_configuration(tmp_path,
+                                                                                                 monkeypatch):
+    """`output_dir: "checkpoints"` where the image's working directory already holds that folder (a repository's
+    checkpoints/.gitkeep), on the pod's read-only root: it exists, so creating it succeeded, and the run trained
+    until its first save failed with 'Read-only file system', then again on every retry until backoffLimit."""
+    import errno
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    cfg = LaunchConfig.from_env({"KUBETRAIN_TRAINER_ARGS": '{"output_dir": "checkpoints"}'}, [])
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ConfigError, match="^KUBETRAIN_TRAINER_ARGS output_dir: cannot write to .*Read-only file"):
+        cfg.make_local_dir()
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    cfg.make_local_dir()  # a writable one passes, and is left as it was
+    assert list((tmp_path / "checkpoints").iterdir()) == []
