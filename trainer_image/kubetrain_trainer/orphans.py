@@ -84,10 +84,19 @@ def _group(pid: int) -> int | None:
     return parsed.pgrp if parsed is not None else None
 
 
+def pipe_of(pid: int, fd: int) -> str | None:
+    """The pipe file descriptor `fd` of process `pid` is ("pipe:[inode]"), or None (not a pipe, gone)."""
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    return link if link.startswith("pipe:") else None
+
+
 class Orphans:
     """The adopted processes of the launcher whose workers are `workers` (their pids)."""
 
-    def __init__(self, workers: Collection[int], *, list_processes=processes) -> None:
+    def __init__(self, workers: Collection[int], *, list_processes=processes, pipe=pipe_of) -> None:
         self.workers = frozenset(workers)
         self.codes: dict[int, int] = {}
         """Exit codes of the adopted processes reaped so far (`Popen.returncode`'s convention)."""
@@ -96,6 +105,7 @@ class Orphans:
         self._parents: dict[int, int] = {}
         """pid -> its parent in its group when last seen (whom it was left by, once that one exited)."""
         self._list = list_processes
+        self._pipe = pipe
 
     def reap(self) -> None:
         """Collect every adopted process that has exited, never a worker."""
@@ -129,11 +139,17 @@ class Orphans:
     def hand_over(self, group: int, live: list[Proc] | None = None, sig: int = signal.SIGTERM) -> tuple[int, ...]:
         """Send `sig` to the members of `group` (its leader exited) whose parent is not in it and that did not
         get it yet: its leader's children, then those of one of them that exits in turn (a shell's shell),
-        never their own children (DataLoader workers); their pids. `live`: the group's processes (`groups`)."""
+        never their own children (DataLoader workers); their pids. `live`: the group's processes (`groups`).
+        One reading a pipe that another of them writes (`train.py | tee log`) gets it once nothing does: it
+        ends at the end of its input, and ended first it breaks the writer's output (its emergency save's)."""
         live = self.live(group) if live is None else live
         inside = {p.pid for p in live}
         handed = {pid for pids in self.left.values() for pid in pids}
         tops = tuple(p.pid for p in live if p.ppid not in inside and p.pid not in handed)
+        if tops:
+            reads = {pid: self._pipe(pid, 0) for pid in tops}
+            written = {self._pipe(p.pid, fd) for p in live for fd in (1, 2)} if any(reads.values()) else set()
+            tops = tuple(pid for pid in tops if reads[pid] is None or reads[pid] not in written)
         for pid in tops:
             # Its parent when last seen; none seen (the leader's own children): the leader's.
             self.left.setdefault(self._parents.pop(pid, group), []).append(pid)

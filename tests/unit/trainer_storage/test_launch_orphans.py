@@ -191,3 +191,38 @@ def test_a_shell_a_shell_ran_passes_the_sigterm_on_too(monkeypatch, trainer_code
     workers.orphans.codes[12] = trainer_code
     assert workers.poll()
     assert workers.exited_cleanly is clean
+
+
+def test_a_pipe_reader_gets_the_sigterm_only_once_nothing_writes_to_it(monkeypatch):
+    """`sh -c "python train.py 2>&1 | tee train.log"`: before, the SIGTERM went to tee as to the training process;
+    tee died at once, and the training process's next line of output (its emergency save's) raised
+    BrokenPipeError: no emergency checkpoint. tee ends by itself at the end of its input."""
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(pid))
+    pipes = {(11, 1): "pipe:[5]", (11, 2): "pipe:[5]", (12, 0): "pipe:[5]", (13, 1): "pipe:[5]"}
+    running = [Proc(11, 1, 10, "S"), Proc(12, 1, 10, "S"), Proc(13, 11, 10, "S")]  # 13: 11's DataLoader worker
+    orphans = Orphans([10], list_processes=lambda: running, pipe=lambda pid, fd: pipes.get((pid, fd)))
+    assert orphans.hand_over(10) == (11,) and sent == [11]
+    running[:] = [Proc(12, 1, 10, "S"), Proc(13, 1, 10, "S")]  # the training process saved and exited
+    assert orphans.hand_over(10) == (13,)  # its DataLoader worker, which still holds the pipe
+    running[:] = [Proc(12, 1, 10, "S")]
+    assert orphans.hand_over(10) == (12,) and sent == [11, 13, 12]  # tee, had it not ended by itself
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd/0").exists(), reason="Linux /proc")
+def test_pipes_are_read_from_proc():
+    from kubetrain_trainer.orphans import pipe_of
+
+    read, write = os.pipe()
+    try:
+        p = subprocess.Popen(["sleep", "5"], stdin=read, stdout=subprocess.DEVNULL)
+        try:
+            time.sleep(0.1)
+            assert pipe_of(p.pid, 0) == os.readlink(f"/proc/self/fd/{read}") and pipe_of(p.pid, 1) is None
+        finally:
+            p.kill()
+            p.wait()
+    finally:
+        os.close(read)
+        os.close(write)
+    assert pipe_of(p.pid, 0) is None  # gone
