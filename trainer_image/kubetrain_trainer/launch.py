@@ -277,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    become_subreaper()  # the orphans of the workers' processes come to us (as to PID 1): reaped, and stopped
+    # The orphans of the workers' processes come to us (as to PID 1): reaped, and stopped.
+    if not become_subreaper() and os.getpid() != 1:
+        log.warning("cannot become a child subreaper (prctl refused): a shell command's training process "
+                    "is not stopped cleanly on SIGTERM (run python directly, or the launcher as PID 1)")
     telemetry = Telemetry.for_pod(attempt=cfg.attempt, incarnation=cfg.incarnation)
     if cfg.metrics_port:
         telemetry.serve(cfg.metrics_port)  # a taken port costs a warning, never the job

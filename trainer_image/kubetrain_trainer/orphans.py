@@ -119,9 +119,11 @@ class Orphans:
             if _group(found.si_pid) == os.getpgrp():
                 return  # the launcher's own (a library's subprocess, in its group): its owner collects it
             try:
-                _pid, status = os.waitpid(found.si_pid, os.WNOHANG)
+                pid, status = os.waitpid(found.si_pid, os.WNOHANG)
             except ChildProcessError:
                 continue
+            if not pid:  # not collectable after all (waitid said it was): try again at the next poll, never spin
+                return
             self.codes[found.si_pid] = os.waitstatus_to_exitcode(status)
 
     def groups(self) -> dict[int, list[Proc]]:
