@@ -43,6 +43,9 @@ _PERMANENT_CODES = _ACCESS_CODES | frozenset(
         "InvalidArgument",
         "InvalidRequest",
         "MethodNotAllowed",
+        # The bucket is in another region than the client signs for, and botocore could not follow
+        # (a custom endpoint, or a store that names no region): every retry gets the same answer.
+        "PermanentRedirect",
     }
 )
 
@@ -109,6 +112,10 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         message = _redact(str(exc.response.get("Error", {}).get("Message", "")))
         text = f"{op} {where}: {code or status} {message}".strip()
+        if code == "PermanentRedirect" or status == 301:
+            region = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+            return StoragePermanentError(f"{text} (the bucket is in another region{f', {region}' if region else ''}"
+                                         ": set spec.checkpoint.region, and the endpoint, to the bucket's)")
         if code in _ACCESS_CODES or (code not in _PERMANENT_CODES and status in (401, 403, 404)):
             return StorageAccessError(text)
         if code in _PERMANENT_CODES or status in (400, 405):
