@@ -410,6 +410,9 @@ def _make_client(config: StorageConfig) -> Any:
                                  max(config.file_concurrency, config.upload_file_concurrency) * config.max_concurrency),
         # S3-compatible servers (MinIO) address buckets by path, not by host.
         s3={"addressing_style": "path" if config.endpoint_url else "auto"},
+        # None leaves botocore's own setting (StorageConfig: `when_required` for a custom endpoint).
+        request_checksum_calculation=config.request_checksum_calculation,
+        response_checksum_validation=config.response_checksum_validation,
     )
     return boto3.session.Session().client(
         "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config

@@ -62,6 +62,13 @@ class StorageConfig:
     """Files of one checkpoint uploaded at once by the commit protocol. Each starts only after a fence
     check and is cut within one part by it, so what a zombie writes after a newer claim is bounded by
     this many in-flight requests (commit.py); 1 uploads one file after another."""
+    request_checksum_calculation: str | None = None
+    response_checksum_validation: str | None = None
+    """botocore's integrity checksums (`when_supported` or `when_required`); None: botocore's own setting
+    (AWS_REQUEST_CHECKSUM_CALCULATION / AWS_RESPONSE_CHECKSUM_VALIDATION, else `when_supported`). `from_env`
+    makes them `when_required` for a custom endpoint unless those variables say otherwise: many S3-compatible
+    stores refuse or mishandle botocore's default CRC32 headers and aws-chunked uploads, and the manifest's
+    digests already check every file end to end."""
     test_upload_bytes_per_second: int = 0
     """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
     test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
@@ -75,12 +82,20 @@ class StorageConfig:
             rate = -1
         if rate < 0:
             raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
+        endpoint = env.get("AWS_ENDPOINT_URL") or None
+        checksums = {name: "when_required" for name, variable in _CHECKSUM_ENV.items()
+                     if endpoint and not env.get(variable, "").strip()}
         return cls(
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
-            endpoint_url=env.get("AWS_ENDPOINT_URL") or None,
+            endpoint_url=endpoint,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **{"test_upload_bytes_per_second": rate, **overrides},
+            **{"test_upload_bytes_per_second": rate, **checksums, **overrides},
         )
+
+
+_CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",
+                 "response_checksum_validation": "AWS_RESPONSE_CHECKSUM_VALIDATION"}
+"""botocore's own variables for `StorageConfig`'s checksum settings: set in spec.env, they win."""
 
 
 UPLOAD_RATE_ENV = TEST_UPLOAD_RATE
