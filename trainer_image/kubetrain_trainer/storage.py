@@ -70,7 +70,8 @@ class CheckpointStore:
     def __init__(self, config: StorageConfig, *, client: Any | None = None) -> None:
         self.config = config
         self.location = S3Location.parse(config.uri)
-        self._client = client if client is not None else _make_client(config)
+        self._made_client = client
+        self._client_lock = threading.Lock()
         from boto3.s3.transfer import TransferConfig
 
         self._transfer = TransferConfig(
@@ -86,6 +87,16 @@ class CheckpointStore:
         if self._throttle is not None:
             log.warning("%s=%d: uploads are slowed down (a test hook; never set it in production)",
                         UPLOAD_RATE_ENV, config.test_upload_bytes_per_second)
+
+    @property
+    def _client(self) -> Any:
+        """The S3 client, built on first use: inside a call (`_call`), so that what building it raises (EKS
+        Pod Identity's agent not up yet on a fresh node, a profile that is not there) is classified and
+        retried like any other storage failure, never a launcher crash."""
+        with self._client_lock:
+            if self._made_client is None:
+                self._made_client = _make_client(self.config)
+            return self._made_client
 
     # ------------------------------------------------------------ reading
 

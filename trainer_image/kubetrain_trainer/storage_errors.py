@@ -96,12 +96,18 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
+        ConfigNotFound,
         ConnectionError as BotoConnectionError,
         HTTPClientError,
+        InvalidChecksumConfigError,
+        InvalidConfigError,
+        InvalidEndpointConfigurationError,
+        InvalidRegionError,
         NoCredentialsError,
         NoRegionError,
         ParamValidationError,
         PartialCredentialsError,
+        ProfileNotFound,
     )
 
     code = error_code(exc)
@@ -121,7 +127,9 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         if code in _PERMANENT_CODES or status in (400, 405):
             return StoragePermanentError(text)
         return StorageTemporaryError(text)
-    if isinstance(exc, (ParamValidationError, NoRegionError)):  # the request can never be valid as configured
+    if isinstance(exc, (ParamValidationError, NoRegionError,  # the request can never be valid as configured
+                        ProfileNotFound, ConfigNotFound, InvalidConfigError, InvalidChecksumConfigError,
+                        InvalidEndpointConfigurationError, InvalidRegionError)):  # nor the client (AWS_* settings)
         return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
     if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
         return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")

@@ -10,7 +10,7 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
-from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, classify
+from kubetrain_trainer.storage_errors import StorageAccessError, StoragePermanentError, StorageTemporaryError, classify
 
 REDIRECT = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>The bucket you '
             b'are attempting to access must be addressed using the specified endpoint.</Message></Error>')
@@ -120,3 +120,45 @@ def test_aws_itself_keeps_botocores_default_checksums(keys):
     assert (cfg.request_checksum_calculation, cfg.response_checksum_validation) == (None, None)
     client = CheckpointStore(cfg)._client
     assert client.meta.config.request_checksum_calculation == "when_supported"
+
+
+def test_credentials_that_are_not_there_yet_at_start_are_retried_not_a_crash(keys, monkeypatch):
+    # EKS Pod Identity: boto3 fetches the credentials from the node's agent as it builds the client; on a
+    # node just scaled up the agent may not answer yet. Built in the constructor, the raw botocore error
+    # crashed the launcher (exit 1, a traceback); now the first call raises a temporary error, retried.
+    from botocore.exceptions import CredentialRetrievalError
+
+    import kubetrain_trainer.storage as storage
+
+    real, tries = storage._make_client, []
+
+    def agent_up_on_second_try(config):
+        tries.append(1)
+        if len(tries) == 1:
+            raise CredentialRetrievalError(provider="container-role", error_msg="Could not connect")
+        return real(config)
+
+    monkeypatch.setattr(storage, "_make_client", agent_up_on_second_try)
+    store = CheckpointStore(StorageConfig(uri="s3://b/p", endpoint_url=ENDPOINT))
+    with pytest.raises(StorageTemporaryError, match="container-role"):
+        store.check_access()
+    _answering(store, 200, b"", {})
+    store.check_access()
+    assert len(tries) == 2
+
+
+def test_a_profile_that_is_not_there_is_a_permanent_error(keys, monkeypatch, tmp_path):
+    (tmp_path / "config").write_text("")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "training")
+    store = CheckpointStore(StorageConfig(uri="s3://b/p", endpoint_url=ENDPOINT))
+    with pytest.raises(StoragePermanentError, match="ProfileNotFound"):
+        store.check_access()
+
+
+def test_a_checksum_setting_botocore_refuses_is_a_permanent_error(keys, monkeypatch):
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "always")
+    store = CheckpointStore(StorageConfig.from_env(_env(AWS_ENDPOINT_URL=ENDPOINT,
+                                                        AWS_REQUEST_CHECKSUM_CALCULATION="always")))
+    with pytest.raises(StoragePermanentError, match="InvalidChecksumConfigError"):
+        store.check_access()
