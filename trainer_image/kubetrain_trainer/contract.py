@@ -102,6 +102,12 @@ CHECKPOINT_SETTLE = "KUBETRAIN_CHECKPOINT_SETTLE_SECONDS"
 CHECKPOINT_COMMIT = "KUBETRAIN_CHECKPOINT_COMMIT"
 TERMINATION_LOG = "KUBETRAIN_TERMINATION_LOG"
 S3_AUTH_RETRY = "KUBETRAIN_S3_AUTH_RETRY_SECONDS"
+S3_SSE = "KUBETRAIN_S3_SSE"
+"""Server-side encryption the store is asked for on every object written (x-amz-server-side-encryption):
+for a bucket policy that refuses writes without it. Unset: the bucket's default encryption."""
+S3_SSE_VALUES = ("AES256", "aws:kms", "aws:kms:dsse")
+S3_SSE_KMS_KEY_ID = "KUBETRAIN_S3_SSE_KMS_KEY_ID"
+"""The KMS key (id, ARN or alias) of `aws:kms`/`aws:kms:dsse`; unset: the account's S3 key (aws/s3)."""
 
 # --- test hooks (docs/contract.md, "Test hooks"): off unless set ---------------------------
 TEST_HOLD_AT_STEP = "KUBETRAIN_TEST_HOLD_AT_STEP"

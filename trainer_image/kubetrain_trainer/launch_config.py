@@ -32,6 +32,9 @@ from kubetrain_trainer.contract import (
     POD_NAME,
     RESTORE_TIMEOUT,
     S3_AUTH_RETRY,
+    S3_SSE,
+    S3_SSE_KMS_KEY_ID,
+    S3_SSE_VALUES,
     STRATEGY,
     TERMINATION_GRACE_SECONDS,
     TERMINATION_LOG,
@@ -144,6 +147,11 @@ class LaunchConfig:
             raise ConfigError(f"{CHECKPOINT_COMMIT}: unknown value {commit_mode!r}; allowed: auto, marker")
         metrics_port = _int(env, METRICS_PORT, DEFAULT_PORT, minimum=0)
         _int(env, TEST_UPLOAD_RATE, 0, minimum=0)  # checked here (exit 82); storage reads it
+        sse = env.get(S3_SSE, "").strip()  # as TEST_UPLOAD_RATE: checked here, read by storage
+        if sse and sse not in S3_SSE_VALUES:
+            raise ConfigError(f"{S3_SSE}: unknown value {sse!r}; allowed: {', '.join(S3_SSE_VALUES)}")
+        if env.get(S3_SSE_KMS_KEY_ID, "").strip() and not sse.startswith("aws:kms"):
+            raise ConfigError(f"{S3_SSE_KMS_KEY_ID}: needs {S3_SSE}=aws:kms (or aws:kms:dsse)")
         for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
             if value > 65535:
                 raise ConfigError(f"{name}: {value} is not a TCP port")

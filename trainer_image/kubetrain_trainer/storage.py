@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -63,7 +64,6 @@ class _Throttle:
             self.sleep(wait)
 
 
-
 class CheckpointStore:
     """Checkpoints of one job in one S3 location. Thread-safe for concurrent calls."""
 
@@ -82,6 +82,8 @@ class CheckpointStore:
         )
         self._throttle = _Throttle(config.test_upload_bytes_per_second) if config.test_upload_bytes_per_second \
             else None
+        self._encryption = {k: v for k, v in (("ServerSideEncryption", config.server_side_encryption),
+                                              ("SSEKMSKeyId", config.sse_kms_key_id)) if v}  # every object written
         self.bytes_sent = 0
         """Bytes its uploads have sent so far, counted as they go out (the uploader's rate estimate)."""
         if self._throttle is not None:
@@ -90,9 +92,8 @@ class CheckpointStore:
 
     @property
     def _client(self) -> Any:
-        """The S3 client, built on first use: inside a call (`_call`), so that what building it raises (EKS
-        Pod Identity's agent not up yet on a fresh node, a profile that is not there) is classified and
-        retried like any other storage failure, never a launcher crash."""
+        """The S3 client, built on first use inside a call (`_call`): what building it raises (Pod Identity's
+        agent not up yet, a missing profile) is a storage failure like any other, never a launcher crash."""
         with self._client_lock:
             if self._made_client is None:
                 self._made_client = _make_client(self.config)
@@ -255,7 +256,9 @@ class CheckpointStore:
             if still_allowed is not None:
                 still_allowed()
 
-        extra = {"Callback": progress} if still_allowed is not None or throttle is not None else {}
+        extra: dict[str, Any] = {"Callback": progress} if still_allowed is not None or throttle is not None else {}
+        if self._encryption:
+            extra["ExtraArgs"] = self._encryption
         self._call("upload", key, lambda: self._client.upload_file(
             str(local), self.location.bucket, key, Config=self._transfer, **extra
         ))
@@ -263,7 +266,7 @@ class CheckpointStore:
     def put_bytes(self, step: int, rel: str, data: bytes, *, folder: str | None = None) -> None:
         key = self.location.key(folder or checkpoint_dirname(step), rel)
         self._call("put", key, lambda: self._client.put_object(
-            Bucket=self.location.bucket, Key=key, Body=data, ContentType="application/json"
+            Bucket=self.location.bucket, Key=key, Body=data, ContentType="application/json", **self._encryption
         ))
 
     def read_named_manifest(self, folder: str) -> Manifest | None:
@@ -438,12 +441,8 @@ def _same_fs(a: Path, b: Path) -> bool:
 
 
 def _copy(src: Path, dst: Path) -> None:
-    import shutil
-
     shutil.copyfile(src, dst)
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)

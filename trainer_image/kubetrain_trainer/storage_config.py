@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kubetrain_trainer.contract import TEST_UPLOAD_RATE
+from kubetrain_trainer.contract import S3_SSE, S3_SSE_KMS_KEY_ID, TEST_UPLOAD_RATE
 from kubetrain_trainer.storage_errors import StoragePermanentError
 
 
@@ -69,6 +69,11 @@ class StorageConfig:
     makes them `when_required` for a custom endpoint unless those variables say otherwise: many S3-compatible
     stores refuse or mishandle botocore's default CRC32 headers and aws-chunked uploads, and the manifest's
     digests already check every file end to end."""
+    server_side_encryption: str | None = None
+    """`KUBETRAIN_S3_SSE` (AES256, aws:kms, aws:kms:dsse), asked for on every object written; None: the
+    bucket's default encryption."""
+    sse_kms_key_id: str | None = None
+    """`KUBETRAIN_S3_SSE_KMS_KEY_ID`: the KMS key of aws:kms; None: the account's S3 key."""
     test_upload_bytes_per_second: int = 0
     """TEST HOOK (`KUBETRAIN_TEST_UPLOAD_BYTES_PER_SECOND`; 0 = off): caps this pod's upload bandwidth, so a
     test on a fast loopback store can make a checkpoint's upload take as long as a real link would."""
@@ -89,7 +94,8 @@ class StorageConfig:
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
             endpoint_url=endpoint,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **{"test_upload_bytes_per_second": rate, **checksums, **overrides},
+            **{"test_upload_bytes_per_second": rate, "server_side_encryption": env.get(S3_SSE, "").strip() or None,
+               "sse_kms_key_id": env.get(S3_SSE_KMS_KEY_ID, "").strip() or None, **checksums, **overrides},
         )
 
 

@@ -162,3 +162,46 @@ def test_a_checksum_setting_botocore_refuses_is_a_permanent_error(keys, monkeypa
                                                         AWS_REQUEST_CHECKSUM_CALCULATION="always")))
     with pytest.raises(StoragePermanentError, match="InvalidChecksumConfigError"):
         store.check_access()
+
+
+def _sse(request: Any) -> tuple[str | None, str | None]:
+    h = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+    return h.get("x-amz-server-side-encryption"), h.get("x-amz-server-side-encryption-aws-kms-key-id")
+
+
+def test_every_object_written_asks_for_the_server_side_encryption_set(keys, tmp_path):
+    # A bucket policy that denies s3:PutObject without x-amz-server-side-encryption = aws:kms (a common
+    # compliance rule) refused every upload: kubetrain had no way to ask for it.
+    key = "arn:aws:kms:eu-west-1:111122223333:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+    cfg = StorageConfig.from_env(_env(KUBETRAIN_S3_SSE="aws:kms", KUBETRAIN_S3_SSE_KMS_KEY_ID=key),
+                                 multipart_threshold=5 << 20, multipart_chunksize=5 << 20, max_concurrency=1)
+    store = CheckpointStore(cfg)
+    body = (b"<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId>"
+            b"</InitiateMultipartUploadResult>")
+    sent = _answering(store, 200, body, PUT_OK)
+    (tmp_path / "small.json").write_bytes(b"{}")
+    (tmp_path / "w.bin").write_bytes(b"\0" * (6 << 20))
+    store.put_bytes(1, "manifest.json", b"{}")
+    store.upload_file(1, tmp_path / "small.json", "small.json")
+    store.upload_file(1, tmp_path / "w.bin", "w.bin")
+    kms = ("aws:kms", key)
+    # put, upload (one PUT), create multipart (the parts and the completion carry none: S3 refuses them there)
+    assert [_sse(r) for r in sent] == [kms, kms, kms, (None, None), (None, None), (None, None)]
+
+
+def test_no_encryption_header_unless_asked(keys):
+    store = CheckpointStore(StorageConfig.from_env(_env()))
+    sent = _answering(store, 200, b"", PUT_OK)
+    store.put_bytes(1, "manifest.json", b"{}")
+    assert _sse(sent[0]) == (None, None)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KUBETRAIN_S3_SSE": "kms"}, "KUBETRAIN_S3_SSE: unknown value 'kms'"),
+    ({"KUBETRAIN_S3_SSE": "AES256", "KUBETRAIN_S3_SSE_KMS_KEY_ID": "alias/ml"}, "needs KUBETRAIN_S3_SSE=aws:kms"),
+])
+def test_an_encryption_setting_s3_would_refuse_is_invalid_configuration(env, message):
+    from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
+
+    with pytest.raises(ConfigError, match=message):
+        LaunchConfig.from_env(env, [])
