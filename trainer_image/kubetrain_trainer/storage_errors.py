@@ -108,6 +108,7 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         ParamValidationError,
         PartialCredentialsError,
         ProfileNotFound,
+        SSLError,
     )
 
     code = error_code(exc)
@@ -131,6 +132,9 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
                         ProfileNotFound, ConfigNotFound, InvalidConfigError, InvalidChecksumConfigError,
                         InvalidEndpointConfigurationError, InvalidRegionError)):  # nor the client (AWS_* settings)
         return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
+    if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):  # the same on every retry
+        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))} (a store with a "
+                                     "private CA: mount its certificate and point AWS_CA_BUNDLE at it in spec.env)")
     if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
         return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
     if isinstance(exc, BotoCoreError):
