@@ -34,7 +34,7 @@ from kubetrain_trainer.layout import (
     parse_claim_name,
 )
 from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
-from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig
+from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig, content_md5_instead_of_crc32
 from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_trainer.storage_errors import (
     PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, TransferStopped, classify, error_code,
@@ -428,9 +428,11 @@ def _make_client(config: StorageConfig) -> Any:
         request_checksum_calculation=config.request_checksum_calculation,
         response_checksum_validation=config.response_checksum_validation,
     )
-    return boto3.session.Session().client(
-        "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config
-    )
+    client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, region_name=config.region,
+                                            config=boto_config)
+    if config.endpoint_url:  # an S3-compatible store: DeleteObjects with Content-MD5, as before botocore 1.36
+        client.meta.events.register("before-call.s3.DeleteObjects", content_md5_instead_of_crc32)
+    return client
 
 
 def _same_fs(a: Path, b: Path) -> bool:

@@ -6,6 +6,8 @@ module that talks to S3) acts on it and re-exports both names.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -102,6 +104,17 @@ class StorageConfig:
 _CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",
                  "response_checksum_validation": "AWS_RESPONSE_CHECKSUM_VALIDATION"}
 """botocore's own variables for `StorageConfig`'s checksum settings: set in spec.env, they win."""
+
+
+def content_md5_instead_of_crc32(params: dict[str, Any], **_kwargs: Any) -> None:
+    """botocore's `before-call.s3.DeleteObjects` hook for a custom endpoint: the request's Content-MD5, as botocore
+    sent it before 1.36, in place of the CRC32 it sends since whatever the checksum setting (DeleteObjects requires
+    one); stores that require Content-MD5 (older MinIO, Ceph RGW) answer the CRC32 alone with MissingContentMD5."""
+    body = params.get("body")
+    if isinstance(body, bytes) and "Content-MD5" not in params["headers"]:
+        params["headers"]["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        params.get("context", {}).get("checksum", {}).pop("request_algorithm", None)  # botocore then adds no CRC32
+        params.get("context", {}).get("checksum", {}).pop("request_algorithm_header", None)
 
 
 UPLOAD_RATE_ENV = TEST_UPLOAD_RATE

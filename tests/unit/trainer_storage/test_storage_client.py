@@ -105,6 +105,30 @@ def test_a_multipart_upload_to_a_custom_endpoint_names_no_checksum_algorithm(key
     assert [_checksum_headers(r) for r in sent] == [{}] * 4
 
 
+def test_a_custom_endpoint_gets_delete_objects_content_md5_as_before_botocore_1_36(keys):
+    # DeleteObjects requires a checksum whatever the setting: botocore >= 1.36 sends CRC32 where it sent
+    # Content-MD5, and stores that require Content-MD5 (older MinIO, Ceph RGW) answer MissingContentMD5, so
+    # retention deleted each old checkpoint's manifest and left its files in the bucket for good.
+    import base64
+    import hashlib
+
+    listing = (b"<ListBucketResult><Name>b</Name><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated>"
+               b"<Contents><Key>p/checkpoint-1/w.bin</Key><Size>1</Size></Contents></ListBucketResult>")
+    store = CheckpointStore(StorageConfig.from_env(_env(AWS_ENDPOINT_URL=ENDPOINT)))
+    sent = _answering(store, 200, listing, PUT_OK)
+    store.delete_checkpoint(1)
+    bulk = [r for r in sent if r.url.endswith("?delete")]
+    assert len(bulk) == 1 and _checksum_headers(bulk[0]) == {}
+    assert bulk[0].headers["Content-MD5"] == base64.b64encode(hashlib.md5(bulk[0].body).digest())
+
+
+def test_aws_itself_keeps_botocores_delete_objects_checksum(keys):
+    store = CheckpointStore(StorageConfig.from_env(_env()))
+    sent = _answering(store, 200, b"<DeleteResult></DeleteResult>", PUT_OK)
+    store._client.delete_objects(Bucket="b", Delete={"Objects": [{"Key": "k"}]})
+    assert "Content-MD5" not in sent[0].headers and "x-amz-checksum-crc32" in _checksum_headers(sent[0])
+
+
 def test_the_checksum_variables_in_spec_env_still_win(keys, monkeypatch):
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_supported")
     cfg = StorageConfig.from_env(_env(AWS_ENDPOINT_URL=ENDPOINT, AWS_REQUEST_CHECKSUM_CALCULATION="when_supported"))
