@@ -175,7 +175,7 @@ class CheckpointStore:
                     if _same_fs(existing, staging):
                         os.link(existing, target)
                     else:
-                        _copy(existing, target)
+                        shutil.copyfile(existing, target)
         except HashCancelled:
             raise TransferStopped(f"checkpoint-{manifest.step}: stopped (SIGTERM) checking local files") from None
         try:
@@ -191,11 +191,11 @@ class CheckpointStore:
                              manifest.total_bytes >> 20, node.ranks[0], node.ranks[-1])
             self._fetch_all(manifest.step, [f for f in wanted if not (staging / f.path).exists()], staging, cancelled)
         except ChecksumError:
-            _rmtree(staging)
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         (staging / MANIFEST_NAME).write_bytes(manifest.to_json())
         if final.exists():
-            _rmtree(final)
+            shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         return final
 
@@ -412,6 +412,7 @@ def _make_client(config: StorageConfig) -> Any:
     that botocore refreshes by itself before they expire, also in the middle of a transfer."""
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import NoCredentialsError
 
     # Our own retry loop (with a deadline) sits above this; botocore's
     # standard mode covers the fast retries of a single request.
@@ -428,8 +429,10 @@ def _make_client(config: StorageConfig) -> Any:
         request_checksum_calculation=config.request_checksum_calculation,
         response_checksum_validation=config.response_checksum_validation,
     )
-    client = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url, region_name=config.region,
-                                            config=boto_config)
+    session = boto3.session.Session()
+    if session.get_credentials() is None:  # none found yet (IMDS slow or throttled): no client, the next call looks again
+        raise NoCredentialsError()
+    client = session.client("s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config)
     if config.endpoint_url:  # an S3-compatible store: DeleteObjects with Content-MD5, as before botocore 1.36
         client.meta.events.register("before-call.s3.DeleteObjects", content_md5_instead_of_crc32)
     return client
@@ -440,11 +443,3 @@ def _same_fs(a: Path, b: Path) -> bool:
         return a.stat().st_dev == b.stat().st_dev
     except OSError:
         return False
-
-
-def _copy(src: Path, dst: Path) -> None:
-    shutil.copyfile(src, dst)
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

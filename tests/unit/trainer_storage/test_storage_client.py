@@ -171,6 +171,28 @@ def test_credentials_that_are_not_there_yet_at_start_are_retried_not_a_crash(key
     assert len(tries) == 2
 
 
+def test_credentials_the_chain_finds_only_on_a_later_look_are_used(keys, monkeypatch, tmp_path):
+    # The instance role (spec.checkpoint ambient): boto3 asks IMDS as it builds the client, and a throttled or
+    # slow IMDS (many pods starting on a node) finds nothing, without an error. The client built then had no
+    # credentials for good: every retry of the access window failed alike, then the pod exited 82 and the job
+    # failed for good, however soon IMDS answered. Now a client is built only once credentials are found.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # nothing found: as IMDS not answering in time
+    for name in ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    store = CheckpointStore(StorageConfig(uri="s3://b/p", endpoint_url=ENDPOINT))
+    with pytest.raises(StorageAccessError, match="no S3 credentials"):
+        store.check_access()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEEXAMPLE")  # what the chain finds on its next look
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)
+    _answering(store, 200, b"", {})
+    store.check_access()
+
+
 def test_a_profile_that_is_not_there_is_a_permanent_error(keys, monkeypatch, tmp_path):
     (tmp_path / "config").write_text("")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
