@@ -34,7 +34,8 @@ from kubetrain_trainer.layout import (
     parse_claim_name,
 )
 from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
-from kubetrain_trainer.storage_config import UPLOAD_RATE_ENV, S3Location, StorageConfig, content_md5_instead_of_crc32
+from kubetrain_trainer.storage_config import (UPLOAD_RATE_ENV, S3Location, StorageConfig, content_md5_instead_of_crc32,
+                                              s3_compatible)
 from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_trainer.storage_errors import (
     PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, TransferStopped, classify, error_code,
@@ -433,7 +434,7 @@ def _make_client(config: StorageConfig) -> Any:
     if session.get_credentials() is None:  # none found yet (IMDS slow or throttled): no client, the next call looks again
         raise NoCredentialsError()
     client = session.client("s3", endpoint_url=config.endpoint_url, region_name=config.region, config=boto_config)
-    if config.endpoint_url:  # an S3-compatible store: DeleteObjects with Content-MD5, as before botocore 1.36
+    if s3_compatible(config.endpoint_url):  # DeleteObjects with Content-MD5, as before botocore 1.36
         client.meta.events.register("before-call.s3.DeleteObjects", content_md5_instead_of_crc32)
     return client
 

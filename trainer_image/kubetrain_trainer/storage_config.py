@@ -10,6 +10,7 @@ import base64
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from kubetrain_trainer.contract import S3_SSE, S3_SSE_KMS_KEY_ID, TEST_UPLOAD_RATE
 from kubetrain_trainer.storage_errors import StoragePermanentError
@@ -68,9 +69,9 @@ class StorageConfig:
     response_checksum_validation: str | None = None
     """botocore's integrity checksums (`when_supported` or `when_required`); None: botocore's own setting
     (AWS_REQUEST_CHECKSUM_CALCULATION / AWS_RESPONSE_CHECKSUM_VALIDATION, else `when_supported`). `from_env`
-    makes them `when_required` for a custom endpoint unless those variables say otherwise: many S3-compatible
-    stores refuse or mishandle botocore's default CRC32 headers and aws-chunked uploads, and the manifest's
-    digests already check every file end to end."""
+    makes them `when_required` for a custom endpoint other than AWS's own (`s3_compatible`) unless those
+    variables say otherwise: many S3-compatible stores refuse or mishandle botocore's default CRC32 headers and
+    aws-chunked uploads, and the manifest's digests already check every file end to end."""
     server_side_encryption: str | None = None
     """`KUBETRAIN_S3_SSE` (AES256, aws:kms, aws:kms:dsse), asked for on every object written; None: the
     bucket's default encryption."""
@@ -91,7 +92,7 @@ class StorageConfig:
             raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
         endpoint = env.get("AWS_ENDPOINT_URL") or None
         checksums = {name: "when_required" for name, variable in _CHECKSUM_ENV.items()
-                     if endpoint and not env.get(variable, "").strip()}
+                     if s3_compatible(endpoint) and not env.get(variable, "").strip()}
         return cls(
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
             endpoint_url=endpoint,
@@ -104,6 +105,13 @@ class StorageConfig:
 _CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",
                  "response_checksum_validation": "AWS_RESPONSE_CHECKSUM_VALIDATION"}
 """botocore's own variables for `StorageConfig`'s checksum settings: set in spec.env, they win."""
+
+
+def s3_compatible(endpoint_url: str | None) -> bool:
+    """Whether `endpoint_url` is another store than AWS S3, which keeps botocore's defaults also behind an endpoint
+    URL (regional, FIPS, a VPC interface endpoint): a bucket with Object Lock retention refuses a PUT without one."""
+    host = (urlsplit(endpoint_url).hostname or "") if endpoint_url else ""
+    return bool(endpoint_url) and not host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
 
 def content_md5_instead_of_crc32(params: dict[str, Any], **_kwargs: Any) -> None:

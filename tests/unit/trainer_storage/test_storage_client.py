@@ -146,6 +146,22 @@ def test_aws_itself_keeps_botocores_default_checksums(keys):
     assert client.meta.config.request_checksum_calculation == "when_supported"
 
 
+@pytest.mark.parametrize("endpoint", ["https://s3.us-east-1.amazonaws.com", "https://s3-fips.us-gov-west-1.amazonaws.com",
+                                      "https://bucket.vpce-0a1b2c3d-e4f5g6h7.s3.us-east-1.vpce.amazonaws.com",
+                                      "https://s3.cn-north-1.amazonaws.com.cn"])
+def test_aws_behind_an_endpoint_url_keeps_botocores_default_checksums(keys, endpoint):
+    # AWS itself through AWS_ENDPOINT_URL (a regional, FIPS or VPC interface endpoint): with 'when_required' a PUT
+    # carried no checksum at all, and a bucket with Object Lock default retention refuses that ("Content-MD5 OR
+    # x-amz-checksum- HTTP header is required"): every upload and the start's claim failed, exit 82.
+    cfg = StorageConfig.from_env(_env(AWS_ENDPOINT_URL=endpoint))
+    assert (cfg.request_checksum_calculation, cfg.response_checksum_validation) == (None, None)
+    store = CheckpointStore(cfg)
+    sent = _answering(store, 200, b"<DeleteResult></DeleteResult>", PUT_OK)
+    store.put_bytes(1, "x.json", b"{}")
+    store._client.delete_objects(Bucket="b", Delete={"Objects": [{"Key": "k"}]})
+    assert [bool(_checksum_headers(r)) for r in sent] == [True, True] and "Content-MD5" not in sent[1].headers
+
+
 def test_credentials_that_are_not_there_yet_at_start_are_retried_not_a_crash(keys, monkeypatch):
     # EKS Pod Identity: boto3 fetches the credentials from the node's agent as it builds the client; on a
     # node just scaled up the agent may not answer yet. Built in the constructor, the raw botocore error
