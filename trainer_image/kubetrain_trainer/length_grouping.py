@@ -39,17 +39,15 @@ def length_grouped_order(permutation: Sequence[int], lengths: Sequence[int], gro
     return [i for megabatch in megabatches for i in megabatch]
 
 
-class LengthGroupedSampler(ResumableDistributedSampler):
-    """The resumable sampler's epochs in HF's length-grouped order, dealt to the ranks in whole batches."""
+class BatchDealtSampler(ResumableDistributedSampler):
+    """The resumable sampler's epochs dealt to the ranks in whole batches of `batch_size`, as accelerate deals a
+    sampler's order in HF (`train_sampling_strategy` sequential and group_by_length: a batch is a run of the order)."""
 
-    def __init__(self, lengths: Sequence[int], *, batch_size: int, group: int, num_replicas: int = 1, rank: int = 0,
-                 seed: int = 0, drop_last: bool = False):
-        super().__init__(len(lengths), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
+    def __init__(self, dataset_len: int, *, batch_size: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        super().__init__(dataset_len, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
-        self.lengths, self.batch_size, self.group = list(lengths), batch_size, group
-
-    def permutation(self) -> list[int]:
-        return length_grouped_order(super().permutation(), self.lengths, self.group)
+        self.batch_size = batch_size
 
     def __iter__(self):
         rest = self.epoch_order()[self.start_sample:]
@@ -58,6 +56,19 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         first = self.rank * self.batch_size
         mine = [i for start in range(first, whole, round_) for i in rest[start:start + self.batch_size]]
         return iter(mine + rest[whole + self.rank::self.num_replicas])  # the tail is a multiple of the world
+
+
+class LengthGroupedSampler(BatchDealtSampler):
+    """The resumable sampler's epochs in HF's length-grouped order, dealt to the ranks in whole batches."""
+
+    def __init__(self, lengths: Sequence[int], *, batch_size: int, group: int, num_replicas: int = 1, rank: int = 0,
+                 seed: int = 0, drop_last: bool = False):
+        super().__init__(len(lengths), batch_size=batch_size, num_replicas=num_replicas, rank=rank, shuffle=True,
+                         seed=seed, drop_last=drop_last)
+        self.lengths, self.group = list(lengths), group
+
+    def permutation(self) -> list[int]:
+        return length_grouped_order(super().permutation(), self.lengths, self.group)
 
 
 def dataset_lengths(dataset: Any, *, column: str, model_input_name: str) -> list[int]:

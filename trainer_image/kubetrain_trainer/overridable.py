@@ -51,7 +51,7 @@ from . import optim
 from .data import (IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
                    to_device)
 from .evaluation import call_model, count_items, extract_loss
-from .length_grouping import LengthGroupedSampler, dataset_lengths
+from .length_grouping import BatchDealtSampler, LengthGroupedSampler, dataset_lengths
 
 logger = logging.getLogger("kubetrain_trainer")
 
@@ -149,9 +149,10 @@ class OverridableMixin:
         args = self.args
         common = dict(num_replicas=world, rank=dist_util.rank(), seed=args.data_seed,
                       drop_last=args.dataloader_drop_last)
+        if args.train_sampling_strategy == "sequential":  # HF's order as accelerate deals it: a batch is a run of rows
+            return BatchDealtSampler(len(dataset), batch_size=args.per_device_train_batch_size, shuffle=False, **common)
         if not args.group_by_length:
-            return ResumableDistributedSampler(len(dataset), shuffle=args.train_sampling_strategy != "sequential",
-                                               **common)
+            return ResumableDistributedSampler(len(dataset), shuffle=True, **common)
         names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]  # HF's choice
         lengths = dataset_lengths(dataset, column=args.length_column_name, model_input_name=names[0])
         return LengthGroupedSampler(lengths, batch_size=args.per_device_train_batch_size,

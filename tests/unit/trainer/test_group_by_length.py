@@ -227,6 +227,20 @@ def test_train_sampling_strategy_sequential_trains_the_rows_in_order(make_args):
     assert seen == [list(range(i, i + 4)) for i in range(0, 40, 4)] + [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_train_sampling_strategy_sequential_gives_each_rank_runs_of_rows_as_hf(make_args, monkeypatch):
+    # HF: a SequentialSampler that accelerate deals in whole batches (rank r: rows r*bs.., then (r+world)*bs..).
+    # Dealt row by row instead, rank 0 trained rows 0, 2, 4, 6 and rank 1 rows 1, 3, 5, 7: a batch was never a
+    # run of the data (consecutive pairs, pre-packed or pre-sorted batches split across ranks).
+    trainer = _trainer(make_args, [], group_by_length=False, train_sampling_strategy="sequential")
+    monkeypatch.setattr(dist_util, "world_size", lambda: 2)
+    per_rank = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dist_util, "rank", lambda rank=rank: rank)
+        per_rank.append([b["idx"].tolist() for b in trainer.get_train_dataloader()])
+    assert per_rank[0][:2] == [[0, 1, 2, 3], [8, 9, 10, 11]] and per_rank[1][:2] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert sorted(sum(sum(per_rank, []), [])) == list(range(40))
+
+
 def test_train_sampling_strategies_kubetrain_has_not_or_that_conflict_are_refused():
     with pytest.raises(ConfigError, match="train_sampling_strategy: 'batch_rebalance' is not one of 'random', "
                                           "'sequential', 'group_by_length'"):
