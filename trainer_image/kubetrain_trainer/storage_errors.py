@@ -132,8 +132,9 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
                         ProfileNotFound, ConfigNotFound, InvalidConfigError, InvalidChecksumConfigError,
                         InvalidEndpointConfigurationError, InvalidRegionError)):  # nor the client (AWS_* settings)
         return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
-    if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):  # the same on every retry
-        return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))} (a store with a "
+    if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):  # retried within the access window
+        # (a certificate rotated ahead of its CA bundle's mount, a node clock not yet synced), then exit 82
+        return StorageAccessError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))} (a store with a "
                                      "private CA: mount its certificate and point AWS_CA_BUNDLE at it in spec.env)")
     if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
         return StorageTemporaryError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
