@@ -189,7 +189,10 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "hostname": get_hostname(job.name, rank),
         "subdomain": job.name,
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        # The job's user and group IDs (never 0), while runAsNonRoot and the seccomp profile stay
+        # kubetrain's: PodSecurity "restricted" keeps admitting the pods.
+        "securityContext": {**dict(tpl.get("securityContext") or {}), "runAsNonRoot": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         # No API token unless the job asks for one: the trainer needs none, and a token in the pod
         # would hand whatever rights its ServiceAccount has to every library the training code loads.

@@ -1,7 +1,8 @@
 """Container resources in a TrainingJob's spec, as the pod API reads them: quantities ("500m", "16Gi", "1e3")
 as exact numbers, and `spec.resources` checked the way the API server would check the pods built from it
-(names, whole extended resources, requests within limits). Pure; raises `ResourceError` naming the field,
-which `spec.py` turns into its `SpecError`.
+(names, whole extended resources, requests within limits); likewise the user and group IDs of
+`spec.podTemplate.securityContext`. Pure; raises `ResourceError` naming the field, which `spec.py` turns
+into its `SpecError`.
 """
 
 from __future__ import annotations
@@ -92,3 +93,43 @@ def parse_resources(raw: Any) -> dict[str, Any]:
         if name in limits and number > limits[name]:
             raise ResourceError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
     return raw
+
+
+POD_SECURITY_IDS = ("runAsUser", "runAsGroup", "fsGroup")
+"""The pod securityContext's ID fields a job may set (spec.podTemplate.securityContext), with
+supplementalGroups and fsGroupChangePolicy; runAsNonRoot and seccompProfile are kubetrain's."""
+FS_GROUP_CHANGE_POLICIES = ("OnRootMismatch", "Always")
+MAX_ID = 2**31 - 1
+"""The largest user or group ID the pod API takes."""
+
+
+def parse_pod_security_context(raw: Any) -> dict[str, Any]:
+    """spec.podTemplate.securityContext as the pod gets it: IDs 1 to 2^31-1 (0 is root, which the pods
+    never run as), and only the fields the CRD declares (the API server prunes any other)."""
+    p = "podTemplate.securityContext"
+    if not isinstance(raw, dict):
+        raise ResourceError(p, f"must be an object, got {raw!r}")
+    out: dict[str, Any] = {}
+    for key in POD_SECURITY_IDS:
+        if raw.get(key) is not None:
+            out[key] = _id(raw[key], f"{p}.{key}")
+    if raw.get("supplementalGroups") is not None:
+        groups = raw["supplementalGroups"]
+        if not isinstance(groups, list):
+            raise ResourceError(f"{p}.supplementalGroups", f"must be a list of group IDs, got {groups!r}")
+        out["supplementalGroups"] = [_id(g, f"{p}.supplementalGroups[{i}]") for i, g in enumerate(groups)]
+    policy = raw.get("fsGroupChangePolicy")
+    if policy is not None:
+        if policy not in FS_GROUP_CHANGE_POLICIES:
+            raise ResourceError(f"{p}.fsGroupChangePolicy", f"must be OnRootMismatch or Always, got {policy!r}")
+        out["fsGroupChangePolicy"] = policy
+    return out
+
+
+def _id(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
+        raise ResourceError(path, f"must be an integer from 1 to {MAX_ID}, got {value!r}")
+    if value == 0:
+        raise ResourceError(path, "must not be 0: that is root, and kubetrain's pods run as non-root "
+                                  "(runAsNonRoot); use 1 or more")
+    return value

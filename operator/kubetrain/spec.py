@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from kubetrain.identity import IdentityError, StorageIdentity, WebIdentity, parse_identity
-from kubetrain.resources import QUALIFIED_NAME, ResourceError, parse_resources, quantity
+from kubetrain.resources import QUALIFIED_NAME, ResourceError, parse_pod_security_context, parse_resources, quantity
 
 StrategyType = Literal["ddp", "fsdp", "zero3"]
 BACKOFF_CAP_SECONDS = 300
@@ -134,7 +134,7 @@ class Spec:
     checkpoint: Checkpoint | None = None
     run_policy: RunPolicy = field(default_factory=RunPolicy)
     pod_template: Mapping[str, Any] = field(default_factory=dict)
-    """Overrides merged into every pod (labels, nodeSelector, volumes, ...)."""
+    """Overrides merged into every pod (labels, nodeSelector, volumes, securityContext's IDs, ...)."""
 
     @classmethod
     def from_storage(cls, spec: Mapping[str, Any] | None, *, default_image: str | None = None,
@@ -393,4 +393,9 @@ def _pod_template(raw: Any) -> dict[str, Any]:
             raise SpecError(f"{where}.effect", "must be NoExecute when tolerationSeconds is set")
         if tol.get("operator") == "Exists" and tol.get("value"):
             raise SpecError(f"{where}.value", "must be empty when operator is Exists")
+    if tpl.get("securityContext") is not None:
+        try:
+            tpl["securityContext"] = parse_pod_security_context(tpl["securityContext"])
+        except ResourceError as exc:
+            raise SpecError(exc.field_path, exc.message) from None
     return tpl

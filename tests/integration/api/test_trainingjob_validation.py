@@ -304,6 +304,15 @@ MALFORMED = [
      ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
     ("checkpoint-uri-empty-segment", spec(checkpoint={"uri": "s3://kubetrain-test/jobs//a"}),
      ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
+    ("security-context-root-user", spec(podTemplate={"securityContext": {"runAsUser": 0}}),
+     ["spec.podTemplate.securityContext.runAsUser", "greater than or equal to 1"]),
+    ("security-context-root-supplemental-group", spec(podTemplate={"securityContext": {"supplementalGroups": [0]}}),
+     ["spec.podTemplate.securityContext.supplementalGroups[0]", "greater than or equal to 1"]),
+    ("security-context-run-as-root-allowed", spec(podTemplate={"securityContext": {"runAsNonRoot": False}}),
+     ["spec.podTemplate.securityContext.runAsNonRoot", "unknown field"]),
+    ("security-context-unknown-change-policy",
+     spec(podTemplate={"securityContext": {"fsGroup": 1000, "fsGroupChangePolicy": "Never"}}),
+     ["spec.podTemplate.securityContext.fsGroupChangePolicy", "Unsupported value"]),
 ]
 
 # Counterparts of the rules above that a careless rule would refuse too.
@@ -364,6 +373,9 @@ ACCEPTED = [
           podTemplate={"serviceAccountName": "trainer", "automountServiceAccountToken": False})),
     ("checkpoint-ambient", spec(checkpoint={"credentialsSecret": DELETE, "ambient": {}},
                                 podTemplate={"serviceAccountName": "pod-identity"})),
+    ("security-context-ids", spec(podTemplate={"securityContext": {
+        "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "supplementalGroups": [3000, 2147483647],
+        "fsGroupChangePolicy": "OnRootMismatch"}})),
 ]
 
 

@@ -134,7 +134,9 @@ def test_agreed_field_names_exist(schema):
         *(f"spec.podTemplate.{f}" for f in [
             "labels", "annotations", "nodeSelector", "tolerations", "affinity", "priorityClassName",
             "schedulerName", "serviceAccountName", "automountServiceAccountToken", "imagePullSecrets",
-            "volumes", "volumeMounts"]),
+            "volumes", "volumeMounts", "securityContext.runAsUser", "securityContext.runAsGroup",
+            "securityContext.fsGroup", "securityContext.supplementalGroups",
+            "securityContext.fsGroupChangePolicy"]),
         *(f"status.{f}" for f in [
             "phase", "message", "conditions", "attempt", "restarts", "preemptions", "failures",
             "nodesReady", "nodesTotal", "startTime", "completionTime", "nextAttemptTime",

@@ -94,6 +94,24 @@ def test_the_checker_catches_mistakes(schema):
     assert any(f.startswith("spec.podTemplate.priorityClassName: '' does not match") for f in found)
 
 
+@pytest.mark.parametrize("context, found", [
+    ({"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "supplementalGroups": [2000],
+      "fsGroupChangePolicy": "OnRootMismatch"}, []),
+    ({"runAsUser": 0}, ["spec.podTemplate.securityContext.runAsUser: 0 outside 1..2147483647"]),
+    ({"fsGroup": 0}, ["spec.podTemplate.securityContext.fsGroup: 0 outside 1..2147483647"]),
+    ({"supplementalGroups": [0]}, ["spec.podTemplate.securityContext.supplementalGroups[0]: 0 outside 1..2147483647"]),
+    ({"runAsGroup": 2**31}, ["spec.podTemplate.securityContext.runAsGroup: 2147483648 outside 1..2147483647"]),
+    ({"fsGroupChangePolicy": "Never"},
+     ["spec.podTemplate.securityContext.fsGroupChangePolicy: 'Never' not in ['OnRootMismatch', 'Always']"]),
+    ({"runAsNonRoot": False}, ["spec.podTemplate.securityContext.runAsNonRoot: unknown field"]),
+    ({"seccompProfile": {"type": "Unconfined"}}, ["spec.podTemplate.securityContext.seccompProfile: unknown field"]),
+    ({"privileged": True}, ["spec.podTemplate.securityContext.privileged: unknown field"]),
+])
+def test_the_pod_security_context_takes_ids_of_1_or_more_and_nothing_that_loosens_the_pods(schema, context, found):
+    spec = {"image": "x", "trainer": {"command": ["python"]}, "podTemplate": {"securityContext": context}}
+    assert problems(spec, schema["properties"]["spec"], "spec") == found
+
+
 def test_demo_job_is_what_the_brief_promises():
     doc = yaml.safe_load((ROOT / "examples" / "trainingjob.yaml").read_text())["spec"]
     assert doc["trainer"]["builtin"]["task"] == "causal-lm"

@@ -25,6 +25,10 @@ def tolerations(*items: dict) -> dict:
     return {"podTemplate": {"tolerations": list(items)}}
 
 
+def ids(**context: object) -> dict:
+    return {"podTemplate": {"securityContext": context}}
+
+
 CKPT = {"credentialsSecret": {"name": "s3"}}
 
 
@@ -91,6 +95,17 @@ REFUSED = [
      "only with spec.strategy.type fsdp"),
     ({**builtin_args(fsdp_config={"cpu_offload": True}), "strategy": {"type": "fsdp"}},
      "trainer.builtin.args.fsdp_config.cpu_offload", "spec.strategy.fsdp.cpuOffload"),
+    (ids(runAsUser=0), "podTemplate.securityContext.runAsUser", "root"),
+    (ids(runAsGroup=0), "podTemplate.securityContext.runAsGroup", "root"),
+    (ids(fsGroup=0), "podTemplate.securityContext.fsGroup", "root"),
+    (ids(supplementalGroups=[100, 0]), "podTemplate.securityContext.supplementalGroups[1]", "root"),
+    (ids(runAsUser=-1), "podTemplate.securityContext.runAsUser", "from 1 to 2147483647"),
+    (ids(fsGroup=2**31), "podTemplate.securityContext.fsGroup", "from 1 to 2147483647"),
+    (ids(runAsUser="1000"), "podTemplate.securityContext.runAsUser", "integer"),
+    (ids(runAsGroup=True), "podTemplate.securityContext.runAsGroup", "integer"),
+    (ids(supplementalGroups=100), "podTemplate.securityContext.supplementalGroups", "list"),
+    (ids(fsGroupChangePolicy="OnMismatch"), "podTemplate.securityContext.fsGroupChangePolicy", "OnRootMismatch"),
+    ({"podTemplate": {"securityContext": "1000"}}, "podTemplate.securityContext", "object"),
 ]
 
 
@@ -123,6 +138,10 @@ ACCEPTED = [
              {"name": "AWS_PROFILE", "value": ""}, {"name": "AWS_REGION", "value": "eu-west-1"}]},
     {"checkpoint": {**CKPT, "uri": "s3://my.bucket/jobs/v1.2/..hidden/"}},
     {"checkpoint": {**CKPT, "uri": "s3://bucket-name"}},
+    ids(runAsUser=1000, runAsGroup=1000, fsGroup=2000, supplementalGroups=[3000, 2**31 - 1],
+        fsGroupChangePolicy="OnRootMismatch"),
+    ids(fsGroup=1, fsGroupChangePolicy="Always"),
+    ids(),
 ]
 
 
@@ -184,6 +203,21 @@ def test_reserved_mount_paths_are_the_crds(schema: dict) -> None:
     # The operator's own mounts are covered: builders.DEEPSPEED_DIR and the local checkpoints.
     from kubetrain import builders
     assert builders.DEEPSPEED_DIR.startswith("/etc/kubetrain/") and builders.HOME_DIR.startswith("/tmp/kubetrain/")
+
+
+def test_pod_security_fields_are_the_crds(schema: dict) -> None:
+    """The operator passes on exactly the securityContext fields the CRD declares, with the CRD's bounds; the
+    CRD has none that could loosen the pods (runAsNonRoot, seccompProfile, ...) nor keeps unknown ones."""
+    from kubetrain.resources import FS_GROUP_CHANGE_POLICIES, MAX_ID, POD_SECURITY_IDS
+
+    node = schema["properties"]["spec"]["properties"]["podTemplate"]["properties"]["securityContext"]
+    props = node["properties"]
+    assert set(props) == {*POD_SECURITY_IDS, "supplementalGroups", "fsGroupChangePolicy"}
+    assert not node.get("x-kubernetes-preserve-unknown-fields")
+    for id_node in [props[k] for k in POD_SECURITY_IDS] + [props["supplementalGroups"]["items"]]:
+        assert (id_node["type"], id_node["minimum"], id_node["maximum"]) == ("integer", 1, MAX_ID)
+    assert props["fsGroupChangePolicy"]["enum"] == list(FS_GROUP_CHANGE_POLICIES)
+    assert "runAsNonRoot" in node["description"] and "RuntimeDefault" in node["description"]
 
 
 @pytest.mark.parametrize("gpus, procs, ok", [(4, 4, True), (4, 2, True), (2, 4, False), ("1", 8, False),

@@ -243,6 +243,34 @@ def test_pods_pass_pod_security_restricted_with_writable_volumes_only() -> None:
     assert env_of(pod)["HOME"]["value"].startswith("/tmp/")
 
 
+def test_the_job_s_user_and_group_ids_are_merged_into_the_pod_security_context() -> None:
+    """A PVC owned by root needs fsGroup, an image whose USER is a name needs runAsUser: the job sets its IDs,
+    while runAsNonRoot and the seccomp profile stay kubetrain's (PodSecurity "restricted" admits the pods)."""
+    body = json.loads(json.dumps(BODY))
+    ids = {"runAsUser": 2000, "runAsGroup": 3000, "fsGroup": 4000, "supplementalGroups": [5000, 5001],
+           "fsGroupChangePolicy": "OnRootMismatch"}
+    body["spec"]["podTemplate"] = {"securityContext": ids}
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    assert pod["spec"]["securityContext"] == {**ids, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    body["spec"]["podTemplate"] = {"securityContext": {"fsGroup": 1000}}
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    assert pod["spec"]["securityContext"] == {"fsGroup": 1000, "runAsNonRoot": True,
+                                              "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+@pytest.mark.parametrize("context", [{"runAsNonRoot": False, "fsGroup": 1000},
+                                     {"seccompProfile": {"type": "Unconfined"}, "privileged": True}])
+def test_a_job_cannot_loosen_the_pod_security_context(context: dict) -> None:
+    """The CRD declares only the IDs (the API server prunes the rest); a spec that has more anyway (an older or
+    hand-edited CRD) still gets non-root pods under RuntimeDefault."""
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["podTemplate"] = {"securityContext": context}
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    assert pod["spec"]["securityContext"] == {**({"fsGroup": 1000} if "fsGroup" in context else {}),
+                                              "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def test_shm_size_is_configurable_and_a_user_volume_at_dev_shm_wins() -> None:
     body = json.loads(json.dumps(BODY))
     body["spec"]["shmSize"] = "8Gi"
