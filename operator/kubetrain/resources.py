@@ -104,20 +104,22 @@ MAX_ID = 2**31 - 1
 
 
 def parse_pod_security_context(raw: Any) -> dict[str, Any]:
-    """spec.podTemplate.securityContext as the pod gets it: IDs 1 to 2^31-1 (0 is root, which the pods
-    never run as), and only the fields the CRD declares (the API server prunes any other)."""
+    """spec.podTemplate.securityContext as the pod gets it: runAsUser 1 to 2^31-1 (0 is root, which the pods
+    never run as), group IDs 0 to 2^31-1 (group 0 is no privilege: OpenShift-style images make their files
+    group-0 writable for an arbitrary UID, and PodSecurity restricted allows it), and only the fields the CRD
+    declares (the API server prunes any other)."""
     p = "podTemplate.securityContext"
     if not isinstance(raw, dict):
         raise ResourceError(p, f"must be an object, got {raw!r}")
     out: dict[str, Any] = {}
     for key in POD_SECURITY_IDS:
         if raw.get(key) is not None:
-            out[key] = _id(raw[key], f"{p}.{key}")
+            out[key] = _id(raw[key], f"{p}.{key}", group=key != "runAsUser")
     if raw.get("supplementalGroups") is not None:
         groups = raw["supplementalGroups"]
         if not isinstance(groups, list):
             raise ResourceError(f"{p}.supplementalGroups", f"must be a list of group IDs, got {groups!r}")
-        out["supplementalGroups"] = [_id(g, f"{p}.supplementalGroups[{i}]") for i, g in enumerate(groups)]
+        out["supplementalGroups"] = [_id(g, f"{p}.supplementalGroups[{i}]", group=True) for i, g in enumerate(groups)]
     policy = raw.get("fsGroupChangePolicy")
     if policy is not None:
         if policy not in FS_GROUP_CHANGE_POLICIES:
@@ -126,10 +128,10 @@ def parse_pod_security_context(raw: Any) -> dict[str, Any]:
     return out
 
 
-def _id(value: Any, path: str) -> int:
+def _id(value: Any, path: str, *, group: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
-        raise ResourceError(path, f"must be an integer from 1 to {MAX_ID}, got {value!r}")
-    if value == 0:
+        raise ResourceError(path, f"must be an integer from {0 if group else 1} to {MAX_ID}, got {value!r}")
+    if value == 0 and not group:
         raise ResourceError(path, "must not be 0: that is root, and kubetrain's pods run as non-root "
                                   "(runAsNonRoot); use 1 or more")
     return value

@@ -306,8 +306,9 @@ MALFORMED = [
      ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
     ("security-context-root-user", spec(podTemplate={"securityContext": {"runAsUser": 0}}),
      ["spec.podTemplate.securityContext.runAsUser", "greater than or equal to 1"]),
-    ("security-context-root-supplemental-group", spec(podTemplate={"securityContext": {"supplementalGroups": [0]}}),
-     ["spec.podTemplate.securityContext.supplementalGroups[0]", "greater than or equal to 1"]),
+    ("security-context-negative-supplemental-group",
+     spec(podTemplate={"securityContext": {"supplementalGroups": [-1]}}),
+     ["spec.podTemplate.securityContext.supplementalGroups[0]", "greater than or equal to 0"]),
     ("security-context-run-as-root-allowed", spec(podTemplate={"securityContext": {"runAsNonRoot": False}}),
      ["spec.podTemplate.securityContext.runAsNonRoot", "unknown field"]),
     ("security-context-unknown-change-policy",
@@ -376,6 +377,8 @@ ACCEPTED = [
     ("security-context-ids", spec(podTemplate={"securityContext": {
         "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "supplementalGroups": [3000, 2147483647],
         "fsGroupChangePolicy": "OnRootMismatch"}})),
+    ("security-context-group-zero", spec(podTemplate={"securityContext": {
+        "runAsUser": 1000680000, "runAsGroup": 0, "fsGroup": 0, "supplementalGroups": [0]}})),
 ]
 
 

@@ -96,11 +96,9 @@ REFUSED = [
     ({**builtin_args(fsdp_config={"cpu_offload": True}), "strategy": {"type": "fsdp"}},
      "trainer.builtin.args.fsdp_config.cpu_offload", "spec.strategy.fsdp.cpuOffload"),
     (ids(runAsUser=0), "podTemplate.securityContext.runAsUser", "root"),
-    (ids(runAsGroup=0), "podTemplate.securityContext.runAsGroup", "root"),
-    (ids(fsGroup=0), "podTemplate.securityContext.fsGroup", "root"),
-    (ids(supplementalGroups=[100, 0]), "podTemplate.securityContext.supplementalGroups[1]", "root"),
+    (ids(supplementalGroups=[100, -1]), "podTemplate.securityContext.supplementalGroups[1]", "from 0 to"),
     (ids(runAsUser=-1), "podTemplate.securityContext.runAsUser", "from 1 to 2147483647"),
-    (ids(fsGroup=2**31), "podTemplate.securityContext.fsGroup", "from 1 to 2147483647"),
+    (ids(fsGroup=2**31), "podTemplate.securityContext.fsGroup", "from 0 to 2147483647"),
     (ids(runAsUser="1000"), "podTemplate.securityContext.runAsUser", "integer"),
     (ids(runAsGroup=True), "podTemplate.securityContext.runAsGroup", "integer"),
     (ids(supplementalGroups=100), "podTemplate.securityContext.supplementalGroups", "list"),
@@ -141,6 +139,7 @@ ACCEPTED = [
     ids(runAsUser=1000, runAsGroup=1000, fsGroup=2000, supplementalGroups=[3000, 2**31 - 1],
         fsGroupChangePolicy="OnRootMismatch"),
     ids(fsGroup=1, fsGroupChangePolicy="Always"),
+    ids(runAsUser=1000680000, runAsGroup=0, fsGroup=0, supplementalGroups=[0]),  # OpenShift-style: group 0 is no root
     ids(),
 ]
 
@@ -214,8 +213,9 @@ def test_pod_security_fields_are_the_crds(schema: dict) -> None:
     props = node["properties"]
     assert set(props) == {*POD_SECURITY_IDS, "supplementalGroups", "fsGroupChangePolicy"}
     assert not node.get("x-kubernetes-preserve-unknown-fields")
-    for id_node in [props[k] for k in POD_SECURITY_IDS] + [props["supplementalGroups"]["items"]]:
-        assert (id_node["type"], id_node["minimum"], id_node["maximum"]) == ("integer", 1, MAX_ID)
+    for key, id_node in [(k, props[k]) for k in POD_SECURITY_IDS] + [("group", props["supplementalGroups"]["items"])]:
+        lowest = 1 if key == "runAsUser" else 0  # user 0 is root; group 0 grants nothing (OpenShift-style images)
+        assert (id_node["type"], id_node["minimum"], id_node["maximum"]) == ("integer", lowest, MAX_ID)
     assert props["fsGroupChangePolicy"]["enum"] == list(FS_GROUP_CHANGE_POLICIES)
     assert "runAsNonRoot" in node["description"] and "RuntimeDefault" in node["description"]
 
