@@ -53,6 +53,8 @@ WATCH_SECONDS = 270
 PAGE = 500
 MAX_BACKOFF = 30.0
 SHORT_WATCH = 1.0
+DOWN_ERROR_SECONDS = 300.0
+"""A scope's watch down this long is logged at ERROR once (its jobs wait: a RoleBinding removed, an API server gone)."""
 
 OnEvent = Callable[[str, dict[str, Any]], None]
 
@@ -72,6 +74,7 @@ class PodInformer:
         self._unsynced = set(self.scopes)
         self._watching = {s: asyncio.Event() for s in self.scopes}  # set while the scope's store is current
         self._down: set[str | None] = set()  # scopes whose watch broke (reader threads' side)
+        self._down_since: dict[str | None, float] = {}  # when each scope's store last went stale
         self._known: dict[str | None, dict[tuple[str, str], dict[str, Any]]] = {s: {} for s in self.scopes}
         self._queue: collections.deque[tuple[str, str | None, Any]] = collections.deque()
         self._scheduled = False
@@ -134,7 +137,14 @@ class PodInformer:
         """No event reaches this scope's store until it has listed again: stale (see the module's docstring)."""
         if scope not in self._down:
             self._down.add(scope)
+            self._down_since.setdefault(scope, time.monotonic())
             self._post("STALE", scope, None)
+        since = self._down_since.get(scope)
+        if since is not None and since >= 0 and time.monotonic() - since >= DOWN_ERROR_SECONDS:
+            self._down_since[scope] = -1.0  # once per outage
+            log.error("%s watch (%s) has been down for %.0fs: jobs there are not reconciled until it is back "
+                      "(the operator's RBAC there, the API server?)", self.what, scope or "all namespaces",
+                      time.monotonic() - since)
 
     def _pause(self, backoff: float) -> float:
         self._stop.wait(backoff)
@@ -163,6 +173,7 @@ class PodInformer:
             token = meta.get("continue")
             if not token:
                 self._down.discard(scope)  # current once listed: a watch that fails next is down again
+                self._down_since.pop(scope, None)
                 self._post("SYNC", scope, items)
                 return str(meta.get("resourceVersion") or "")
 

@@ -368,3 +368,29 @@ def test_a_watch_that_fails_right_after_a_relist_leaves_the_namespace_not_curren
             hold.set()
 
     assert asyncio.run(main()) is False
+
+
+def test_a_watch_down_for_minutes_is_logged_at_error_once_per_outage(monkeypatch, caplog):
+    """A namespace whose watch never comes back (the operator's RoleBinding there removed: 403 forever) holds its
+    jobs unreconciled; a WARNING every 30 s was all the log said. After DOWN_ERROR_SECONDS: one ERROR per outage."""
+    import kubetrain.informer as informer_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(informer_module.time, "monotonic", lambda: clock[0])
+    informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y", on_event=lambda k, o: None)
+    informer._post = lambda *args: None
+    with caplog.at_level(logging.ERROR, logger=informer_module.log.name):
+        informer._broken("a")
+        clock[0] += informer_module.DOWN_ERROR_SECONDS - 1
+        informer._broken("a")
+        assert not caplog.records
+        clock[0] += 2
+        informer._broken("a")
+        informer._broken("a")
+        assert len(caplog.records) == 1 and "has been down for" in caplog.text and "(a)" in caplog.text
+        informer._down.discard("a")  # listed again (as `_list` does), then a new outage counts afresh
+        informer._down_since.pop("a")
+        informer._broken("a")
+        clock[0] += informer_module.DOWN_ERROR_SECONDS
+        informer._broken("a")
+        assert len(caplog.records) == 2
