@@ -492,5 +492,11 @@ def test_the_checkpoint_location_and_the_strategy_cannot_change_once_set(kube_ap
         # Other fields stay editable (they take effect at the next attempt).
         custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
                                               {"spec": {"runPolicy": {"backoffLimit": 5}}})
+        # A trailing / added, then removed, is the same place (the operator strips it): not a change.
+        uri = custom.get_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs",
+                                                  name)["spec"]["checkpoint"]["uri"].rstrip("/")
+        for edited in (uri + "/", uri):
+            custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name,
+                                                  {"spec": {"checkpoint": {"uri": edited}}})
     finally:
         custom.delete_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs", name)
