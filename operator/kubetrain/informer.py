@@ -103,6 +103,7 @@ class PodInformer:
         rv: str | None = None
         backoff = 1.0
         while not self._stop.is_set():
+            started: float | None = None  # when the watch was opened: not yet
             try:
                 if rv is None:
                     rv = self._list(scope)
@@ -114,8 +115,9 @@ class PodInformer:
                     backoff = self._pause(backoff)
                     continue
                 backoff = 1.0
+                self._watch_up(scope)  # a watch that ran its course, even a quiet one
             except ApiException as exc:
-                self._broken(scope)
+                self._broken(scope, watched_since=started)
                 rv = None  # list again: see the module's docstring
                 if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
                     # Rare (watch bookmarks keep the version fresh); a relist re-delivers every object, a
@@ -127,14 +129,17 @@ class PodInformer:
                             exc.status, exc.reason, backoff)
                 backoff = self._pause(backoff)
             except Exception as exc:  # noqa: BLE001  (network trouble: list again, never die)
-                self._broken(scope)
+                self._broken(scope, watched_since=started)
                 rv = None
                 log.warning("%s watch (%s): %s: %s; retrying in %.0fs", self.what, scope or "all namespaces",
                             type(exc).__name__, exc, backoff)
                 backoff = self._pause(backoff)
 
-    def _broken(self, scope: str | None) -> None:
-        """No event reaches this scope's store until it has listed again: stale (see the module's docstring)."""
+    def _broken(self, scope: str | None, *, watched_since: float | None = None) -> None:
+        """No event reaches this scope's store until it has listed again: stale (see the module's docstring).
+        `watched_since`: when the watch that broke was opened (None: the list failed)."""
+        if watched_since is not None and time.monotonic() - watched_since >= SHORT_WATCH:
+            self._watch_up(scope)  # it was up, if quiet: a new outage starts here
         if scope not in self._down:
             self._down.add(scope)
             self._down_since.setdefault(scope, time.monotonic())
@@ -145,6 +150,11 @@ class PodInformer:
             log.error("%s watch (%s) has been down for %.0fs: jobs there are not reconciled until it is back "
                       "(the operator's RBAC there, the API server?)", self.what, scope or "all namespaces",
                       time.monotonic() - since)
+
+    def _watch_up(self, scope: str | None) -> None:
+        """The outage is over once a watch delivers, stays open, or runs its course; not once a list works: RBAC
+        that grants list but not watch, or a proxy that refuses watches, lists fine every time and is never current."""
+        self._down_since.pop(scope, None)
 
     def _pause(self, backoff: float) -> float:
         self._stop.wait(backoff)
@@ -173,13 +183,13 @@ class PodInformer:
             token = meta.get("continue")
             if not token:
                 self._down.discard(scope)  # current once listed: a watch that fails next is down again
-                self._down_since.pop(scope, None)
                 self._post("SYNC", scope, items)
                 return str(meta.get("resourceVersion") or "")
 
     def _watch(self, scope: str | None, rv: str) -> str:
         resp = self._call(scope, watch=True, resource_version=rv, allow_watch_bookmarks=True,
                           timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30))
+        up = False
         try:
             for line in resp:
                 if self._stop.is_set():
@@ -191,6 +201,9 @@ class PodInformer:
                 if kind == "ERROR":  # a Status object; 410 means the resourceVersion expired
                     raise ApiException(status=obj.get("code") or 500, reason=obj.get("message") or "watch error")
                 rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                if not up:
+                    up = True
+                    self._watch_up(scope)
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     self._post(kind, scope, obj)
         finally:

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -388,9 +389,62 @@ def test_a_watch_down_for_minutes_is_logged_at_error_once_per_outage(monkeypatch
         informer._broken("a")
         informer._broken("a")
         assert len(caplog.records) == 1 and "has been down for" in caplog.text and "(a)" in caplog.text
-        informer._down.discard("a")  # listed again (as `_list` does), then a new outage counts afresh
-        informer._down_since.pop("a")
+        informer._down.discard("a")  # listed again (as `_list` does) and watching (as `_watch` does once it
+        informer._watch_up("a")  # delivers), then a new outage counts afresh
         informer._broken("a")
         clock[0] += informer_module.DOWN_ERROR_SECONDS
         informer._broken("a")
         assert len(caplog.records) == 2
+
+
+class _QuietThenBroken:
+    """A watch that stays open `seconds` (on the test's clock) with nothing in it, then breaks."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def __iter__(self):
+        self.clock[0] += self.seconds
+        raise ConnectionResetError("connection reset by peer")
+        yield  # a generator
+
+    def release_conn(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("recovered", ["delivers an event", "stays open, quiet"])
+def test_a_namespace_that_lists_but_whose_watch_never_comes_up_is_logged_at_error(monkeypatch, caplog, recovered):
+    """RBAC that grants list but not watch there (or a proxy refusing watches): each relist worked, so each one
+    restarted the count, and the namespace stayed unreconciled for good without the ERROR. The outage ends when
+    a watch is up (it delivers, or stays open), not when a list works; the next outage is counted afresh."""
+    import kubetrain.informer as informer_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(informer_module.time, "monotonic", lambda: clock[0])
+    informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y", on_event=lambda k, o: None)
+    informer._post = lambda *args: None
+    event = json.dumps({"type": "ADDED", "object": _pod("a", "p", "j")}).encode()
+    watches = [0]
+
+    def fake_call(scope, **kwargs):
+        if "watch" not in kwargs:
+            return _Response(data=json.dumps({"metadata": {"resourceVersion": "10"}, "items": []}).encode())
+        watches[0] += 1
+        if watches[0] == 12:  # fixed after some 5.5 minutes: the watch is up a while, then breaks
+            if recovered == "delivers an event":
+                return _Response(lines=(event + b"\n", b"{not json"))
+            return _QuietThenBroken(clock, 40.0)
+        raise ApiException(status=403, reason="Forbidden")  # at once, as RBAC refuses
+
+    def pause(backoff: float) -> float:
+        clock[0] += 30.0
+        if watches[0] >= 25:
+            informer._stop.set()
+        return backoff
+
+    informer._call, informer._pause = fake_call, pause
+    with caplog.at_level(logging.ERROR, logger=informer_module.log.name):
+        informer._run("a")
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, [r.getMessage() for r in errors]  # one per outage: before the fix, none
+    assert all("has been down for" in r.getMessage() for r in errors)
