@@ -62,7 +62,8 @@ def storage_failure(error: BaseException, *, reason: str, where: str | None) -> 
 def error_code(error: BaseException) -> str | None:
     """The S3 or STS error code behind `error`: storage's errors carry only a safe message, and
     keep the botocore error they were raised from as their context. A numeric code (a HEAD
-    request's 403 has no body) becomes HTTP<status>; missing credentials NoCredentials."""
+    request's 403 has no body) becomes HTTP<status>; missing credentials NoCredentials; a TLS certificate
+    the pod does not trust CertificateVerifyFailed."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -77,5 +78,7 @@ def error_code(error: BaseException) -> str | None:
                 return f"HTTP{code if code.isdigit() else status}"
         if type(current).__name__ in _NO_CREDENTIALS:
             return "NoCredentials"
+        if type(current).__name__ == "SSLError" and "CERTIFICATE_VERIFY_FAILED" in str(current):
+            return "CertificateVerifyFailed"  # the store's TLS certificate, not its access policy (AWS_CA_BUNDLE)
         current = current.__cause__ or current.__context__
     return None

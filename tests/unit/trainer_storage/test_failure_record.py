@@ -144,3 +144,18 @@ def test_a_location_too_long_for_the_termination_message_is_left_out():
     text = FailureRecord(reason=contract.FAILURE_STORAGE_ACCESS_DENIED, code="AccessDenied", where=where).to_json()
     assert len(text) < contract.TERMINATION_MESSAGE_LIMIT and json.loads(text)["code"] == "AccessDenied"
     assert "where" not in json.loads(text)
+
+
+def test_a_certificate_the_pod_does_not_trust_is_named_in_the_record():
+    """An untrusted certificate exits 82 as StorageAccessDenied with no code: the job's status read 'checkpoint
+    storage refused access (StorageAccessDenied)', sending the user to IAM policies, not to AWS_CA_BUNDLE."""
+    from botocore.exceptions import SSLError
+
+    untrusted = SSLError(endpoint_url="https://minio.storage:9000/ckpt",
+                         error="[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate")
+    with pytest.raises(StorageAccessError) as refused:
+        _store_raising(untrusted).list_checkpoints()
+    record = storage_failure(refused.value, reason=contract.FAILURE_STORAGE_ACCESS_DENIED, where="s3://ckpt/jobs/ml/j")
+    assert record.code == "CertificateVerifyFailed"
+    # A handshake cut short by the network is no certificate problem (and not exit 82 anyway).
+    assert error_code(SSLError(endpoint_url="https://s", error="EOF occurred in violation of protocol")) is None
