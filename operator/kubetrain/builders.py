@@ -189,7 +189,7 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
         "hostname": get_hostname(job.name, rank),
         "subdomain": job.name,
-        # The job's user and group IDs (never 0), while runAsNonRoot and the seccomp profile stay
+        # The job's user ID (never 0) and group IDs, while runAsNonRoot and the seccomp profile stay
         # kubetrain's: PodSecurity "restricted" keeps admitting the pods.
         "securityContext": {**dict(tpl.get("securityContext") or {}), "runAsNonRoot": True,
                             "seccompProfile": {"type": "RuntimeDefault"}},
