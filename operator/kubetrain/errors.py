@@ -12,12 +12,16 @@ inspects an HTTP status. Two families, the kopf way:
   depends on the request, and the caller decides (a conflict on a create is
   success, on a status write a reason to re-read and plan again).
 `PermanentError` is the caller's verdict that a job cannot run (the API server
-rejected an object built from its spec).
+rejected an object built from its spec). A 403 that RBAC gave names what is
+missing (`ForbiddenError.denial`); on a write the operator must make it becomes a
+`DeniedError`: retried with backoff, since a Role can be fixed while we wait.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 
 from kubernetes.client.rest import ApiException
 
@@ -72,6 +76,54 @@ class InvalidError(RefusedError):
 
 class ForbiddenError(RefusedError):
     """403: RBAC, a ResourceQuota, PodSecurity, a LimitRange or an admission webhook said no."""
+
+    @property
+    def denial(self) -> Denial | None:
+        """What RBAC refused, when it was RBAC (None for a quota, PodSecurity, a webhook...)."""
+        return Denial.parse(self.api_message)
+
+
+@dataclass(frozen=True)
+class Denial:
+    """The permission RBAC refused, as the API server names it in a 403's message."""
+
+    user: str
+    verb: str
+    resource: str
+    """With its subresource: `trainingjobs/status`."""
+    group: str
+    """"" for the core API (pods, events)."""
+    namespace: str
+    """"" for a cluster-scoped request."""
+
+    @classmethod
+    def parse(cls, api_message: str) -> Denial | None:
+        # k8s.io/apiserver's forbiddenMessage: `User "u" cannot <verb> resource "<res>[/<sub>]" in API group "<g>"
+        # in the namespace "<ns>"` (or `at the cluster scope`), possibly followed by the authorizer's reason.
+        found = _RBAC.search(api_message)
+        if found is None:
+            return None
+        user, verb, resource, group, namespace = found.groups()
+        return cls(user=user, verb=verb, resource=resource, group=group, namespace=namespace or "")
+
+
+_RBAC = re.compile(r'User "([^"]*)" cannot (\S+) resource "([^"]+)" in API group "([^"]*)"'
+                   r'(?: in the namespace "([^"]*)"| at the cluster scope)')
+
+
+class DeniedError(TemporaryError):
+    """RBAC refused a write the operator must make (its status, a pod): retried with backoff, since the Role may
+    be fixed meanwhile; the API client reported the missing permission once (`permissions.py`)."""
+
+    def __init__(self, message: str, denial: Denial) -> None:
+        super().__init__(message, status=403, http_reason="Forbidden")
+        self.denial = denial
+
+
+def retry_later(exc: RefusedError, message: str) -> TemporaryError:
+    """A refusal of a write that is tried again: a `DeniedError` when RBAC refused it, else a `TemporaryError`."""
+    denial = exc.denial if isinstance(exc, ForbiddenError) else None
+    return DeniedError(message, denial) if denial is not None else TemporaryError(message)
 
 
 class PermanentError(RuntimeError):

@@ -31,10 +31,11 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kubetrain import builders, kueue, kueue_admission
+from kubetrain.permissions import Permissions
 from kubetrain.transport import Transport
 from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError,
-    TemporaryError, classify, classify_forbidden, classify_unavailable,
+    TemporaryError, classify, classify_forbidden, classify_unavailable, retry_later,
 )
 from kubetrain.api import GROUP, KIND, PLURAL, VERSION, Job
 from kubetrain.values import format_time
@@ -55,6 +56,7 @@ class Api:
     threads: int = 32
     writes: collections.Counter[str] = field(default_factory=collections.Counter)
     instance: str = field(default_factory=socket.gethostname)
+    permissions: Permissions = field(default_factory=Permissions)
 
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api_client)
@@ -70,22 +72,22 @@ class Api:
         self._last_urgent = float("-inf")  # loop time the last pod write ended
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, write: bool = True,
-                   defer: bool | None = None, **kwargs: Any) -> Any:
+                   defer: bool | None = None, namespace: str = "", **kwargs: Any) -> Any:
         """Run one blocking client call in the pool; errors come as the types of `errors.py`.
 
         Pod writes (`_URGENT`) may use every thread. Every other call shares a quarter of them, and
         bookkeeping (`_DEFERRABLE`, or `defer=True`) first yields to pod writes (`_quiet`); `defer=False`
         sends a bookkeeping write at once (a status written as the intent of the deletes after it).
 
-        Responses are returned as parsed JSON dicts: the client's model classes cost
-        more CPU than everything else the operator does."""
+        Responses are returned as parsed JSON dicts: the client's model classes cost more CPU than everything
+        else the operator does. A refusal by RBAC is reported once per call and `namespace` (`permissions.py`)."""
         if write:
             self.writes[what] += 1
         if what in _URGENT:
             self._urgent += 1
             self._urgent_idle.clear()
             try:
-                return await self._call(fn, args, kwargs)
+                return await self.permissions.watch(what, namespace, self._call(fn, args, kwargs))
             finally:
                 self._urgent -= 1
                 self._last_urgent = asyncio.get_running_loop().time()
@@ -94,7 +96,7 @@ class Api:
         if what in _DEFERRABLE if defer is None else defer:
             await self._quiet()
         async with self._low:
-            return await self._call(fn, args, kwargs)
+            return await self.permissions.watch(what, namespace, self._call(fn, args, kwargs))
 
     async def _quiet(self) -> None:
         """Bookkeeping (`_DEFERRABLE`: status, events, services) yields to pod writes: on a big launch the API
@@ -153,11 +155,11 @@ class Api:
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return await self.call("get trainingjob", self.custom.get_namespaced_custom_object,
-                                   GROUP, VERSION, namespace, PLURAL, name, write=False)
+                                   GROUP, VERSION, namespace, PLURAL, name, write=False, namespace=namespace)
         except NotFoundError:
             return None
         except RefusedError as exc:
-            raise TemporaryError(f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
+            raise retry_later(exc, f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
 
     # ------------------------------------------------------------- Kueue (issue 14)
 
@@ -165,7 +167,7 @@ class Api:
         """(Kueue's Workload API is served, the Workload or None)."""
         try:
             return True, await self.call("get workload", self.custom.get_namespaced_custom_object, KUEUE_GROUP,
-                                         KUEUE_VERSION, namespace, WORKLOADS, name, write=False)
+                                         KUEUE_VERSION, namespace, WORKLOADS, name, write=False, namespace=namespace)
         except NotFoundError as exc:
             # A missing object names itself; a missing resource type ("the server could not find the
             # requested resource") means Kueue's CRDs are not installed.
@@ -286,14 +288,14 @@ async def patch_status(api: Api, job: Job, resource_version: str, action: PatchS
     try:
         return await api.call("patch trainingjob/status", api.custom.patch_namespaced_custom_object_status,
                               GROUP, VERSION, job.namespace, PLURAL, job.name, body, _content_type=MERGE_PATCH,
-                              defer=defer)
+                              defer=defer, namespace=job.namespace)
     except ConflictError as exc:
         raise ConflictError(f"trainingjob {job.namespace}/{job.name} changed since it was read",
                             status=exc.status, http_reason=exc.http_reason, api_message=exc.api_message) from None
     except NotFoundError:
         return None
     except RefusedError as exc:
-        raise TemporaryError(f"patch status of {job.namespace}/{job.name}: HTTP {exc.status} {exc.http_reason}") \
+        raise retry_later(exc, f"patch status of {job.namespace}/{job.name}: HTTP {exc.status} {exc.http_reason}") \
             from None
 
 
@@ -302,7 +304,7 @@ async def _create(api: Api, job: Job, what: str, fn: Callable[..., Any], body: d
     """Create `body` ("create <kind>"); one of that name that already exists is fine if it is this job's
     (`_check_owner`): deterministic names make creation idempotent."""
     try:
-        await api.call(what, fn, job.namespace, body)
+        await api.call(what, fn, job.namespace, body, namespace=job.namespace)
     except ConflictError:
         await _check_owner(api, job, what.split()[-1], body["metadata"]["name"], read)
     except InvalidError as exc:
@@ -332,14 +334,14 @@ async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
         raise PermanentError("InvalidQueueName", str(exc)) from None
     try:
         await api.call("create workload", api.custom.create_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
-                       job.namespace, WORKLOADS, body)
+                       job.namespace, WORKLOADS, body, namespace=job.namespace)
     except ConflictError:
         return  # AlreadyExists: one Workload per job, by name
     except InvalidError as exc:
         raise PermanentError("InvalidWorkload", f"create workload {body['metadata']['name']}: {exc.api_message}") \
             from None
     except RefusedError as exc:
-        raise TemporaryError(f"create workload: HTTP {exc.status} {exc.api_message}") from None
+        raise retry_later(exc, f"create workload: HTTP {exc.status} {exc.api_message}") from None
 
 
 async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> None:
@@ -350,7 +352,7 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
         if action.status is not None:
             await api.call("patch workload/status", api.custom.patch_namespaced_custom_object_status, KUEUE_GROUP,
                            KUEUE_VERSION, namespace, WORKLOADS, action.name,
-                           {"metadata": meta, "status": dict(action.status)}, _content_type=MERGE_PATCH)
+                           {"metadata": meta, "status": dict(action.status)}, _content_type=MERGE_PATCH, namespace=namespace)
             return
         body: dict[str, Any] = {"metadata": meta}
         if action.spec is not None:
@@ -359,17 +361,17 @@ async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> Non
             meta["annotations"] = dict(action.annotations)
         if action.remove_finalizer:
             current = await api.call("get workload", api.custom.get_namespaced_custom_object, KUEUE_GROUP,
-                                     KUEUE_VERSION, namespace, WORKLOADS, action.name, write=False)
+                                     KUEUE_VERSION, namespace, WORKLOADS, action.name, write=False, namespace=namespace)
             meta["resourceVersion"] = current["metadata"]["resourceVersion"]
             meta["finalizers"] = [f for f in current["metadata"].get("finalizers") or () if f != kueue.FINALIZER]
         await api.call("patch workload", api.custom.patch_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
-                       namespace, WORKLOADS, action.name, body, _content_type=MERGE_PATCH)
+                       namespace, WORKLOADS, action.name, body, _content_type=MERGE_PATCH, namespace=namespace)
     except NotFoundError:
         return
     except ConflictError:
         raise
     except RefusedError as exc:
-        raise TemporaryError(f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
+        raise retry_later(exc, f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
 
 
 async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[..., Any]) -> None:
@@ -378,11 +380,11 @@ async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[
     again: the garbage collector removes it soon), since adopting it would lose it moments later; refuse one
     that is not a TrainingJob's at all."""
     try:
-        body = await api.call(f"get {kind}", read, name, job.namespace, write=False)
+        body = await api.call(f"get {kind}", read, name, job.namespace, write=False, namespace=job.namespace)
     except NotFoundError:
         raise TemporaryError(f"{kind} {job.namespace}/{name} was being deleted; creating it again") from None
     except RefusedError as exc:
-        raise TemporaryError(f"get {kind} {job.namespace}/{name}: HTTP {exc.status}") from None
+        raise retry_later(exc, f"get {kind} {job.namespace}/{name}: HTTP {exc.status}") from None
     owner = next((o for o in (body or {}).get("metadata", {}).get("ownerReferences") or () if o.get("controller")),
                  None)
     if owner is not None and owner.get("uid") == job.uid:
@@ -399,17 +401,18 @@ async def _ensure_configmap(api: Api, job: Job) -> None:
     body = builders.get_deepspeed_configmap(job=job)
     name = body["metadata"]["name"]
     try:
-        await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body)
+        await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body,
+                       namespace=job.namespace)
         return
     except ConflictError:  # it exists: if it is ours, bring its data up to date
         await _check_owner(api, job, "configmap", name, api.core.read_namespaced_config_map)
     except InvalidError as exc:  # e.g. an inline config over the 1 MiB an object may hold: retrying cannot help
         raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
     except RefusedError as exc:
-        raise TemporaryError(f"create configmap: HTTP {exc.status}") from None
+        raise retry_later(exc, f"create configmap: HTTP {exc.status}") from None
     try:
         await api.call("patch configmap", api.core.patch_namespaced_config_map, name, job.namespace,
-                       {"data": body["data"]})
+                       {"data": body["data"]}, namespace=job.namespace)
     except InvalidError as exc:  # the inline config grew past what an object may hold
         raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
 
@@ -417,21 +420,22 @@ async def _ensure_configmap(api: Api, job: Job) -> None:
 async def _delete_pod(api: Api, job: Job, action: DeletePod) -> None:
     kwargs: dict[str, Any] = {"grace_period_seconds": 0} if action.force else {}
     try:
-        await api.call("delete pod", api.core.delete_namespaced_pod, action.name, job.namespace, **kwargs)
+        await api.call("delete pod", api.core.delete_namespaced_pod, action.name, job.namespace,
+                       namespace=job.namespace, **kwargs)
     except NotFoundError:
         pass
     except RefusedError as exc:
-        raise TemporaryError(f"delete pod {action.name}: HTTP {exc.status}") from None
+        raise retry_later(exc, f"delete pod {action.name}: HTTP {exc.status}") from None
 
 
 async def _delete_job(api: Api, job: Job) -> None:
     try:
         await api.call("delete trainingjob", api.custom.delete_namespaced_custom_object, GROUP, VERSION,
-                       job.namespace, PLURAL, job.name, propagation_policy="Background")
+                       job.namespace, PLURAL, job.name, propagation_policy="Background", namespace=job.namespace)
     except NotFoundError:
         pass
     except RefusedError as exc:
-        raise TemporaryError(f"delete trainingjob {job.name}: HTTP {exc.status}") from None
+        raise retry_later(exc, f"delete trainingjob {job.name}: HTTP {exc.status}") from None
 
 
 async def post_event(api: Api, job: Job, event: Event) -> None:
@@ -439,7 +443,8 @@ async def post_event(api: Api, job: Job, event: Event) -> None:
     body = builders.get_event(job=job, type=event.type, reason=event.reason, message=event.message,
                               instance=api.instance, time=format_time(dt.datetime.now(dt.timezone.utc)))
     try:
-        await api.call("create event", api.core.create_namespaced_event, job.namespace, body)
-    except ApiError as exc:
-        log.warning("could not post event %s for %s/%s: %s", event.reason, job.namespace, job.name, exc)
+        await api.call("create event", api.core.create_namespaced_event, job.namespace, body, namespace=job.namespace)
+    except ApiError as exc:  # a refusal by RBAC was reported once (permissions.py): not again for every event
+        log.log(logging.DEBUG if isinstance(exc, ForbiddenError) and exc.denial else logging.WARNING,
+                "could not post event %s for %s/%s: %s", event.reason, job.namespace, job.name, exc)
 

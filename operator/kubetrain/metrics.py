@@ -50,7 +50,7 @@ PREEMPTIONS = Counter(
     "(PreemptionByScheduler, EvictionByEvictionAPI, DeletionByTaintManager, NodeLost, Deleted, ...).",
     ["reason"], registry=REGISTRY)
 ERRORS = Counter(
-    "kubetrain_errors", "Errors by kind: conflict, temporary, permanent, rejected, api, reconcile_crash.",
+    "kubetrain_errors", "Errors by kind: conflict, temporary, forbidden, permanent, rejected, api, reconcile_crash.",
     ["kind"], registry=REGISTRY)
 LEADER = Gauge("kubetrain_leader", "1 while this replica reconciles (holds the Lease, or runs without "
                                    "leader election), 0 while it stands by.", registry=REGISTRY)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from kubetrain import k8s, kueue, metrics
 from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
-from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
+from kubetrain.errors import ApiError, ConflictError, DeniedError, PermanentError, RejectedError, TemporaryError
 from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
@@ -101,8 +101,7 @@ class Reconciler:
         self.rejections.pop(key, None)
         self.failures.pop(key, None)
         self.progress.pop(key, None)
-        timer = self._timers.pop(key, None)
-        if timer:
+        if timer := self._timers.pop(key, None):
             timer.cancel()
 
     def enqueue(self, key: tuple[str, str], delay: float = 0.0) -> None:
@@ -390,8 +389,8 @@ class Reconciler:
                 metrics.ERRORS.labels("rejected").inc()
                 count = self.rejections[key] = self.rejections.get(key, 0) + 1
                 delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
-                log.warning("job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name,
-                            exc.reason, delay)
+                log.log(logging.DEBUG if exc.reason == "Forbidden" else logging.WARNING,  # RBAC's: logged once (k8s)
+                        "job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name, exc.reason, delay)
                 waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
                 try:
                     written = await k8s.apply(self.api, job, rv, waiting)
@@ -425,11 +424,12 @@ class Reconciler:
         self.enqueue(key, 1.0)
 
     def _retry_later(self, key: tuple[str, str], exc: TemporaryError) -> None:
-        """Backs off while it lasts (an API server overloaded or away): not every job every 2 s."""
-        metrics.ERRORS.labels("temporary").inc()
+        """Backs off while it lasts (an API server overloaded or away, RBAC's refusal: logged once, permissions.py)."""
+        metrics.ERRORS.labels("forbidden" if isinstance(exc, DeniedError) else "temporary").inc()
         count = self.failures[key] = self.failures.get(key, 0) + 1
         delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
-        log.warning("reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+        log.log(logging.DEBUG if isinstance(exc, DeniedError) else logging.WARNING,
+                "reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
         self.enqueue(key, delay)
 
     def _expectations(self, key: tuple[str, str], uid: str) -> Expectations:

@@ -1,0 +1,68 @@
+"""Missing RBAC permissions, reported once each: one ERROR that names the permission and the fix.
+
+A permission RBAC refuses (a stale ClusterRole after an upgrade, a Role or
+RoleBinding made by hand, a namespace added to the operator but not to the
+chart's `namespaces`) stays refused until someone fixes the Role, and every
+reconcile that needs it meets it again: the callers retry with backoff, and
+this ledger keeps the log readable. The first refusal of each call in each
+namespace is logged at ERROR, with the verb, the resource, the namespace, the
+ServiceAccount and what to do; its repeats at DEBUG. The first success of that
+call in that namespace afterwards is logged at INFO and clears the entry, so a
+permission lost again later is reported again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, TypeVar
+
+from kubetrain.errors import Denial, ForbiddenError
+
+T = TypeVar("T")
+
+log = logging.getLogger("kubetrain.permissions")
+
+
+class Permissions:
+    """The calls RBAC refuses now, by (call, namespace)."""
+
+    def __init__(self) -> None:
+        self.denied: dict[tuple[str, str], Denial] = {}
+
+    async def watch(self, what: str, namespace: str, call: Awaitable[T]) -> T:
+        """Await one API call (`what` in `namespace`), noting whether RBAC refused or allowed it."""
+        try:
+            result = await call
+        except ForbiddenError as exc:
+            if (denial := exc.denial) is not None:
+                self.refused(what, denial)
+            raise
+        self.allowed(what, namespace)
+        return result
+
+    def refused(self, what: str, denial: Denial) -> None:
+        key = (what, denial.namespace)
+        if key in self.denied:
+            log.debug("%s in %s still refused by RBAC", what, denial.namespace or "the cluster")
+            return
+        self.denied[key] = denial
+        log.error("%s; retrying with backoff, and logging this once until it works", describe(denial))
+
+    def allowed(self, what: str, namespace: str) -> None:
+        """A call that succeeded: if RBAC refused it in that namespace before, it works again."""
+        if self.denied and self.denied.pop((what, namespace), None) is not None:
+            log.info("%s in %s is allowed again (RBAC fixed): carrying on", what, namespace or "the cluster")
+
+
+def describe(denial: Denial) -> str:
+    """What is missing, who lacks it, and how to fix it."""
+    resource, _, sub = denial.resource.partition("/")
+    qualified = f"{resource}.{denial.group}" if denial.group else resource
+    where = f"in namespace {denial.namespace}" if denial.namespace else "cluster-wide"
+    check = (f"kubectl auth can-i {denial.verb} {qualified}{f' --subresource={sub}' if sub else ''}"
+             f"{f' -n {denial.namespace}' if denial.namespace else ''} --as={denial.user}")
+    scope = f", with {denial.namespace} among its `namespaces` (or clusterWide=true)" if denial.namespace else ""
+    return (f"RBAC forbids the operator to {denial.verb} {denial.resource} {where} (API group "
+            f"{denial.group or 'core'}, user {denial.user}): no role bound to it grants that (RBAC left from an "
+            f"older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> charts/kubetrain "
+            f"--reuse-values`{scope}; check with `{check}`")
