@@ -371,8 +371,6 @@ class Reconciler:
                 self.jobs[key] = fresh
                 continue
             except PermanentError as exc:
-                metrics.ERRORS.labels("permanent").inc()
-                log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
                 # The plan may have created pods before the refusal (a Service that is not ours is found after
                 # them): seen again with them, the Failed plan deletes them too (one whose create failed is
                 # deleted for nothing: NotFound). Not on a refusal that can pass: a pod expected but never
@@ -381,9 +379,11 @@ class Reconciler:
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:
                     written = await k8s.apply(self.api, job, rv, failed)
-                except ApiError:
-                    self.enqueue(key, 2.0)
+                except ApiError as error:  # Failed not written: a conflict plans again soon; RBAC, 5xx... back off
+                    self._retry_later(key, error) if isinstance(error, TemporaryError) else self.enqueue(key, 2.0)
                     return
+                metrics.ERRORS.labels("permanent").inc()
+                log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
                 result = failed  # what was written: the log, the metrics and the expectations below are its
             except RejectedError as exc:
                 metrics.ERRORS.labels("rejected").inc()

@@ -54,15 +54,15 @@ class _Response:
 class Cluster:
     """The client functions the reconciler calls; `denied` holds the calls RBAC refuses now."""
 
-    def __init__(self, *denied: str, pods: tuple[str, ...] = ()) -> None:
+    def __init__(self, *denied: str, refusals: dict[str, Any] | None = None) -> None:
         self.denied, self.calls, self.statuses = set(denied), [], []
-        self.pods = list(pods)
+        self.refusals = {**FORBIDDEN, **(refusals or {})}  # what the API server says to each refused call
 
     def fn(self, what: str, answer: Any = None) -> Any:
         def call(*args: Any, **_: Any) -> _Response:
             self.calls.append(what)
             if what in self.denied:
-                raise FORBIDDEN[what]()
+                raise self.refusals[what]()
             return _Response(answer(args) if answer else {})
         call.__name__ = what.replace(" ", "_")
         return call
@@ -211,3 +211,25 @@ def test_events_rbac_refuses_are_one_error_not_a_warning_per_event(caplog) -> No
     (error,) = logged(caplog, logging.ERROR)
     assert "forbids the operator to create events in namespace ml" in error
     assert logged(caplog, logging.WARNING) == []
+
+
+def _pod_security() -> ApiException:
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "code": 403, "message": 'pods "train-a1-n0" is forbidden: violates '
+                           'PodSecurity "restricted:latest": hostPath volumes (volume "data")'})
+    return exc
+
+
+def test_a_job_that_cannot_run_whose_failed_status_rbac_refuses_backs_off_and_says_so_once(caplog) -> None:
+    """Before: the Failed status that could not be written was tried again every 2 s, forever: each time the pods
+    were created again (refused again), `job ml/train cannot run` was logged at ERROR and counted as a permanent
+    error, with no backoff."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    cluster = Cluster(refusals={"create pod": _pod_security})
+    both = {"create pod", "patch status"}
+    delays = reconcile(cluster, [both] * 5 + [{"create pod"}])
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0]  # and none after the Failed status went out
+    cannot_run = [m for m in logged(caplog, logging.ERROR) if "cannot run" in m]
+    assert cannot_run == ['job ml/train cannot run: create pod train-a1-n0: pods "train-a1-n0" is forbidden: violates '
+                          'PodSecurity "restricted:latest": hostPath volumes (volume "data")']
+    assert cluster.statuses[-1]["phase"] == "Failed"
