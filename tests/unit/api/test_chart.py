@@ -2,7 +2,8 @@
 the repository's crds/ file (a symlink, never a twin), RBAC grants exactly what
 the operator's code calls (derived from the code by tests/kubetrain_rbac.py) and
 only in the namespaces it manages, the Deployment runs `kubetrain operator run`
-as non-root with kopf's liveness endpoint, and values.schema.json rejects bad values.
+as non-root with kopf's liveness endpoint (also its readiness probe, which a
+standby passes), and values.schema.json rejects bad values.
 Runs the real helm from the testbed's bin folder (skipped until it is built)."""
 
 from __future__ import annotations
@@ -251,6 +252,27 @@ def test_replicas_with_leader_election_stand_by_on_a_lease():
 
     settings = Settings.from_env({k: e["value"] for k, e in env.items() if "value" in e})
     assert settings.leader_election and settings.lease_duration_seconds == 20
+
+
+@needs_helm
+@pytest.mark.parametrize("values", [(), ("replicaCount=3",), ('leaderElection={"enabled":false}',), ("healthPort=9090",)],
+                         ids=["default", "standbys", "no leader election", "another port"])
+def test_the_readiness_probe_asks_what_a_standby_answers_too(values):
+    """Ready means: started, settings valid, answering the health endpoint, as the leader or as a standby.
+    Before: no readinessProbe, so a new pod counted as Ready (and a rolling update with maxUnavailable 0 went on
+    to stop the old leader) as soon as its container started, even one about to exit on a bad setting."""
+    (dep,) = by_kind(render(*values), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    probe = c["readinessProbe"]
+    # The one path both servers answer: the standby's own (cli._standby_health answers 200 whoever leads: a
+    # probe that needed leadership would hold a rolling update and `helm install --wait` with replicaCount > 1
+    # forever) and kopf's once this replica leads. Any other path answers 404 from both.
+    liveness_url = next(a for a in c["command"] if a.startswith("--liveness="))
+    assert probe["httpGet"] == {"path": "/healthz", "port": "health"} == c["livenessProbe"]["httpGet"]
+    assert liveness_url.endswith(f":{c['ports'][0]['containerPort']}/healthz") and c["ports"][0]["name"] == "health"
+    # A standby that takes over stops its server before kopf binds the port (a second or two): not NotReady for it.
+    assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) >= 10
+    assert "initialDelaySeconds" not in probe  # Ready as soon as it answers
 
 
 @needs_helm
