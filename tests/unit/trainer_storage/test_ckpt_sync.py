@@ -578,7 +578,10 @@ def test_keep_only_newest_drops_waiting_snapshots_on_preemption(tmp_path: Path):
     up = _uploader(tmp_path, store, max_queued=5)
     for step in (1, 2, 3, 4):
         up.submit(_local_checkpoint(tmp_path / "out", step), step)
-    time.sleep(0.2)  # step 1 is being uploaded (and failing)
+    deadline = time.monotonic() + 30  # a safety net, never a speed
+    while not (up._current is not None and up._current.failures > 0):  # step 1 is being uploaded (and failing)
+        assert time.monotonic() < deadline, "step 1 never failed"
+        time.sleep(0.02)
     dropped = up.keep_only_newest()
     assert dropped == [2, 3]
     store.fail_next = 0
