@@ -49,8 +49,10 @@ Orphans([worker.pid]).reap()
 assert own.wait() == 3  # left to its Popen
 # A shell that leaves a short-lived background child: it is orphaned, then adopted by this process.
 subprocess.run(["sh", "-c", "sleep 0.2 & exit 0"], check=True, process_group=0)  # as a worker is
-time.sleep(1.0)
 zombies = lambda: [p.pid for p in processes() if p.ppid == os.getpid() and p.state == "Z"]
+deadline = time.monotonic() + 30  # a safety net: the orphan exits after 0.2 s, later on a loaded machine
+while not zombies() and time.monotonic() < deadline:
+    time.sleep(0.05)
 assert len(zombies()) == 1, zombies()
 orphans = Orphans([worker.pid])
 orphans.reap()
