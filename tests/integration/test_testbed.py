@@ -186,8 +186,11 @@ def test_pod_is_scheduled_onto_a_kwok_node_runs_and_is_garbage_collected_with_it
     node = core.read_node(pod.spec.node_name)
     assert node.metadata.labels.get("type") == "kwok"
     assert any(c.type == "PodScheduled" and c.status == "True" for c in pod.status.conditions)
-    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=owned").items
-    assert any(e.reason == "Scheduled" for e in events), [e.reason for e in events]
+    # The scheduler posts its event in the background: kwok may report the pod Running first.
+    def reasons() -> list[str]:
+        return [e.reason for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=owned").items]
+
+    wait_until(reasons, lambda r: "Scheduled" in r, timeout=120, what="the scheduler's Scheduled event of owned")
 
     core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
     _wait_gone(core, namespace, "owned", timeout=180)  # the GC queues behind other tests' churn
