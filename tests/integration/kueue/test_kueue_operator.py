@@ -370,7 +370,9 @@ def test_a_gang_recreated_after_a_pod_failure_reports_wait_for_recovery_then_rec
 
     log = PodsReadyLog(jobs)
     try:
-        create(jobs, "heal", kueue_queue.local_queue, nodes=2, runPolicy={"backoffLimit": 2})
+        # Kueue's recovery timeout (30 s on the testbed) runs from the failure to the new gang's Ready: the
+        # default 10 s backoff would spend a third of it, and a loaded machine the rest (an eviction).
+        create(jobs, "heal", kueue_queue.local_queue, nodes=2, runPolicy={"backoffLimit": 2, "backoffSeconds": 1})
         jobs.wait_phase("heal", "Running", nodesReady=2)
         wait_until(lambda: list(log.seen), lambda s: ("True", kq.STARTED) in s, timeout=60,
                    what="PodsReady True/Started")
