@@ -41,7 +41,7 @@ def jobs_ns(core):
 
     name = f"kt-e2e-jobs-{secrets.token_hex(3)}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"kubetrain.io/test": "true"})))
-    wait_for(lambda: core.read_namespaced_service_account("default", name), timeout=30, what="default SA",
+    wait_for(lambda: core.read_namespaced_service_account("default", name), timeout=120, what="default SA",
              ignore=(client.ApiException,))
     yield name
     core.delete_namespace(name, propagation_policy="Background")
