@@ -24,9 +24,10 @@ import logging
 from typing import Any, Callable
 
 from kubetrain import k8s, kueue, metrics
+from kubetrain.backoff import Backoff
 from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
-from kubetrain.errors import ApiError, ConflictError, DeniedError, PermanentError, RejectedError, TemporaryError
+from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
 from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
@@ -38,10 +39,6 @@ log = logging.getLogger("kubetrain.operator")
 POD_EVENT_DELAY = 0.3
 """Pod events are coalesced: a gang's pods change state in bursts; one reconcile per burst saves CPU and writes."""
 CONFLICT_RETRIES = 5
-REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
-"""Seconds between pod creates the API server refused for a reason that can pass (quota)."""
-TEMPORARY_MAX_DELAY = 60.0
-"""Longest wait after temporary errors in a row (each one doubles the error's own delay)."""
 
 
 def utcnow() -> dt.datetime:
@@ -72,8 +69,7 @@ class Reconciler:
         self.gone: dict[tuple[str, str], dict[str, str]] = {}
         self.node_ready: dict[str, bool] = {}
         self.expectations: dict[tuple[str, str], Expectations] = {}
-        self.rejections: dict[tuple[str, str], int] = {}
-        self.failures: dict[tuple[str, str], int] = {}  # temporary errors in a row, by job
+        self.backoff = Backoff()  # errors in a row, by job
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
         self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -98,8 +94,7 @@ class Reconciler:
         self._jobs_parsed.pop(key, None)
         self.expectations.pop(key, None)
         self.gone.pop(key, None)
-        self.rejections.pop(key, None)
-        self.failures.pop(key, None)
+        self.backoff.forget(key)
         self.progress.pop(key, None)
         if timer := self._timers.pop(key, None):
             timer.cancel()
@@ -351,7 +346,7 @@ class Reconciler:
             else:
                 result = plan_unqueued(job, observed, now)
             if not result.actions and not result.events:
-                self.failures.pop(key, None)
+                self.backoff.went_through(key)
                 if result.requeue_after is not None:
                     self.enqueue(key, result.requeue_after + 0.05)
                 return
@@ -386,11 +381,7 @@ class Reconciler:
                 log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
                 result = failed  # what was written: the log, the metrics and the expectations below are its
             except RejectedError as exc:
-                metrics.ERRORS.labels("rejected").inc()
-                count = self.rejections[key] = self.rejections.get(key, 0) + 1
-                delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
-                log.log(logging.DEBUG if exc.reason == "Forbidden" else logging.WARNING,  # RBAC's: logged once (k8s)
-                        "job %s/%s: pod create refused (%s); retrying in %.0fs", job.namespace, job.name, exc.reason, delay)
+                delay = self.backoff.rejected(key, exc)
                 waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
                 try:
                     written = await k8s.apply(self.api, job, rv, waiting)
@@ -410,10 +401,10 @@ class Reconciler:
                 self.enqueue(key, 5.0)
                 return
             self._remember(key, job.uid, result, now)
-            self.failures.pop(key, None)
+            self.backoff.went_through(key)
             metrics.count_plan(job.status, result)
             if any(isinstance(a, CreatePod) for a in result.actions):
-                self.rejections.pop(key, None)
+                self.backoff.created(key)
             if written is not None:
                 self.store_job(key, written)
             for event in result.events:
@@ -424,13 +415,8 @@ class Reconciler:
         self.enqueue(key, 1.0)
 
     def _retry_later(self, key: tuple[str, str], exc: TemporaryError) -> None:
-        """Backs off while it lasts (an API server overloaded or away, RBAC's refusal: logged once, permissions.py)."""
-        metrics.ERRORS.labels("forbidden" if isinstance(exc, DeniedError) else "temporary").inc()
-        count = self.failures[key] = self.failures.get(key, 0) + 1
-        delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
-        log.log(logging.DEBUG if isinstance(exc, DeniedError) else logging.WARNING,
-                "reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
-        self.enqueue(key, delay)
+        """Backs off while it lasts (an API server overloaded or away, RBAC's refusal: backoff.py)."""
+        self.enqueue(key, self.backoff.temporary(key, exc))
 
     def _expectations(self, key: tuple[str, str], uid: str) -> Expectations:
         exp = self.expectations.get(key)

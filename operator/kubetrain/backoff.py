@@ -1,0 +1,67 @@
+"""How long a job waits after a reconcile met an error that can pass, and how that is logged and counted.
+
+Two counts per job, each of errors in a row:
+- temporary errors (an API server overloaded or away, RBAC's refusal of a
+  write): each doubles the error's own delay (2 s, 5 s on a 429) up to
+  `TEMPORARY_MAX_DELAY`, never less than the answer's Retry-After; reset by
+  the job's next reconcile that goes through. Not every job every 2 s: with
+  hundreds of jobs that is a steady load on an API server already refusing;
+- pod creates refused for a reason that can pass (a full ResourceQuota, RBAC not
+  yet granted): `REJECTED_BACKOFF`, reset once a pod create goes through.
+RBAC's refusals are logged at DEBUG here: the API client reported the missing
+permission once, at ERROR (`permissions.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kubetrain import metrics
+from kubetrain.errors import DeniedError, RejectedError, TemporaryError
+
+log = logging.getLogger("kubetrain.operator")
+
+REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
+"""Seconds between pod creates the API server refused for a reason that can pass (quota)."""
+TEMPORARY_MAX_DELAY = 60.0
+"""Longest wait after temporary errors in a row (each one doubles the error's own delay)."""
+
+Key = tuple[str, str]
+
+
+class Backoff:
+    """The errors in a row of each job (namespace, name)."""
+
+    def __init__(self) -> None:
+        self.failures: dict[Key, int] = {}    # temporary errors in a row
+        self.rejections: dict[Key, int] = {}  # pod creates refused in a row
+
+    def temporary(self, key: Key, exc: TemporaryError) -> float:
+        """Count and log one temporary error of the job's reconcile: the seconds until it is tried again."""
+        metrics.ERRORS.labels("forbidden" if isinstance(exc, DeniedError) else "temporary").inc()
+        count = self.failures[key] = self.failures.get(key, 0) + 1
+        delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
+        log.log(logging.DEBUG if isinstance(exc, DeniedError) else logging.WARNING,
+                "reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+        return delay
+
+    def rejected(self, key: Key, exc: RejectedError) -> float:
+        """Count and log one refused pod create: the seconds until the job tries again."""
+        metrics.ERRORS.labels("rejected").inc()
+        count = self.rejections[key] = self.rejections.get(key, 0) + 1
+        delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
+        log.log(logging.DEBUG if exc.reason == "Forbidden" else logging.WARNING,  # RBAC's: logged once (k8s)
+                "job %s/%s: pod create refused (%s); retrying in %.0fs", *key, exc.reason, delay)
+        return delay
+
+    def went_through(self, key: Key) -> None:
+        """The job's reconcile went through: its next temporary error waits the shortest again."""
+        self.failures.pop(key, None)
+
+    def created(self, key: Key) -> None:
+        """A pod create of the job went through."""
+        self.rejections.pop(key, None)
+
+    def forget(self, key: Key) -> None:
+        self.failures.pop(key, None)
+        self.rejections.pop(key, None)
