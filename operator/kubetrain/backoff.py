@@ -8,8 +8,11 @@ Two counts per job, each of errors in a row:
   hundreds of jobs that is a steady load on an API server already refusing;
 - pod creates refused for a reason that can pass (a full ResourceQuota, RBAC not
   yet granted): `REJECTED_BACKOFF`, reset once a pod create goes through.
-RBAC's refusals are logged at DEBUG here: the API client reported the missing
-permission once, at ERROR (`permissions.py`).
+A job's temporary error is logged at WARNING the first time, an identical
+repeat at DEBUG, and the reconcile that goes through after repeats once at INFO
+(`repeats.py`): an API server away for an hour is not a warning per job per
+minute. RBAC's refusals are logged at DEBUG here: the API client reported the
+missing permission once, at ERROR (`permissions.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 
 from kubetrain import metrics
 from kubetrain.errors import DeniedError, RejectedError, TemporaryError
+from kubetrain.repeats import Repeats
 
 log = logging.getLogger("kubetrain.operator")
 
@@ -35,14 +39,19 @@ class Backoff:
     def __init__(self) -> None:
         self.failures: dict[Key, int] = {}    # temporary errors in a row
         self.rejections: dict[Key, int] = {}  # pod creates refused in a row
+        self.repeats = Repeats(log)
 
-    def temporary(self, key: Key, exc: TemporaryError) -> float:
-        """Count and log one temporary error of the job's reconcile: the seconds until it is tried again."""
+    def temporary(self, key: Key, exc: TemporaryError, doing: str = "") -> float:
+        """Count and log one temporary error of the job's reconcile (`doing`: in which step, e.g. "reading Kueue"):
+        the seconds until it is tried again."""
         metrics.ERRORS.labels("forbidden" if isinstance(exc, DeniedError) else "temporary").inc()
         count = self.failures[key] = self.failures.get(key, 0) + 1
         delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
-        log.log(logging.DEBUG if isinstance(exc, DeniedError) else logging.WARNING,
-                "reconcile of %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+        failure = f"reconcile of {key[0]}/{key[1]}: {f'{doing}: ' if doing else ''}{exc}"
+        if isinstance(exc, DeniedError):
+            log.debug("%s; retrying in %.0fs", failure, delay)
+        else:
+            self.repeats.failed(key, failure, f"; retrying in {delay:.0f}s")
         return delay
 
     def rejected(self, key: Key, exc: RejectedError) -> float:
@@ -56,7 +65,8 @@ class Backoff:
 
     def went_through(self, key: Key) -> None:
         """The job's reconcile went through: its next temporary error waits the shortest again."""
-        self.failures.pop(key, None)
+        if self.failures.pop(key, None) is not None:
+            self.repeats.succeeded(key, f"reconcile of {key[0]}/{key[1]} goes through again")
 
     def created(self, key: Key) -> None:
         """A pod create of the job went through."""
@@ -64,4 +74,5 @@ class Backoff:
 
     def forget(self, key: Key) -> None:
         self.failures.pop(key, None)
+        self.repeats.forget(key)
         self.rejections.pop(key, None)

@@ -173,7 +173,7 @@ class Api:
             # requested resource") means Kueue's CRDs are not installed.
             return "could not find the requested resource" not in exc.api_message, None
         except RefusedError as exc:
-            raise TemporaryError(f"get workload {namespace}/{name}: HTTP {exc.status}") from None
+            raise retry_later(exc, f"get workload {namespace}/{name}: HTTP {exc.status}") from None
 
     async def priority_value(self, ref: kueue.PriorityRef) -> tuple[int | None, str]:
         """(The value of a PriorityClass or WorkloadPriorityClass, why it could not be read)."""
@@ -187,7 +187,7 @@ class Api:
         except NotFoundError:
             return None, f"{ref.kind} {ref.name!r} does not exist"
         except RefusedError as exc:
-            raise TemporaryError(f"get {ref.kind} {ref.name}: HTTP {exc.status}") from None
+            raise retry_later(exc, f"get {ref.kind} {ref.name}: HTTP {exc.status}") from None
         value = (body or {}).get("value")
         return (value, "") if isinstance(value, int) else (None, f"{ref.kind} {ref.name!r} has no value")
 
@@ -199,7 +199,7 @@ class Api:
         except NotFoundError:
             return None
         except RefusedError as exc:
-            raise TemporaryError(f"get resourceflavor {name}: HTTP {exc.status}") from None
+            raise retry_later(exc, f"get resourceflavor {name}: HTTP {exc.status}") from None
         return dict((body or {}).get("spec") or {})
 
 

@@ -337,10 +337,8 @@ class Reconciler:
             if is_queued(job):
                 try:
                     kq = await self.observe_kueue(job, now)
-                except ApiError as exc:
-                    metrics.ERRORS.labels("temporary").inc()
-                    log.warning("reconcile of %s/%s: reading Kueue: %s; retrying", job.namespace, job.name, exc)
-                    self.enqueue(key, 5.0)
+                except TemporaryError as exc:  # backs off as any temporary error (the reads' refusals are such)
+                    self._retry_later(key, exc, doing="reading Kueue")
                     return
                 result = plan_queued(job, observed, kq, now)
             else:
@@ -414,9 +412,9 @@ class Reconciler:
             return
         self.enqueue(key, 1.0)
 
-    def _retry_later(self, key: tuple[str, str], exc: TemporaryError) -> None:
+    def _retry_later(self, key: tuple[str, str], exc: TemporaryError, doing: str = "") -> None:
         """Backs off while it lasts (an API server overloaded or away, RBAC's refusal: backoff.py)."""
-        self.enqueue(key, self.backoff.temporary(key, exc))
+        self.enqueue(key, self.backoff.temporary(key, exc, doing))
 
     def _expectations(self, key: tuple[str, str], uid: str) -> Expectations:
         exp = self.expectations.get(key)
