@@ -21,7 +21,16 @@ reads the same way as for kube-controller-manager:
   A standby needs a full lease duration of silence before it takes over, so the
   old leader has stopped before the new one starts;
 - a leader that stops cleanly releases the Lease (empty holder, duration 1 s)
-  so a standby takes over at once instead of after a lease duration.
+  so a standby takes over at once instead of after a lease duration;
+- a standby that cannot read or write the Lease keeps trying every
+  `retry_period` (it must take over within a lease duration once the API
+  works), but says so once: RBAC's refusal at ERROR naming the permission and
+  the fix (`permissions.py`), any other failure at WARNING, an identical repeat
+  at DEBUG and once a minute at WARNING with a count, the recovery at INFO
+  (`repeats.py`). Its health endpoint still answers 200: a restart gives it
+  neither the permission nor an API server, and when the API server is away
+  for everyone, restarting every replica only adds a crash-loop backoff to the
+  time they need to come back.
 """
 
 from __future__ import annotations
@@ -37,10 +46,14 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from kubetrain.errors import ConflictError, NotFoundError, classify
+from kubetrain.errors import ConflictError, ForbiddenError, NotFoundError, classify
+from kubetrain.permissions import Permissions
+from kubetrain.repeats import Repeats
 from kubetrain.values import format_time
 
 log = logging.getLogger("kubetrain.leader")
+REPEAT_WARNING_SECONDS = 60.0
+"""A standby's identical failures to read or write the Lease warn at most this often (with their count)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class LeaderElector:
         self._renewed = threading.Condition()
         self._renewed_at = 0.0    # our clock at the START of the last successful acquire or renew
         self._lost = False
+        self.permissions = Permissions()   # RBAC's refusals, once each
+        self._trouble = Repeats(log, every=REPEAT_WARNING_SECONDS, clock=clock)  # the standby's other failures
 
     @property
     def is_leader(self) -> bool:
@@ -113,11 +128,14 @@ class LeaderElector:
         return self.timing.request_timeout
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One Lease call with the request timeout; a client error comes as a type of `errors.py`."""
-        try:
-            return fn(*args, _request_timeout=self._timeout)
-        except ApiException as exc:
-            raise classify(exc, getattr(fn, "__name__", "lease call")) from None
+        """One Lease call with the request timeout; a client error comes as a type of `errors.py`, and RBAC's
+        refusal is reported once (`permissions.py`)."""
+        what = getattr(fn, "__name__", "lease call")
+        with self.permissions.watching(what, self.namespace):
+            try:
+                return fn(*args, _request_timeout=self._timeout)
+            except ApiException as exc:
+                raise classify(exc, what) from None
 
     def try_acquire_or_renew(self) -> bool:
         """One round: True when this identity holds the Lease afterwards."""
@@ -165,13 +183,20 @@ class LeaderElector:
         while not stop.is_set():
             started = self.clock()
             try:
-                if self.try_acquire_or_renew():
+                leading = self.try_acquire_or_renew()
+            except Exception as exc:  # noqa: BLE001  (the API server may be briefly unreachable)
+                if isinstance(exc, ForbiddenError) and exc.denial is not None:  # the ledger's ERROR said it
+                    log.debug("cannot read or write %s: %s", self.lease_ref, exc)
+                else:
+                    self._trouble.failed(self.lease_ref, f"cannot read or write {self.lease_ref}: {exc}",
+                                         f"; trying again every {self.timing.retry_period:g}s")
+            else:
+                self._trouble.succeeded(self.lease_ref, f"{self.lease_ref} can be read and written again")
+                if leading:
                     self._renewed_at = started
                     self._leading.set()
                     log.info("leading: %s held by %s", self.lease_ref, self.identity)
                     return True
-            except Exception as exc:  # noqa: BLE001  (the API server may be briefly unreachable)
-                log.warning("cannot read or write %s: %s", self.lease_ref, exc)
             if self.holder != announced:
                 log.info("standing by: %s is held by %s", self.lease_ref, self.holder)
                 announced = self.holder

@@ -6,17 +6,20 @@ chart's `namespaces`) stays refused until someone fixes the Role, and every
 reconcile that needs it meets it again: the callers retry with backoff, and
 this ledger keeps the log readable. The first refusal of each call in each
 namespace is logged at ERROR, with the verb, the resource, the namespace, the
-ServiceAccount and what to do; its repeats at DEBUG. The first success of that
-call in that namespace afterwards is logged at INFO and clears the entry, so a
-permission lost again later is reported again.
+ServiceAccount and what to do; its repeats at DEBUG. The first answer to that
+call in that namespace afterwards that RBAC let through (a success, or a 404 or
+409, which come after RBAC's check) is logged at INFO and clears the entry, so
+a permission lost again later is reported again. `watching` does the same
+around a blocking call (the leader elector's Lease calls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Iterator, TypeVar
 
-from kubetrain.errors import Denial, ForbiddenError
+from kubetrain.errors import Denial, ForbiddenError, RefusedError
 
 T = TypeVar("T")
 
@@ -31,14 +34,22 @@ class Permissions:
 
     async def watch(self, what: str, namespace: str, call: Awaitable[T]) -> T:
         """Await one API call (`what` in `namespace`), noting whether RBAC refused or allowed it."""
+        with self.watching(what, namespace):
+            return await call
+
+    @contextlib.contextmanager
+    def watching(self, what: str, namespace: str) -> Iterator[None]:
+        """Around one blocking API call (the leader elector's) whose client errors come as `errors.py`'s types."""
         try:
-            result = await call
+            yield
         except ForbiddenError as exc:
             if (denial := exc.denial) is not None:
                 self.refused(what, denial)
             raise
+        except RefusedError:  # 404, 409, 422 come after RBAC's check: the call was allowed (a Lease not made yet)
+            self.allowed(what, namespace)
+            raise
         self.allowed(what, namespace)
-        return result
 
     def refused(self, what: str, denial: Denial) -> None:
         key = (what, denial.namespace)
@@ -62,6 +73,8 @@ def describe(denial: Denial) -> str:
     check = (f"kubectl auth can-i {denial.verb} {qualified}{f' --subresource={sub}' if sub else ''}"
              f"{f' -n {denial.namespace}' if denial.namespace else ''} --as={denial.user}")
     scope = f", with {denial.namespace} among its `namespaces` (or clusterWide=true)" if denial.namespace else ""
+    if denial.group == "coordination.k8s.io":  # leader election's Lease: the chart's own Role, not the jobs' one
+        scope = f", with leaderElection.enabled=true (its Role <release>-leader-election in {denial.namespace})"
     return (f"RBAC forbids the operator to {denial.verb} {denial.resource} {where} (API group "
             f"{denial.group or 'core'}, user {denial.user}): no role bound to it grants that (RBAC left from an "
             f"older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> charts/kubetrain "

@@ -10,10 +10,14 @@ make it lead again.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
 import threading
 import time
 from typing import Any
 
+import pytest
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -136,3 +140,96 @@ def test_a_fractional_lease_is_written_rounded_up_so_no_standby_takes_over_while
     elector.api = fake  # type: ignore[assignment]
     assert elector.try_acquire_or_renew()
     assert fake.spec is not None and fake.spec["leaseDurationSeconds"] == 3 >= 2.4
+
+
+# A standby that cannot read the Lease: said once, tried as often as ever. The 403 message is k8s.io/apiserver's
+# forbiddenMessage for the chart's ServiceAccount without its leader-election Role.
+SA = "system:serviceaccount:ops:kt-kubetrain"
+
+
+def _lease_forbidden() -> ApiException:
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "code": 403, "reason": "Forbidden", "message":
+                           f'leases.coordination.k8s.io "kubetrain" is forbidden: User "{SA}" cannot get resource '
+                           '"leases" in API group "coordination.k8s.io" in the namespace "ops"'})
+    return exc
+
+
+def _unreachable() -> Exception:  # urllib3 names the connection by its address: a new one on every try
+    return urllib3.exceptions.MaxRetryError(None, "/apis/coordination.k8s.io/v1/namespaces/ops/leases/kubetrain",
+                                            urllib3.exceptions.NewConnectionError(
+                                                object(), f"{object()!r}: Failed to establish a new connection: "
+                                                          "[Errno 111] Connection refused"))
+
+
+class FailingLeases(FakeLeases):
+    """The first `len(failures)` reads fail with what each function makes; then nobody holds the Lease."""
+
+    def __init__(self, failures: list[Any]) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def read_namespaced_lease(self, name: str, namespace: str, **kwargs: Any) -> client.V1Lease:
+        if self.failures:
+            self.calls.append(("read", kwargs))
+            raise self.failures.pop(0)()
+        return super().read_namespaced_lease(name, namespace, **kwargs)
+
+
+class Ticks(threading.Event):
+    """`acquire`'s stop event: each wait for the next try passes at once on a fake clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now, self.waits = 1000.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        self.now += timeout or 0.0
+        return False
+
+
+def stand_by(failures: list[Any]) -> tuple[FailingLeases, Ticks]:
+    """A standby whose Lease reads fail with `failures`, one per try, until it takes the free Lease over."""
+    fake, ticks = FailingLeases(failures), Ticks()
+    elector = LeaderElector(client.ApiClient(), namespace="ops", name="kubetrain", identity="me", clock=ticks)
+    elector.api = fake  # type: ignore[assignment]
+    assert elector.acquire(ticks)
+    return fake, ticks
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and r.name.startswith("kubetrain")]
+
+
+def test_a_standby_rbac_refuses_the_lease_says_it_once_with_the_fix_and_still_tries_every_retry_period(caplog):
+    """Before: `cannot read or write Lease ops/kubetrain: read_namespaced_lease: HTTP 403 Forbidden` at WARNING
+    every 2 s, forever, naming neither the permission nor the Role that grants it."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    fake, ticks = stand_by([_lease_forbidden] * 30)
+    (error,) = messages(caplog, logging.ERROR)
+    assert "forbids the operator to get leases in namespace ops (API group coordination.k8s.io" in error
+    assert "leaderElection.enabled=true (its Role <release>-leader-election in ops)" in error
+    assert f"kubectl auth can-i get leases.coordination.k8s.io -n ops --as={SA}" in error
+    assert messages(caplog, logging.WARNING) == []
+    assert any("allowed again" in m for m in messages(caplog, logging.INFO))
+    # The election's cadence is untouched: a try every retry period, and the take-over at the first that works.
+    assert ticks.waits == [LeaseTiming().retry_period] * 30
+    assert [what for what, _ in fake.calls] == ["read"] * 31 + ["create"]
+
+
+def test_a_standby_that_cannot_reach_the_api_warns_once_a_minute_with_a_count_and_says_when_it_can(caplog):
+    """Before: a WARNING every 2 s for as long as the API server was away."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    fake, ticks = stand_by([_unreachable] * 61)  # two minutes of tries
+    warnings = messages(caplog, logging.WARNING)
+    assert len(warnings) == 3, warnings
+    assert all("cannot read or write Lease ops/kubetrain: " in w and "Connection refused" in w for w in warnings)
+    assert warnings[1].endswith("(30 more times in the last 60s)")
+    assert "Lease ops/kubetrain can be read and written again (after 61 failures in a row)" in messages(
+        caplog, logging.INFO)
+    assert ticks.waits == [LeaseTiming().retry_period] * 61
+    assert [what for what, _ in fake.calls] == ["read"] * 62 + ["create"]
