@@ -77,5 +77,5 @@ def describe(denial: Denial) -> str:
         scope = f", with leaderElection.enabled=true (its Role <release>-leader-election in {denial.namespace})"
     return (f"RBAC forbids the operator to {denial.verb} {denial.resource} {where} (API group "
             f"{denial.group or 'core'}, user {denial.user}): no role bound to it grants that (RBAC left from an "
-            f"older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> charts/kubetrain "
-            f"--reuse-values`{scope}; check with `{check}`")
+            f"older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> <chart> -f <your "
+            f"values>` (not --reuse-values: it keeps an older chart's defaults){scope}; check with `{check}`")

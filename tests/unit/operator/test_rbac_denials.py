@@ -145,7 +145,8 @@ def test_a_status_write_rbac_refuses_is_one_error_naming_it_and_the_fix_and_work
     assert len(errors) == 2, errors  # once, and again once it was lost again after working
     assert errors[0] == errors[1]
     assert "forbids the operator to patch trainingjobs/status in namespace ml" in errors[0]
-    assert f"user {SA}" in errors[0] and "helm upgrade <release> charts/kubetrain --reuse-values" in errors[0]
+    assert f"user {SA}" in errors[0] and "helm upgrade <release> <chart> -f <your values>" in errors[0]
+    assert "(not --reuse-values" in errors[0]
     assert (f"kubectl auth can-i patch trainingjobs.kubetrain.io --subresource=status -n ml --as={SA}"
             in errors[0])
     assert logged(caplog, logging.WARNING) == []
