@@ -103,12 +103,14 @@ class PodInformer:
         rv: str | None = None
         backoff = 1.0
         while not self._stop.is_set():
-            started: float | None = None  # when the watch was opened: not yet
+            opened: float | None = None  # when the watch answered 200 (not yet): a refusal, however slow, never was
             try:
                 if rv is None:
                     rv = self._list(scope)
                 started, before = time.monotonic(), rv
-                rv = self._watch(scope, rv)
+                resp = self._open_watch(scope, rv)
+                opened = time.monotonic()
+                rv = self._watch(scope, resp, rv)
                 if rv == before and time.monotonic() - started < SHORT_WATCH and not self._stop.is_set():
                     log.warning("%s watch (%s) ended at once with nothing in it; retrying in %.0fs", self.what,
                                 scope or "all namespaces", backoff)
@@ -117,7 +119,7 @@ class PodInformer:
                 backoff = 1.0
                 self._watch_up(scope)  # a watch that ran its course, even a quiet one
             except ApiException as exc:
-                self._broken(scope, watched_since=started)
+                self._broken(scope, watched_since=opened)
                 rv = None  # list again: see the module's docstring
                 if exc.status == 410:  # our resourceVersion (or continue token) expired: list again
                     # Rare (watch bookmarks keep the version fresh); a relist re-delivers every object, a
@@ -129,7 +131,7 @@ class PodInformer:
                             exc.status, exc.reason, backoff)
                 backoff = self._pause(backoff)
             except Exception as exc:  # noqa: BLE001  (network trouble: list again, never die)
-                self._broken(scope, watched_since=started)
+                self._broken(scope, watched_since=opened)
                 rv = None
                 log.warning("%s watch (%s): %s: %s; retrying in %.0fs", self.what, scope or "all namespaces",
                             type(exc).__name__, exc, backoff)
@@ -137,7 +139,7 @@ class PodInformer:
 
     def _broken(self, scope: str | None, *, watched_since: float | None = None) -> None:
         """No event reaches this scope's store until it has listed again: stale (see the module's docstring).
-        `watched_since`: when the watch that broke was opened (None: the list failed)."""
+        `watched_since`: when the watch that broke was opened (None: the list failed, or the watch was refused)."""
         if watched_since is not None and time.monotonic() - watched_since >= SHORT_WATCH:
             self._watch_up(scope)  # it was up, if quiet: a new outage starts here
         if scope not in self._down:
@@ -186,9 +188,12 @@ class PodInformer:
                 self._post("SYNC", scope, items)
                 return str(meta.get("resourceVersion") or "")
 
-    def _watch(self, scope: str | None, rv: str) -> str:
-        resp = self._call(scope, watch=True, resource_version=rv, allow_watch_bookmarks=True,
+    def _open_watch(self, scope: str | None, rv: str) -> Any:
+        """The watch's response once the API server answered 200; an error status raises (it never opened)."""
+        return self._call(scope, watch=True, resource_version=rv, allow_watch_bookmarks=True,
                           timeout_seconds=WATCH_SECONDS, _request_timeout=(10, WATCH_SECONDS + 30))
+
+    def _watch(self, scope: str | None, resp: Any, rv: str) -> str:
         up = False
         try:
             for line in resp:

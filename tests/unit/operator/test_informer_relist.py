@@ -448,3 +448,38 @@ def test_a_namespace_that_lists_but_whose_watch_never_comes_up_is_logged_at_erro
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2, [r.getMessage() for r in errors]  # one per outage: before the fix, none
     assert all("has been down for" in r.getMessage() for r in errors)
+
+
+@pytest.mark.parametrize("refusal", [(403, "Forbidden"), (504, "Gateway Timeout"), (429, "Too Many Requests")],
+                         ids=["RBAC, slow to answer", "a proxy timing the watch out", "APF, after queueing"])
+def test_a_watch_refused_slowly_is_never_up_and_its_outage_is_logged_at_error(monkeypatch, caplog, refusal):
+    """A watch request that is answered with an error status never opened, however long the answer took: a proxy
+    that holds watches until its own timeout and then answers 504, an API server that queues the request (APF)
+    and then answers 429, or RBAC's 403 on a loaded API server. Counting the wait as a quiet watch that was up
+    restarted the outage on every try, and the namespace stayed unreconciled behind WARNINGs only."""
+    import kubetrain.informer as informer_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(informer_module.time, "monotonic", lambda: clock[0])
+    informer = PodInformer(client.ApiClient(), namespaces=("a",), label_selector="x=y", on_event=lambda k, o: None)
+    informer._post = lambda *args: None
+    watches = [0]
+
+    def fake_call(scope, **kwargs):
+        if "watch" not in kwargs:
+            return _Response(data=json.dumps({"metadata": {"resourceVersion": "10"}, "items": []}).encode())
+        watches[0] += 1
+        clock[0] += 15.0  # the answer takes a while
+        raise ApiException(status=refusal[0], reason=refusal[1])
+
+    def pause(backoff: float) -> float:
+        clock[0] += 30.0
+        if watches[0] >= 15:  # 15 tries, 45 s apart: past DOWN_ERROR_SECONDS
+            informer._stop.set()
+        return backoff
+
+    informer._call, informer._pause = fake_call, pause
+    with caplog.at_level(logging.ERROR, logger=informer_module.log.name):
+        informer._run("a")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "has been down for" in errors[0], errors
