@@ -370,13 +370,20 @@ class Reconciler:
                 # created would read as deleted by someone else once its expectation expires.
                 self._remember(key, job.uid, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
+                marked, cleanup = failed.split_at_status()  # said once marked Failed, whatever its deletes meet
                 try:
-                    written = await k8s.apply(self.api, job, rv, failed)
+                    written = await k8s.apply(self.api, job, rv, marked)
                 except ApiError as error:  # Failed not written: a conflict plans again soon; RBAC, 5xx... back off
                     self._retry_later(key, error) if isinstance(error, TemporaryError) else self.enqueue(key, 2.0)
                     return
                 metrics.ERRORS.labels("permanent").inc()
                 log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
+                try:
+                    if written is not None:  # else the job is gone
+                        await k8s.apply(self.api, job, rv, cleanup)
+                except TemporaryError as error:  # the Failed job's next reconcile deletes its pods
+                    self._retry_later(key, error)
+                    return
                 result = failed  # what was written: the log, the metrics and the expectations below are its
             except RejectedError as exc:
                 delay = self.backoff.rejected(key, exc)

@@ -234,3 +234,35 @@ def test_a_job_that_cannot_run_whose_failed_status_rbac_refuses_backs_off_and_sa
     assert cannot_run == ['job ml/train cannot run: create pod train-a1-n0: pods "train-a1-n0" is forbidden: violates '
                           'PodSecurity "restricted:latest": hostPath volumes (volume "data")']
     assert cluster.statuses[-1]["phase"] == "Failed"
+
+
+def _exists() -> ApiException:
+    exc = ApiException(status=409, reason="Conflict")
+    exc.body = json.dumps({"kind": "Status", "code": 409, "reason": "AlreadyExists",
+                           "message": 'services "train" already exists'})
+    return exc
+
+
+def _unavailable() -> ApiException:
+    return ApiException(status=503, reason="Service Unavailable")
+
+
+@pytest.mark.parametrize("refusal", [FORBIDDEN["delete pod"], _unavailable], ids=["RBAC", "503"])
+def test_a_job_that_cannot_run_is_reported_once_its_failed_status_is_written_even_if_its_pods_are_not_deleted(
+        caplog, refusal) -> None:
+    """A Service of the job's name that is not its own is met after the job's pods were created: the Failed plan
+    writes the status, then deletes those pods. With the deletes refused (RBAC without `delete pods`, a 503), the
+    ERROR `job ml/train cannot run` and kubetrain_errors_total{kind="permanent"} never came: 0457188 emitted them
+    only after the whole plan, and the next reconcile sees a Failed job, which only cleans up."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    cluster = Cluster(refusals={"create service": _exists, "delete pod": refusal})
+    permanent_before = metrics.REGISTRY.get_sample_value("kubetrain_errors_total", {"kind": "permanent"}) or 0.0
+    delays = reconcile(cluster, [{"create service", "delete pod"}])
+    assert cluster.statuses[-1]["phase"] == "Failed"
+    assert cluster.calls.count("delete pod") == 2, cluster.calls  # tried: a Failed job's next reconcile tries again
+    cannot_run = [m for m in logged(caplog, logging.ERROR) if "cannot run" in m]
+    assert cannot_run == ["job ml/train cannot run: service ml/train already exists and does not belong to this "
+                          "TrainingJob: delete it, or give the TrainingJob another name"]
+    assert metrics.REGISTRY.get_sample_value("kubetrain_errors_total", {"kind": "permanent"}) == permanent_before + 1
+    assert delays == [2.0]  # the deletes are tried again with backoff
+    assert "create event" in cluster.calls  # the Failed event goes out with the status it belongs to
