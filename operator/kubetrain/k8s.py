@@ -401,20 +401,18 @@ async def _ensure_configmap(api: Api, job: Job) -> None:
     body = builders.get_deepspeed_configmap(job=job)
     name = body["metadata"]["name"]
     try:
-        await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body,
-                       namespace=job.namespace)
-        return
-    except ConflictError:  # it exists: if it is ours, bring its data up to date
-        await _check_owner(api, job, "configmap", name, api.core.read_namespaced_config_map)
-    except InvalidError as exc:  # e.g. an inline config over the 1 MiB an object may hold: retrying cannot help
-        raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
-    except RefusedError as exc:
-        raise retry_later(exc, f"create configmap: HTTP {exc.status}") from None
-    try:
+        try:
+            await api.call("create configmap", api.core.create_namespaced_config_map, job.namespace, body,
+                           namespace=job.namespace)
+            return
+        except ConflictError:  # it exists: if it is ours, bring its data up to date
+            await _check_owner(api, job, "configmap", name, api.core.read_namespaced_config_map)
         await api.call("patch configmap", api.core.patch_namespaced_config_map, name, job.namespace,
                        {"data": body["data"]}, namespace=job.namespace)
-    except InvalidError as exc:  # the inline config grew past what an object may hold
+    except InvalidError as exc:  # e.g. an inline config over the 1 MiB an object may hold: retrying cannot help
         raise PermanentError("InvalidDeepSpeedConfig", f"configmap {name}: {exc.api_message}") from None
+    except RefusedError as exc:  # RBAC (reported once: permissions.py), the patch's deleted meanwhile, ...: again
+        raise retry_later(exc, f"configmap {name}: {exc}") from None
 
 
 async def _delete_pod(api: Api, job: Job, action: DeletePod) -> None:

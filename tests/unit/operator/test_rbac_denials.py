@@ -72,7 +72,10 @@ class Cluster:
         api.core = SimpleNamespace(
             create_namespaced_pod=self.fn("create pod", lambda a: a[-1]), read_namespaced_pod=self.fn("get pod"),
             delete_namespaced_pod=self.fn("delete pod"), create_namespaced_service=self.fn("create service"),
-            read_namespaced_service=self.fn("get service"), create_namespaced_event=self.fn("create event"))
+            read_namespaced_service=self.fn("get service"), create_namespaced_event=self.fn("create event"),
+            create_namespaced_config_map=self.fn("create configmap"), patch_namespaced_config_map=self.fn("patch configmap"),
+            read_namespaced_config_map=self.fn("get configmap", lambda a: {"metadata": {"ownerReferences": [
+                {"controller": True, "uid": "uid-now", "kind": "TrainingJob"}]}}))
         api.custom = SimpleNamespace(patch_namespaced_custom_object_status=self.fn("patch status", self._patched))
         return api
 
@@ -266,3 +269,20 @@ def test_a_job_that_cannot_run_is_reported_once_its_failed_status_is_written_eve
     assert metrics.REGISTRY.get_sample_value("kubetrain_errors_total", {"kind": "permanent"}) == permanent_before + 1
     assert delays == [2.0]  # the deletes are tried again with backoff
     assert "create event" in cluster.calls  # the Failed event goes out with the status it belongs to
+
+
+def test_a_deepspeed_configmap_update_rbac_refuses_is_one_error_and_backs_off(caplog) -> None:
+    """The job's own DeepSpeed ConfigMap exists (an operator restart, a retry): its data is brought up to date with
+    a patch. RBAC refusing that patch went out raw, as the reconciler's catch-all: `reconcile of ml/train: HTTP 403
+    Forbidden; retrying` at WARNING every 5 s, forever, with no backoff, on top of the ledger's ERROR."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    zero3 = copy.deepcopy(BODY)
+    zero3["spec"]["strategy"] = {"type": "zero3", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}
+    cluster = Cluster(refusals={"create configmap": _exists,
+                                "patch configmap": lambda: forbidden("patch", "configmaps", name="train-deepspeed")})
+    delays = reconcile(cluster, [{"create configmap", "patch configmap"}] * 4, body=zero3)
+    (error,) = logged(caplog, logging.ERROR)
+    assert "forbids the operator to patch configmaps in namespace ml" in error
+    assert logged(caplog, logging.WARNING) == []
+    assert delays == [2.0, 4.0, 8.0, 16.0]
+    assert cluster.calls.count("patch configmap") == 4 and "create pod" not in cluster.calls  # the pods mount it
