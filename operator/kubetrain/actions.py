@@ -1,7 +1,7 @@
 """What the planner decides: frozen actions, events and the `Plan` that holds them.
 
 `plan.py` (pure) returns a `Plan`; `k8s.apply` carries it out in order (creations,
-the status write, deletions, then the events).
+the status write and then at once its events, deletions).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The only module that writes to the Kubernetes API.
 
-It carries out a `Plan` in order: creations (AlreadyExists is success, so a
-re-run after a crash never duplicates a pod), then the status as a merge
-patch guarded by the job's resourceVersion (a conflict means we planned from
-stale state: the caller re-reads and re-plans), then deletions (NotFound is
-success), then the events. Every write is counted in `Api.writes`, which the
+It carries out a `Plan` in order: creations (AlreadyExists is success, so a re-run after a crash never
+duplicates a pod), then the status as a merge patch guarded by the job's resourceVersion (a conflict means
+we planned from stale state: the caller re-reads and re-plans) and at once its events (a plan without a status
+write: at the end), then deletions (NotFound is success). Every write is counted in `Api.writes`, which the
 liveness endpoint and the benchmark report.
 
 Every client error is classified once, in `Api._call`, into the types of
@@ -208,9 +207,9 @@ RESOURCE_FLAVORS, WORKLOAD_PRIORITY_CLASSES = "resourceflavors", "workloadpriori
 
 
 async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[str, Any] | None:
-    """Carry out a plan; returns the job body after the status write (None if none).
-
-    Raises ConflictError when the status write met a newer resourceVersion."""
+    """Carry out a plan; returns the job body after the status write (None if none). The events go out once the
+    status is written, before the writes after it: those may fail, and the retry plans from the written status.
+    Raises ConflictError when the status write met a newer resourceVersion (its events are not posted)."""
     written: dict[str, Any] | None = None
     actions = list(plan.actions)
     i = 0
@@ -237,6 +236,7 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
             written = await patch_status(api, job, resource_version, action, defer=not intent)
             if written is None:
                 return None  # the job is gone
+            api.spawn(_post_events(api, job, plan.events))
         elif isinstance(action, DeleteJob):
             await _delete_job(api, job)
         elif isinstance(action, CreateWorkload):
@@ -244,7 +244,7 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
         elif isinstance(action, PatchWorkload):
             await patch_workload(api, job.namespace, action)
         i += 1
-    if plan.events:
+    if plan.events and plan.status is None:
         api.spawn(_post_events(api, job, plan.events))
     return written
 
