@@ -95,8 +95,3 @@ class Plan:
     @property
     def status(self) -> Status | None:
         return next((a.status for a in self.actions if isinstance(a, PatchStatus)), None)
-
-    def split_at_status(self) -> tuple[Plan, Plan]:
-        """(The actions up to the status write, that write and the events; the actions after it, e.g. deletes)."""
-        at = next((i + 1 for i, a in enumerate(self.actions) if isinstance(a, PatchStatus)), len(self.actions))
-        return Plan(actions=self.actions[:at], events=self.events), Plan(actions=self.actions[at:])

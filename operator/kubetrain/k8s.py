@@ -206,10 +206,11 @@ KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = kueue.GROUP, kueue.VERSION, kueue.PLURAL
 RESOURCE_FLAVORS, WORKLOAD_PRIORITY_CLASSES = "resourceflavors", "workloadpriorityclasses"
 
 
-async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[str, Any] | None:
-    """Carry out a plan; returns the job body after the status write (None if none). The events go out once the
-    status is written, before the writes after it: those may fail, and the retry plans from the written status.
-    Raises ConflictError when the status write met a newer resourceVersion (its events are not posted)."""
+async def apply(api: Api, job: Job, resource_version: str, plan: Plan,
+                said: Callable[[dict[str, Any]], Any] = lambda _: None) -> dict[str, Any] | None:
+    """Carry out a plan; returns the job body after the status write (None if none). Once the status is written,
+    its events go out and `said(body)` runs, before the writes after it: those may fail, and the retry plans from
+    the written status. Raises ConflictError when the status write met a newer resourceVersion (no events)."""
     written: dict[str, Any] | None = None
     actions = list(plan.actions)
     i = 0
@@ -237,6 +238,7 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan) -> dict[s
             if written is None:
                 return None  # the job is gone
             api.spawn(_post_events(api, job, plan.events))
+            said(written)
         elif isinstance(action, DeleteJob):
             await _delete_job(api, job)
         elif isinstance(action, CreateWorkload):

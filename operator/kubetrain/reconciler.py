@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 from typing import Any, Callable
 
@@ -350,7 +351,7 @@ class Reconciler:
                 return
             rv = str(body["metadata"].get("resourceVersion") or "")
             try:
-                written = await k8s.apply(self.api, job, rv, result)
+                written = await k8s.apply(self.api, job, rv, result, functools.partial(self._said, key, job, result))
             except ConflictError:
                 metrics.ERRORS.labels("conflict").inc()
                 try:
@@ -370,21 +371,13 @@ class Reconciler:
                 # created would read as deleted by someone else once its expectation expires.
                 self._remember(key, job.uid, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
-                marked, cleanup = failed.split_at_status()  # said once marked Failed, whatever its deletes meet
-                try:
-                    written = await k8s.apply(self.api, job, rv, marked)
-                except ApiError as error:  # Failed not written: a conflict plans again soon; RBAC, 5xx... back off
+                try:  # said once marked Failed, whatever its deletes meet (the Failed job's next reconcile retries)
+                    written = await k8s.apply(self.api, job, rv, failed,
+                                              functools.partial(self._said, key, job, failed, cannot_run=exc))
+                except ApiError as error:  # a conflict plans again soon; RBAC, 5xx... back off
                     self._retry_later(key, error) if isinstance(error, TemporaryError) else self.enqueue(key, 2.0)
                     return
-                metrics.ERRORS.labels("permanent").inc()
-                log.error("job %s/%s cannot run: %s", job.namespace, job.name, exc)
-                try:
-                    if written is not None:  # else the job is gone
-                        await k8s.apply(self.api, job, rv, cleanup)
-                except TemporaryError as error:  # the Failed job's next reconcile deletes its pods
-                    self._retry_later(key, error)
-                    return
-                result = failed  # what was written: the log, the metrics and the expectations below are its
+                result = failed  # what was written: the expectations below are its
             except RejectedError as exc:
                 delay = self.backoff.rejected(key, exc)
                 waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
@@ -407,17 +400,27 @@ class Reconciler:
                 return
             self._remember(key, job.uid, result, now)
             self.backoff.went_through(key)
-            metrics.count_plan(job.status, result)
             if any(isinstance(a, CreatePod) for a in result.actions):
                 self.backoff.created(key)
-            if written is not None:
-                self.store_job(key, written)
-            for event in result.events:
-                log.info("%s/%s %s: %s", job.namespace, job.name, event.reason, event.message)
+            if result.status is None:  # else said once it was written
+                self._said(key, job, result, None)
             if result.requeue_after is not None:
                 self.enqueue(key, result.requeue_after + 0.05)
             return
         self.enqueue(key, 1.0)
+
+    def _said(self, key: tuple[str, str], job: Job, result: Plan, written: dict[str, Any] | None, *,
+              cannot_run: PermanentError | None = None) -> None:
+        """What a plan changed, said once its status is written (`k8s.apply`): the writes after it (deletes) may
+        fail, and the retry plans from the written status, with nothing left to count or log."""
+        if cannot_run is not None:
+            metrics.ERRORS.labels("permanent").inc()
+            log.error("job %s/%s cannot run: %s", job.namespace, job.name, cannot_run)
+        if written is not None:
+            self.store_job(key, written)
+        metrics.count_plan(job.status, result)
+        for event in result.events:
+            log.info("%s/%s %s: %s", job.namespace, job.name, event.reason, event.message)
 
     def _retry_later(self, key: tuple[str, str], exc: TemporaryError, doing: str = "") -> None:
         """Backs off while it lasts (an API server overloaded or away, RBAC's refusal: backoff.py)."""

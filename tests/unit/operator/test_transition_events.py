@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from kubetrain import k8s
+from kubetrain import k8s, metrics
 from kubetrain.config import Settings
 from kubetrain.k8s import Api
 from kubetrain.reconciler import Reconciler
@@ -161,3 +162,19 @@ def test_a_transition_s_events_are_posted_once_its_status_is_written_even_when_i
     assert server.events == events  # once each: none for the status write refused, none for the one that conflicted
     assert delays[:3] == [2.0, 4.0, 8.0], delays  # the status, then the deletes tried again with backoff
 
+
+
+def test_a_preemption_whose_deletes_fail_is_counted_and_logged_once(caplog) -> None:
+    """Before: kubetrain_job_preemptions_total and the operator's INFO line for each event were done after the whole
+    plan: with the gang's deletes refused (a 503), the Restarting status was written and the preemption was never
+    counted nor logged (the next reconcile plans from Restarting: nothing left to count)."""
+    caplog.set_level(logging.INFO, logger="kubetrain")
+    labels = {"reason": "PreemptionByScheduler"}
+    before = metrics.REGISTRY.get_sample_value("kubetrain_job_preemptions_total", labels) or 0.0
+    body, pods = _preempted()
+    server = Server(body, _unavailable)
+    reconcile(server, [{DELETES}, {DELETES}, set()], body, pods)
+    assert server.phases[0] == "Restarting"
+    assert metrics.REGISTRY.get_sample_value("kubetrain_job_preemptions_total", labels) == before + 1
+    said = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("ml/train ")]
+    assert said == ["ml/train Preempted", "ml/train Restarting"]
