@@ -8,6 +8,7 @@ touches torch.distributed.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 from typing import Any
 
@@ -62,6 +63,20 @@ def init_process_group(*, use_cpu: bool, timeout_s: int) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        atexit.register(_destroy_gloo_group)
+
+
+def _destroy_gloo_group() -> None:
+    """At exit, a gloo group the script left (HF scripts never destroy it) is destroyed while the interpreter is
+    whole: torch's finalization could otherwise free a tensor its worker threads hold and abort the process
+    (SIGABRT, "terminate called without an active exception"), which the launcher counts as a failed run. Gloo's
+    teardown needs no peer; NCCL's does (it can hang), so an NCCL group is left to the script, as in HF."""
+    try:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001  (exiting: never turn a finished run into a traceback)
+        pass
 
 
 def barrier() -> None:
