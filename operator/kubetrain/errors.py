@@ -172,12 +172,32 @@ def classify_forbidden(api_message: str, message: str) -> RejectedError | Perman
     if "status unknown for quota" in api_message:  # the quota controller has not counted a new quota's usage
         return RejectedError("QuotaPending", message)
     if "error looking up service account" in api_message:
-        return RejectedError("ServiceAccountMissing", message)
+        return RejectedError("ServiceAccountMissing", _service_account_missing(api_message, message))
     if "cannot create resource" in api_message:
         return RejectedError("Forbidden", message)
     if "violates PodSecurity" in api_message:
         return PermanentError("PodSecurity", message)
     return PermanentError("PodRejected", message)
+
+
+_SA_NOT_FOUND = re.compile(r'error looking up service account ([^/\s]+)/([^:\s]+): serviceaccount "[^"]*" not found')
+
+
+def _service_account_missing(api_message: str, message: str) -> str:
+    """The ServiceAccount admission's refusal with the fix first (a condition's message is cut at 400 characters),
+    the API server's words (which name the pod) after it."""
+    found = _SA_NOT_FOUND.search(api_message)
+    if found is None:  # another error of the lookup (an API server in trouble): as it came
+        return message
+    namespace, name = found.groups()
+    if name == "default":
+        fix = ("the namespace's own, made by kube-controller-manager moments after the namespace: if it stays "
+               "missing, its serviceaccount controller is not running")
+    else:
+        fix = (f"create it (kubectl create serviceaccount {name} -n {namespace}) or set spec.podTemplate."
+               "serviceAccountName (spec.checkpoint.webIdentity.serviceAccountName with webIdentity) to one that exists")
+    return f"ServiceAccount {name} not found in namespace {namespace}: {fix}; the pods are created once it does " \
+           f"(API server: {api_message})"
 
 
 def classify_unavailable(error: TemporaryError, message: str) -> TemporaryError:

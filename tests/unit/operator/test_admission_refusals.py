@@ -1,0 +1,116 @@
+"""Pod creates refused by an admission plugin after RBAC let the call through: a ServiceAccount the pods name that
+does not exist (the ServiceAccount admission) waits, saying on the job which one and what to do, once; the garbage
+collector's admission refusing owner references with blockOwnerDeletion (the operator's Role lacks `update` on
+`trainingjobs/finalizers`) is the operator's missing permission, not a job that cannot run. Through the real
+`Reconciler`, `Api` and error classification; only the client functions are stand-ins (`test_rbac_denials.Cluster`)
+that answer as the API server does."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+from kubetrain.config import Settings
+from kubetrain.reconciler import Reconciler
+from test_rbac_denials import BODY, KEY, Cluster, logged
+
+
+def _refused(message: str) -> ApiException:
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "code": 403, "reason": "Forbidden", "message": message})
+    return exc
+
+
+def no_service_account(name: str = "trainer") -> ApiException:
+    # plugin/pkg/admission/serviceaccount: "error looking up service account %s/%s: %w"
+    return _refused(f'pods "train-a1-n0" is forbidden: error looking up service account ml/{name}: serviceaccount '
+                    f'"{name}" not found')
+
+
+class Server(Cluster):
+    """`Cluster`, whose status patches answer with the stored job as the API server does, and which keeps the
+    events the operator posted."""
+
+    def __init__(self, body: dict = BODY, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.body, self.events = copy.deepcopy(body), []
+
+    def fn(self, what: str, answer: Any = None) -> Any:
+        if what == "create event":
+            return super().fn(what, lambda a: self.events.append(a[-1]) or a[-1])
+        return super().fn(what, answer)
+
+    def _patched(self, args: tuple) -> dict:
+        self.statuses.append(args[-1]["status"])
+        meta = self.body["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+        self.body["status"] = args[-1]["status"]
+        return copy.deepcopy(self.body)
+
+
+def run(cluster: Server, rounds: list[set[str]]) -> list[float]:
+    """One reconcile per round, the API server refusing that round's calls; the job as the operator stored it last
+    (its own status writes included), as between two real reconciles. The delays it asks for."""
+    delays: list[float] = []
+
+    async def main() -> None:
+        api = cluster.api()
+        rec = Reconciler(api=api, settings=Settings())
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec.jobs[KEY] = copy.deepcopy(cluster.body)
+        try:
+            for refused in rounds:
+                cluster.denied = refused
+                rec.expectations.clear()  # the refused creates never show up
+                await rec.reconcile(KEY)
+                await asyncio.sleep(0.05)  # the events go out in the background
+        finally:
+            api.close()
+
+    asyncio.run(main())
+    return delays
+
+
+def test_a_missing_service_account_waits_naming_it_and_the_fix_once_and_the_job_starts_once_it_exists(caplog) -> None:
+    """Before: condition Created=False/ServiceAccountMissing carried only the API server's words (`pods "train-a1-n0"
+    is forbidden: error looking up service account ml/trainer: ...`): which field named it, and what to do, said
+    nowhere."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    with_sa = copy.deepcopy(BODY)
+    with_sa["spec"]["podTemplate"] = {"serviceAccountName": "trainer"}
+    cluster = Server(with_sa, refusals={"create pod": no_service_account})
+    delays = run(cluster, [{"create pod"}] * 4 + [set()])
+    posted = cluster.events
+    assert delays == [5.0, 10.0, 20.0, 40.0]  # REJECTED_BACKOFF while it is missing; none once the pods are created
+    waiting = cluster.statuses[0]
+    created = next(c for c in waiting["conditions"] if c["type"] == "Created")
+    assert created["status"] == "False" and created["reason"] == "ServiceAccountMissing"
+    assert created["message"].startswith(
+        "ServiceAccount trainer not found in namespace ml: create it (kubectl create serviceaccount trainer -n ml) "
+        "or set spec.podTemplate.serviceAccountName")
+    assert "error looking up service account ml/trainer" in created["message"]  # the API server's words, after it
+    assert len(created["message"]) < 400  # whole: a condition's message is cut there
+    assert waiting["phase"] == "Pending" and "waiting for the ServiceAccount" in waiting["message"]
+    assert len(cluster.statuses) == 2, "the same refusal again writes no status"
+    warnings = [e for e in posted if e["type"] == "Warning"]
+    assert [e["reason"] for e in warnings] == ["ServiceAccountMissing"], "one event, not one per retry"
+    assert "kubectl create serviceaccount trainer -n ml" in warnings[0]["message"]
+    assert cluster.calls.count("create pod") == 10  # both pods tried in every round
+    assert cluster.statuses[-1]["phase"] == "Pending"
+    assert next(c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Created")["status"] == "True"
+    assert logged(caplog, logging.ERROR) == []  # not the operator's RBAC: nothing for the permissions ledger
+
+
+def test_a_missing_default_service_account_points_at_the_controller_that_makes_it() -> None:
+    cluster = Server(refusals={"create pod": lambda: no_service_account("default")})
+    run(cluster, [{"create pod"}])
+    created = next(c for c in cluster.statuses[0]["conditions"] if c["type"] == "Created")
+    assert created["reason"] == "ServiceAccountMissing"
+    assert created["message"].startswith("ServiceAccount default not found in namespace ml: the namespace's own, "
+                                         "made by kube-controller-manager")
