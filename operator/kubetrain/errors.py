@@ -77,10 +77,22 @@ class InvalidError(RefusedError):
 class ForbiddenError(RefusedError):
     """403: RBAC, a ResourceQuota, PodSecurity, a LimitRange or an admission webhook said no."""
 
+    def __init__(self, message: str, *, status: int | None = None, http_reason: str = "",
+                 api_message: str = "") -> None:
+        super().__init__(message, status=status, http_reason=http_reason, api_message=api_message)
+        self.denial: Denial | None = Denial.parse(api_message)
+        """What RBAC refused, when it was RBAC (None for a quota, PodSecurity, a webhook...); for `owner_finalizers`,
+        which names no permission, the API client's ledger sets it (`permissions.py`)."""
+
     @property
-    def denial(self) -> Denial | None:
-        """What RBAC refused, when it was RBAC (None for a quota, PodSecurity, a webhook...)."""
-        return Denial.parse(self.api_message)
+    def owner_finalizers(self) -> bool:
+        """The garbage collector's admission (OwnerReferencesPermissionEnforcement) refused an owner reference with
+        blockOwnerDeletion: RBAC does not let the caller update the owner's finalizers. Its message names neither
+        the user nor the owner's resource."""
+        return OWNER_FINALIZERS in self.api_message
+
+
+OWNER_FINALIZERS = "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on"
 
 
 @dataclass(frozen=True)
@@ -165,7 +177,8 @@ def _retry_after(exc: ApiException) -> float:
 
 def classify_forbidden(api_message: str, message: str) -> RejectedError | PermanentError:
     """A 403 on a create: a full ResourceQuota, a new one whose usage is not counted yet, a ServiceAccount
-    not made yet (a new namespace's `default`, one applied with the job) or missing RBAC can pass (wait);
+    not made yet (a new namespace's `default`, one applied with the job) or missing RBAC (the call's own, or the
+    owner's finalizers that the garbage collector's admission asks for) can pass (wait);
     PodSecurity, a LimitRange or an admission webhook judge the object itself (the job cannot run)."""
     if "exceeded quota" in api_message:
         return RejectedError("QuotaExceeded", message)
@@ -175,6 +188,9 @@ def classify_forbidden(api_message: str, message: str) -> RejectedError | Perman
         return RejectedError("ServiceAccountMissing", _service_account_missing(api_message, message))
     if "cannot create resource" in api_message:
         return RejectedError("Forbidden", message)
+    if OWNER_FINALIZERS in api_message:  # RBAC's answer too, for the owner (reported once: permissions.py)
+        return RejectedError("Forbidden", "the operator may not update trainingjobs/finalizers, which owner references "
+                                          f"with blockOwnerDeletion need: its RBAC is older than its chart ({message})")
     if "violates PodSecurity" in api_message:
         return PermanentError("PodSecurity", message)
     return PermanentError("PodRejected", message)

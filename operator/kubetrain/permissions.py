@@ -11,6 +11,10 @@ call in that namespace afterwards that RBAC let through (a success, or a 404 or
 409, which come after RBAC's check) is logged at INFO and clears the entry, so
 a permission lost again later is reported again. `watching` does the same
 around a blocking call (the leader elector's Lease calls).
+
+A create whose owner reference (blockOwnerDeletion) the garbage collector's
+admission refuses is RBAC's answer for the owner: `update` on
+`trainingjobs/finalizers` (its message names neither, so it is filled in here).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import logging
 from typing import Awaitable, Iterator, TypeVar
 
+from kubetrain.api import GROUP, PLURAL
 from kubetrain.errors import Denial, ForbiddenError, RefusedError
 
 T = TypeVar("T")
@@ -43,6 +48,9 @@ class Permissions:
         try:
             yield
         except ForbiddenError as exc:
+            if exc.denial is None and exc.owner_finalizers:  # ours are all TrainingJob owners, in the call's namespace
+                exc.denial = Denial(user="", verb="update", resource=f"{PLURAL}/finalizers", group=GROUP,
+                                    namespace=namespace)
             if (denial := exc.denial) is not None:
                 self.refused(what, denial)
             raise
@@ -53,7 +61,7 @@ class Permissions:
 
     def refused(self, what: str, denial: Denial) -> None:
         key = (what, denial.namespace)
-        if key in self.denied:
+        if self.denied.get(key) == denial:  # another permission of the same call (its owner's finalizers) is news
             log.debug("%s in %s still refused by RBAC", what, denial.namespace or "the cluster")
             return
         self.denied[key] = denial
@@ -70,12 +78,16 @@ def describe(denial: Denial) -> str:
     resource, _, sub = denial.resource.partition("/")
     qualified = f"{resource}.{denial.group}" if denial.group else resource
     where = f"in namespace {denial.namespace}" if denial.namespace else "cluster-wide"
+    user = denial.user or "system:serviceaccount:<its namespace>:<its ServiceAccount>"  # unnamed by the refusal
     check = (f"kubectl auth can-i {denial.verb} {qualified}{f' --subresource={sub}' if sub else ''}"
-             f"{f' -n {denial.namespace}' if denial.namespace else ''} --as={denial.user}")
+             f"{f' -n {denial.namespace}' if denial.namespace else ''} --as={user}")
     scope = f", with {denial.namespace} among its `namespaces` (or clusterWide=true)" if denial.namespace else ""
+    why = (" (the API server's OwnerReferencesPermissionEnforcement admission asks for it: the operator's pods, "
+           "Service, ConfigMap and Workload name their TrainingJob as owner with blockOwnerDeletion)"
+           if sub == "finalizers" else "")
     if denial.group == "coordination.k8s.io":  # leader election's Lease: the chart's own Role, not the jobs' one
         scope = f", with leaderElection.enabled=true (its Role <release>-leader-election in {denial.namespace})"
-    return (f"RBAC forbids the operator to {denial.verb} {denial.resource} {where} (API group "
-            f"{denial.group or 'core'}, user {denial.user}): no role bound to it grants that (RBAC left from an "
-            f"older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> <chart> -f <your "
+    return (f"RBAC forbids the operator to {denial.verb} {denial.resource} {where}{why} (API group "
+            f"{denial.group or 'core'}, user {denial.user or 'its ServiceAccount'}): no role bound to it grants that "
+            f"(RBAC left from an older release, or made by hand). Re-apply the chart's RBAC: `helm upgrade <release> <chart> -f <your "
             f"values>` (not --reuse-values: it keeps an older chart's defaults){scope}; check with `{check}`")

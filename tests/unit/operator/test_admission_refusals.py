@@ -17,7 +17,7 @@ from kubernetes.client.rest import ApiException
 
 from kubetrain.config import Settings
 from kubetrain.reconciler import Reconciler
-from test_rbac_denials import BODY, KEY, Cluster, logged
+from test_rbac_denials import BODY, KEY, Cluster, forbidden, logged
 
 
 def _refused(message: str) -> ApiException:
@@ -114,3 +114,55 @@ def test_a_missing_default_service_account_points_at_the_controller_that_makes_i
     assert created["reason"] == "ServiceAccountMissing"
     assert created["message"].startswith("ServiceAccount default not found in namespace ml: the namespace's own, "
                                          "made by kube-controller-manager")
+
+
+def no_owner_finalizers(name: str = "train-a1-n0", kind: str = "pods") -> ApiException:
+    # plugin/pkg/admission/gc: "cannot set blockOwnerDeletion if ...: %v, %v" (the authorizer's reason, its error)
+    return _refused(f'{kind} "{name}" is forbidden: cannot set blockOwnerDeletion if an ownerReference refers to a '
+                    "resource you can't set finalizers on: , <nil>")
+
+
+def test_owner_references_refused_for_a_role_without_finalizers_wait_as_missing_rbac_not_fail_the_job(caplog) -> None:
+    """Before: Failed/PodRejected at once (`job ml/train cannot run: ... cannot set blockOwnerDeletion ...`), for a
+    Role of the operator's left from an older chart, which a `helm upgrade` fixes; nothing named the permission."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    cluster = Server(refusals={"create pod": no_owner_finalizers})
+    delays = run(cluster, [{"create pod"}] * 4 + [set()])
+    assert delays == [5.0, 10.0, 20.0, 40.0]  # REJECTED_BACKOFF, as RBAC refusing the create itself
+    assert all(s["phase"] != "Failed" for s in cluster.statuses)
+    created = next(c for c in cluster.statuses[0]["conditions"] if c["type"] == "Created")
+    assert created["status"] == "False" and created["reason"] == "Forbidden"
+    assert created["message"].startswith("the operator may not update trainingjobs/finalizers")
+    (error,) = logged(caplog, logging.ERROR)
+    assert "RBAC forbids the operator to update trainingjobs/finalizers in namespace ml" in error
+    assert "OwnerReferencesPermissionEnforcement" in error and "helm upgrade <release> <chart>" in error
+    assert "kubectl auth can-i update trainingjobs.kubetrain.io --subresource=finalizers -n ml --as=" in error
+    assert logged(caplog, logging.WARNING) == []
+    assert any("allowed again" in m for m in logged(caplog, logging.INFO))
+    assert next(c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Created")["status"] == "True"
+
+
+def test_the_finalizers_refusal_after_the_create_itself_was_granted_is_reported_too(caplog) -> None:
+    """Both missing: RBAC refuses the create first; once `create pods` is granted, the owner's finalizers are refused
+    by the same call. The ledger kept one entry per call, so the second permission went to DEBUG, never named."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    answers = [forbidden("create", "pods")] * 4 + [no_owner_finalizers()] * 4  # two rounds of two pods each
+    cluster = Server(refusals={"create pod": lambda: answers.pop(0)})
+    run(cluster, [{"create pod"}] * 4)
+    errors = logged(caplog, logging.ERROR)
+    assert len(errors) == 2, errors
+    assert "forbids the operator to create pods in namespace ml" in errors[0]
+    assert "forbids the operator to update trainingjobs/finalizers in namespace ml" in errors[1]
+
+
+def test_a_deepspeed_configmap_refused_for_its_owners_finalizers_is_one_error_and_backs_off(caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    zero3 = copy.deepcopy(BODY)
+    zero3["spec"]["strategy"] = {"type": "zero3", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}
+    cluster = Server(zero3, refusals={"create configmap": lambda: no_owner_finalizers("train-deepspeed", "configmaps")})
+    delays = run(cluster, [{"create configmap"}] * 3)
+    (error,) = logged(caplog, logging.ERROR)
+    assert "forbids the operator to update trainingjobs/finalizers in namespace ml" in error
+    assert logged(caplog, logging.WARNING) == []
+    assert delays == [2.0, 4.0, 8.0]
+    assert "create pod" not in cluster.calls

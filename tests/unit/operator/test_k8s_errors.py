@@ -24,6 +24,8 @@ CASES = [
      RejectedError, "QuotaPending"),  # a quota made with the namespace, its usage not counted yet
     ('pods "tj-a1-n0" is forbidden: error looking up service account ml/default: serviceaccount "default" not '
      'found', RejectedError, "ServiceAccountMissing"),
+    ('pods "tj-a1-n0" is forbidden: cannot set blockOwnerDeletion if an ownerReference refers to a resource you '
+     "can't set finalizers on: , <nil>", RejectedError, "Forbidden"),  # the operator's Role, for the owner
     ('pods "tj-a1-n0" is forbidden: violates PodSecurity "restricted:latest": hostPath volumes (volume "data")',
      PermanentError, "PodSecurity"),
     ('pods "tj-a1-n0" is forbidden: maximum cpu usage per Container is 200m, but limit is 1',
