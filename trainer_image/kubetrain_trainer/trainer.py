@@ -35,6 +35,7 @@ from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, P
                         TrainerControl)
 from .data import default_data_collator
 from .evaluation import EvaluationMixin, check_eval_dataset
+from .flos import FlosCounter, non_embedding_parameters
 from .hooks import autocast_factory, neftune_hook
 from .loglevels import apply_process_log_level
 from .modelio import save_model_config, save_model_files
@@ -133,6 +134,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         dataloader = self.get_train_dataloader()
         plan = plan_steps(dataloader, args)
         self._init_state(plan)
+        if not self._prepared:  # counted whole, before the strategy shards the parameters
+            self._flos_parameters = non_embedding_parameters(self.model)
         self._prepare(plan.max_steps)
         if dist_util.is_local_main_process():
             ckpt.remove_incomplete(args.output_dir)
@@ -165,6 +168,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         counted_fn = self._counted_step_caller()  # for a model normalising its loss by the step's tokens (HF)
+        flos, batch = FlosCounter(self.model, self._flos_parameters, state.global_step), None  # counted off the step
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         self._end_deferred_epoch(registry)
@@ -237,6 +241,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                 if control.should_epoch_stop:  # the epoch ends here (HF): its next batch is the next epoch's first
                     epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
                 if control.should_log or control.should_evaluate or control.should_save or self._save_landed:
+                    flos.store(state, batch)
                     self._maybe_log_save_evaluate(grad_norm, registry, lr)
                     if self.control.should_epoch_stop:  # set in on_log/on_evaluate/on_save: the same epoch end
                         epoch_done, state.data_position = True, DataPosition(epoch + 1, 0)
@@ -256,7 +261,9 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                 self.control.should_training_stop = True
             # As HF: the epoch ends when its data does, at max_steps and on should_epoch_stop/should_training_stop.
             self.control = self.callback_handler.on_epoch_end(args, state, self.control)
+            flos.store(state, batch)
             self._maybe_log_save_evaluate(grad_norm, registry, lr)
+        flos.store(state, batch)
         if preempted:
             self._preempt(registry)
         return self._finish(start_time, start_step)
@@ -341,7 +348,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(steps * state.train_batch_size / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-                   "train_loss": train_loss, "epoch": state.epoch}
+                   "total_flos": state.total_flos, "train_loss": train_loss, "epoch": state.epoch}
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
         return TrainOutput(state.global_step, train_loss, metrics)
