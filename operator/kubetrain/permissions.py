@@ -24,7 +24,7 @@ import logging
 from typing import Awaitable, Iterator, TypeVar
 
 from kubetrain.api import GROUP, PLURAL
-from kubetrain.errors import Denial, ForbiddenError, RefusedError
+from kubetrain.errors import Denial, ForbiddenError, InvalidError, RefusedError
 
 T = TypeVar("T")
 
@@ -54,8 +54,8 @@ class Permissions:
             if (denial := exc.denial) is not None:
                 self.refused(what, denial)
             raise
-        except RefusedError:  # 404, 409, 422 come after RBAC's check: the call was allowed (a Lease not made yet)
-            self.allowed(what, namespace)
+        except RefusedError as exc:  # 404, 409, 422 come after RBAC's check: the call was allowed (a Lease not made yet)
+            self.allowed(what, namespace, admitted=not isinstance(exc, InvalidError))
             raise
         self.allowed(what, namespace)
 
@@ -67,10 +67,15 @@ class Permissions:
         self.denied[key] = denial
         log.error("%s; retrying with backoff, and logging this once until it works", describe(denial))
 
-    def allowed(self, what: str, namespace: str) -> None:
-        """A call that succeeded: if RBAC refused it in that namespace before, it works again."""
-        if self.denied and self.denied.pop((what, namespace), None) is not None:
-            log.info("%s in %s is allowed again (RBAC fixed): carrying on", what, namespace or "the cluster")
+    def allowed(self, what: str, namespace: str, *, admitted: bool = True) -> None:
+        """A call that succeeded: if RBAC refused it in that namespace before, it works again. Not `admitted` (a
+        400 or 422: the object's own validation, before the admission that checks its owner's finalizers), it
+        says nothing about those."""
+        denial = self.denied.get((what, namespace)) if self.denied else None
+        if denial is None or (not admitted and denial.resource.endswith("/finalizers")):
+            return
+        del self.denied[(what, namespace)]
+        log.info("%s in %s is allowed again (RBAC fixed): carrying on", what, namespace or "the cluster")
 
 
 def describe(denial: Denial) -> str:
