@@ -29,7 +29,12 @@ def non_embedding_parameters(model: nn.Module) -> int:
     """`model.num_parameters(exclude_embeddings=True)` (HF's factor); 0 for a model without it (HF counts no
     flos for it). Call it on the unsharded model: a ZeRO-3 rank's partitioned parameters hold no elements."""
     count = getattr(model, "num_parameters", None)
-    return int(count(exclude_embeddings=True)) if callable(count) else 0
+    if not callable(count):
+        return 0
+    try:
+        return int(count(exclude_embeddings=True))
+    except (TypeError, ValueError):  # a model's own num_parameters of another signature: bookkeeping never fails a run
+        return 0
 
 
 class FlosCounter:

@@ -70,6 +70,16 @@ def test_a_model_without_num_parameters_counts_no_flos_as_hf(tmp_path):
     assert kt.state.total_flos == hf.state.total_flos == out.metrics["total_flos"] == 0
 
 
+class OwnCount(Plain):
+    def num_parameters(self):  # a plain module's own method, without HF's exclude_embeddings
+        return 3
+
+
+def test_a_model_whose_own_num_parameters_takes_other_arguments_trains_and_counts_none(tmp_path):
+    kt, out = _run(TrainingArguments, Trainer, tmp_path / "kt", OwnCount(), max_steps=2)
+    assert out.global_step == 2 and kt.state.total_flos == 0
+
+
 class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control.should_training_stop = state.global_step == 2
