@@ -15,9 +15,8 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from kubetrain.config import Settings
-from kubetrain.reconciler import Reconciler
-from test_rbac_denials import BODY, KEY, Cluster, forbidden, logged
+from test_rbac_denials import BODY, KEY, Cluster, forbidden
+from reconciler_harness import logged, quiet_reconciler
 
 
 def _refused(message: str) -> ApiException:
@@ -60,9 +59,7 @@ def run(cluster: Server, rounds: list[set[str]]) -> list[float]:
 
     async def main() -> None:
         api = cluster.api()
-        rec = Reconciler(api=api, settings=Settings())
-        rec.pods_synced.set()
-        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec = quiet_reconciler(api, delays)
         rec.jobs[KEY] = copy.deepcopy(cluster.body)
         try:
             for refused in rounds:

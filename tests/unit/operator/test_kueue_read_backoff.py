@@ -11,14 +11,12 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kubetrain import metrics
-from kubetrain.config import Settings
 from kubetrain.k8s import Api
-from kubetrain.reconciler import Reconciler
+from reconciler_harness import logged, quiet_reconciler
 
 SA = "system:serviceaccount:kubetrain:kt-kubetrain"
 KEY = ("ml", "train")
@@ -74,9 +72,7 @@ def reconcile(answers: list[Any]) -> list[float]:
         api.core = SimpleNamespace(create_namespaced_event=ok)
         api.custom = SimpleNamespace(get_namespaced_custom_object=get_workload,
                                      patch_namespaced_custom_object_status=patch_status)
-        rec = Reconciler(api=api, settings=Settings())
-        rec.pods_synced.set()
-        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec = quiet_reconciler(api, delays)
         try:
             while answers:
                 rec.jobs[KEY] = copy.deepcopy(BODY)
@@ -88,10 +84,6 @@ def reconcile(answers: list[Any]) -> list[float]:
 
     asyncio.run(main())
     return delays
-
-
-def logged(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == level and r.name.startswith("kubetrain")]
 
 
 def test_a_failing_kueue_read_backs_off_and_warns_once(caplog) -> None:

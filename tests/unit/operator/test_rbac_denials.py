@@ -19,10 +19,9 @@ from kubernetes.client.rest import ApiException
 from kubetrain import k8s, metrics
 from kubetrain.actions import Event
 from kubetrain.api import Job
-from kubetrain.config import Settings
 from kubetrain.errors import Denial
 from kubetrain.k8s import Api
-from kubetrain.reconciler import Reconciler
+from reconciler_harness import logged, quiet_reconciler
 
 SA = "system:serviceaccount:kubetrain:kt-kubetrain"
 KEY = ("ml", "train")
@@ -98,9 +97,7 @@ def reconcile(cluster: Cluster, rounds: list[set[str]], body: dict = BODY, pods:
 
     async def main() -> None:
         api = cluster.api()
-        rec = Reconciler(api=api, settings=Settings())
-        rec.pods_synced.set()
-        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec = quiet_reconciler(api, delays)
         for pod in pods:
             rec.pod_event("ADDED", pod)
         try:
@@ -115,10 +112,6 @@ def reconcile(cluster: Cluster, rounds: list[set[str]], body: dict = BODY, pods:
 
     asyncio.run(main())
     return delays
-
-
-def logged(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == level and r.name.startswith("kubetrain")]
 
 
 @pytest.mark.parametrize("message,denial", [

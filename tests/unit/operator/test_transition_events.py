@@ -17,11 +17,10 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kubetrain import k8s, metrics
-from kubetrain.config import Settings
 from kubetrain.k8s import Api
-from kubetrain.reconciler import Reconciler
 from kubetrain_factories import pod_body
 from test_rbac_denials import forbidden
+from reconciler_harness import quiet_reconciler
 
 KEY = ("ml", "train")
 UID = "uid-now"
@@ -94,9 +93,7 @@ def reconcile(server: Server, rounds: list[set[str]], held: dict, pods: list[dic
 
     async def main() -> None:
         api = server.api()
-        rec = Reconciler(api=api, settings=Settings())
-        rec.pods_synced.set()
-        rec.enqueue = lambda key, delay=0.0: delays.append(delay)  # type: ignore[method-assign]
+        rec = quiet_reconciler(api, delays)
         for pod in pods:
             pod["metadata"].update(namespace="ml", ownerReferences=[
                 {"controller": True, "uid": UID, "kind": "TrainingJob", "name": "train"}])
