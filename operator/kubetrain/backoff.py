@@ -11,8 +11,11 @@ Two counts per job, each of errors in a row:
 A job's temporary error is logged at WARNING the first time, an identical
 repeat at DEBUG, and the reconcile that goes through after repeats once at INFO
 (`repeats.py`): an API server away for an hour is not a warning per job per
-minute. RBAC's refusals are logged at DEBUG here: the API client reported the
-missing permission once, at ERROR (`permissions.py`).
+minute. So is a job's refused pod create (the same reason again is a repeat:
+a job waiting a day for quota is one WARNING; its condition and event say the
+rest), ended by its next pod create that goes through. RBAC's refusals are
+logged at DEBUG here: the API client reported the missing permission once, at
+ERROR (`permissions.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Backoff:
         self.failures: dict[Key, int] = {}    # temporary errors in a row
         self.rejections: dict[Key, int] = {}  # pod creates refused in a row
         self.repeats = Repeats(log)
+        self.refusals = Repeats(log)  # of pod creates: their own trouble (a reconcile going through ends none)
 
     def temporary(self, key: Key, exc: TemporaryError, doing: str = "") -> float:
         """Count and log one temporary error of the job's reconcile (`doing`: in which step, e.g. "reading Kueue"):
@@ -59,8 +63,11 @@ class Backoff:
         metrics.ERRORS.labels("rejected").inc()
         count = self.rejections[key] = self.rejections.get(key, 0) + 1
         delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
-        log.log(logging.DEBUG if exc.reason == "Forbidden" else logging.WARNING,  # RBAC's: logged once (k8s)
-                "job %s/%s: pod create refused (%s); retrying in %.0fs", *key, exc.reason, delay)
+        refused = f"job {key[0]}/{key[1]}: pod create refused ({exc.reason})"
+        if exc.reason == "Forbidden":  # RBAC's: logged once (permissions.py)
+            log.debug("%s; retrying in %.0fs", refused, delay)
+        else:
+            self.refusals.failed(key, refused, f"; retrying in {delay:.0f}s")
         return delay
 
     def went_through(self, key: Key) -> None:
@@ -70,9 +77,11 @@ class Backoff:
 
     def created(self, key: Key) -> None:
         """A pod create of the job went through."""
-        self.rejections.pop(key, None)
+        if self.rejections.pop(key, None) is not None:
+            self.refusals.succeeded(key, f"job {key[0]}/{key[1]}: pod creates go through again")
 
     def forget(self, key: Key) -> None:
         self.failures.pop(key, None)
         self.repeats.forget(key)
         self.rejections.pop(key, None)
+        self.refusals.forget(key)

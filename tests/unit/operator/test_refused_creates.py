@@ -1,0 +1,47 @@
+"""A pod create refused for a reason that can pass (a full ResourceQuota, a missing ServiceAccount): what the
+operator's log says while the job waits, and when. Through the real `Reconciler`, `Api` and error classification;
+only the client functions are stand-ins (`test_admission_refusals.Server`) that answer as the API server does."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from kubernetes.client.rest import ApiException
+
+from test_admission_refusals import Server, no_service_account, run
+from reconciler_harness import logged
+
+
+def over_quota(used: int = 4) -> ApiException:
+    # plugin/pkg/admission/resourcequota: "exceeded quota: %s, requested: %s, used: %s, limited: %s"
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "code": 403, "reason": "Forbidden", "message":
+                           f'pods "train-a1-n0" is forbidden: exceeded quota: q, requested: pods=1, used: pods={used}, '
+                           "limited: pods=4"})
+    return exc
+
+
+def test_a_job_waiting_for_quota_warns_once_then_quietly_and_says_once_when_its_pods_are_created(caplog) -> None:
+    """Before: `job ml/train: pod create refused (QuotaExceeded); retrying in 60s` at WARNING at every retry, about
+    one a minute per waiting job for as long as the quota stays full."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    used = iter(range(4, 100))
+    cluster = Server(refusals={"create pod": lambda: over_quota(next(used))})  # other counts each time: the same
+    run(cluster, [{"create pod"}] * 6 + [set()])
+    refused = [m for m in logged(caplog, logging.WARNING) if "pod create refused" in m]
+    assert refused == ["job ml/train: pod create refused (QuotaExceeded); retrying in 5s"]
+    assert len([m for m in logged(caplog, logging.DEBUG) if "pod create refused (QuotaExceeded)" in m]) == 5
+    assert "job ml/train: pod creates go through again (after 6 failures in a row)" in logged(caplog, logging.INFO)
+    warnings = [e["reason"] for e in cluster.events if e["type"] == "Warning"]
+    assert warnings == ["QuotaExceeded"]  # the job's event and condition as before: once
+    assert next(c for c in cluster.statuses[0]["conditions"] if c["type"] == "Created")["reason"] == "QuotaExceeded"
+
+
+def test_another_reason_for_the_refusal_warns_again(caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    answers = [over_quota()] * 4 + [no_service_account()] * 4  # two pods a round
+    run(Server(refusals={"create pod": lambda: answers.pop(0)}), [{"create pod"}] * 4)
+    assert [m for m in logged(caplog, logging.WARNING) if "pod create refused" in m] == [
+        "job ml/train: pod create refused (QuotaExceeded); retrying in 5s",
+        "job ml/train: pod create refused (ServiceAccountMissing); retrying in 20s"]
