@@ -351,7 +351,7 @@ class Reconciler:
                 return
             rv = str(body["metadata"].get("resourceVersion") or "")
             try:
-                written = await k8s.apply(self.api, job, rv, result, functools.partial(self._said, key, job, result))
+                await k8s.apply(self.api, job, rv, result, functools.partial(self._said, key, job, result))
             except ConflictError:
                 metrics.ERRORS.labels("conflict").inc()
                 try:
@@ -372,8 +372,8 @@ class Reconciler:
                 self._remember(key, job.uid, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:  # said once marked Failed, whatever its deletes meet (the Failed job's next reconcile retries)
-                    written = await k8s.apply(self.api, job, rv, failed,
-                                              functools.partial(self._said, key, job, failed, cannot_run=exc))
+                    await k8s.apply(self.api, job, rv, failed,
+                                    functools.partial(self._said, key, job, failed, cannot_run=exc))
                 except ApiError as error:  # a conflict plans again soon; RBAC, 5xx... back off
                     self._retry_later(key, error) if isinstance(error, TemporaryError) else self.enqueue(key, 2.0)
                     return
@@ -381,10 +381,8 @@ class Reconciler:
             except RejectedError as exc:
                 delay = self.backoff.rejected(key, exc)
                 waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
-                try:
-                    written = await k8s.apply(self.api, job, rv, waiting)
-                    if written is not None:
-                        self.store_job(key, written)
+                try:  # said once its status is written, as any transition (the same refusal again writes none)
+                    await k8s.apply(self.api, job, rv, waiting, functools.partial(self._said, key, job, waiting))
                 except ApiError:
                     pass  # the retry below plans again from whatever is stored
                 self.enqueue(key, delay)

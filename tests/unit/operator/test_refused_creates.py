@@ -4,12 +4,14 @@ only the client functions are stand-ins (`test_admission_refusals.Server`) that 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
 from kubernetes.client.rest import ApiException
 
 from test_admission_refusals import Server, no_service_account, run
+from test_rbac_denials import BODY
 from reconciler_harness import logged
 
 
@@ -45,3 +47,19 @@ def test_another_reason_for_the_refusal_warns_again(caplog) -> None:
     assert [m for m in logged(caplog, logging.WARNING) if "pod create refused" in m] == [
         "job ml/train: pod create refused (QuotaExceeded); retrying in 5s",
         "job ml/train: pod create refused (ServiceAccountMissing); retrying in 20s"]
+
+
+def test_the_refused_creates_events_are_logged_once_their_status_is_written_as_any_transitions(caplog) -> None:
+    """Before: the waiting plan's status and events went out without the operator's INFO line per event that every
+    other transition gets once its status is written (`Reconciler._said`): a resumed job whose pods the quota
+    refused posted Resumed and QuotaExceeded on the job, and the operator's log said neither."""
+    caplog.set_level(logging.INFO, logger="kubetrain")
+    resumed = copy.deepcopy(BODY)
+    resumed["status"] = {"phase": "Suspended", "attempt": 1, "nodesTotal": 2, "startTime": "2026-12-03T13:00:00Z",
+                         "observedGeneration": 1}
+    cluster = Server(resumed, refusals={"create pod": over_quota})
+    run(cluster, [{"create pod"}] * 3)
+    assert [e["reason"] for e in cluster.events] == ["Resumed", "QuotaExceeded"]
+    said = [m.split(":")[0] for m in logged(caplog, logging.INFO) if m.startswith("ml/train ")]
+    assert said == ["ml/train Resumed", "ml/train QuotaExceeded"]  # once each, as the events
+    assert cluster.statuses[0]["phase"] == "Restarting" and len(cluster.statuses) == 1
