@@ -52,9 +52,9 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     started = d.status.attempt >= 1 and d.status.phase in STARTED_PHASES
     if deadline is not None and not policy.suspend and job.status.phase != "Suspended":
         if now >= deadline and not (started and gang_succeeded(d, observed)):  # done in time, seen late: Succeeded
-            msg = f"activeDeadlineSeconds={policy.active_deadline_seconds} exceeded"
-            d.event("Warning", "DeadlineExceeded", msg)
-            fail(d, observed, reason="DeadlineExceeded", message=msg)
+            # One Warning (Failed, as every failure): a DeadlineExceeded event before it said the same words again.
+            fail(d, observed, reason="DeadlineExceeded",
+                 message=f"activeDeadlineSeconds={policy.active_deadline_seconds} exceeded")
             return d.build()
         d.wake_at(deadline)
     if policy.suspend:

@@ -133,6 +133,12 @@ def _failed() -> tuple[dict, list[dict]]:
     return body, [pod_body(name="train", rank=0, phase="Failed", exit_code=1), pod_body(name="train", rank=1)]
 
 
+def _deadline() -> tuple[dict, list[dict]]:
+    body = copy.deepcopy(BODY)
+    body["spec"]["runPolicy"] = {"activeDeadlineSeconds": 60}  # started 2026-12-03T13:00:00Z: long past
+    return body, [pod_body(name="train", rank=0), pod_body(name="train", rank=1)]
+
+
 DELETES = "delete pod"
 RBAC = lambda: forbidden("delete", "pods", name="train-a1-n0")  # noqa: E731
 
@@ -142,7 +148,8 @@ RBAC = lambda: forbidden("delete", "pods", name="train-a1-n0")  # noqa: E731
     (_suspended, ["Suspended"], "Suspended"),
     (_preempted, ["Preempted", "Restarting"], "Restarting"),
     (_failed, ["Failed"], "Failed"),
-], ids=["suspended", "preempted", "failed"])
+    (_deadline, ["Failed"], "Failed"),  # one Warning: a DeadlineExceeded one before it said the same again
+], ids=["suspended", "preempted", "failed", "deadline"])
 def test_a_transition_s_events_are_posted_once_its_status_is_written_even_when_its_deletes_fail(
         job, events, phase, refusal) -> None:
     """Before: `k8s.apply` posted a plan's events after all of its actions. With the pod deletes after the status
