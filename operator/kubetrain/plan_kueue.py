@@ -117,8 +117,7 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
     try:
         queue = kueue.queue_name(job.labels)
     except kueue.KueueError as exc:
-        d.event("Warning", "InvalidQueueName", str(exc))
-        fail(d, observed, reason="InvalidQueueName", message=str(exc))
+        fail(d, observed, reason="InvalidQueueName", message=str(exc))  # its one Warning: Failed, as any failure's
         return d.build()
     suspended = job.spec.run_policy.suspend
     if not kq.installed:
