@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kubetrain.spec import Spec, SpecError
+from kubetrain.spec import Spec, SpecError, pod_fingerprint
 from kubetrain.status import Status
 from kubetrain.values import parse_time_or_none
 
@@ -36,6 +36,8 @@ ANNOTATION_CHECKPOINT_SYNC = "kubetrain.io/checkpoint-sync"
 ANNOTATION_SPEC_GENERATION = "kubetrain.io/spec-generation"
 """The job's metadata.generation a pod was built from: a launch cut short (refused creates, an operator
 restart) and then edited does not finish with pods of two specs."""
+ANNOTATION_SPEC_FINGERPRINT = "kubetrain.io/spec-fingerprint"
+"""`spec.pod_fingerprint` of the spec a pod was built from: whether an edit since waits for the next attempt."""
 CONTAINER_NAME = "trainer"
 METRICS_PORT_NAME = "metrics"
 EXIT_INVALID_CONFIG = 82
@@ -75,6 +77,8 @@ class Job:
     so a job re-created under it is always created later than the one it replaces)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """metadata.labels (the Kueue queue and priority labels, `kueue.py`)."""
+    spec_fingerprint: str = ""
+    """`spec.pod_fingerprint` of the stored spec (`ANNOTATION_SPEC_FINGERPRINT` on the pods built from it)."""
 
     @property
     def incarnation(self) -> int:
@@ -109,4 +113,5 @@ class Job:
             deleting=bool(meta.get("deletionTimestamp")), spec_error=error,
             created=parse_time_or_none(meta.get("creationTimestamp")),
             labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
+            spec_fingerprint=pod_fingerprint(body.get("spec")) if spec is not None else "",
         )

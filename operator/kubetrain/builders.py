@@ -12,8 +12,8 @@ import json
 from typing import Any, Literal
 
 from kubetrain.api import (
-    ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT, LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY,
-    METRICS_PORT_NAME, Job, pod_name,
+    ANNOTATION_SPEC_FINGERPRINT, ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT,
+    LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY, METRICS_PORT_NAME, Job, pod_name,
 )
 from kubetrain.spec import CONTRACT_ENV_NAMES, DEFAULT_METRICS_PORT, Spec
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
@@ -213,6 +213,8 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
     annotations = dict(tpl.get("annotations") or {})
     if job.generation is not None:
         annotations[ANNOTATION_SPEC_GENERATION] = str(job.generation)
+    if job.spec_fingerprint:
+        annotations[ANNOTATION_SPEC_FINGERPRINT] = job.spec_fingerprint
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

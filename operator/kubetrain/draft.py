@@ -67,10 +67,10 @@ class Draft:
                     events=tuple(self.events), requeue_after=self.requeue)
 
 
-ATTEMPT_CONDITIONS = ("StartupDelayed", "StartupSlow", "Unschedulable", "CheckpointsLagging")
+ATTEMPT_CONDITIONS = ("StartupDelayed", "StartupSlow", "Unschedulable", "CheckpointsLagging", "SpecChangePending")
 """Conditions about the pods of the running attempt: False once it ends (Failed, Succeeded, Suspended,
-Restarting, back in a queue), so a finished job does not say its pods cannot start, or that uploads
-lag that no pod makes any more."""
+Restarting, back in a queue), so a finished job does not say its pods cannot start, that uploads
+lag that no pod makes any more, or that an edit waits for an attempt (`edits.py`)."""
 
 
 ENDED = "AttemptEnded"

@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kubetrain.api import (ANNOTATION_SPEC_GENERATION, GROUP as JOB_GROUP, KIND as JOB_KIND, LABEL_ATTEMPT, LABEL_RANK,
-                          VERSION as JOB_VERSION, Job)
+from kubetrain.api import (ANNOTATION_SPEC_FINGERPRINT, ANNOTATION_SPEC_GENERATION, GROUP as JOB_GROUP, KIND as JOB_KIND,
+                          LABEL_ATTEMPT, LABEL_RANK, VERSION as JOB_VERSION, Job)
 from kubetrain.builders import get_owner_reference, get_pod
 
 GROUP = "kueue.x-k8s.io"
@@ -167,7 +167,8 @@ def podset_template(job: Job) -> dict[str, Any]:
     meta = pod["metadata"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in (LABEL_ATTEMPT, LABEL_RANK)}
     template_meta: dict[str, Any] = {"labels": labels}
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != ANNOTATION_SPEC_GENERATION}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k not in (ANNOTATION_SPEC_GENERATION, ANNOTATION_SPEC_FINGERPRINT)}
     if annotations:
         template_meta["annotations"] = annotations
     return {"metadata": template_meta, "spec": pod["spec"]}

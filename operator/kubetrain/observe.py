@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from kubetrain.api import (
-    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, ANNOTATION_SPEC_GENERATION, CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK,
-    METRICS_PORT_NAME,
+    ANNOTATION_CHECKPOINT_SYNC, ANNOTATION_LAST_CHECKPOINT, ANNOTATION_SPEC_FINGERPRINT, ANNOTATION_SPEC_GENERATION,
+    CONTAINER_NAME, LABEL_ATTEMPT, LABEL_RANK, METRICS_PORT_NAME,
 )
 from kubetrain.status import LastCheckpoint
 from kubetrain.values import parse_time_or_none
@@ -51,6 +51,8 @@ class PodView:
     checkpoint: LastCheckpoint | None = None
     generation: int | None = None
     """The job generation the pod was built from (`ANNOTATION_SPEC_GENERATION`); None before it was stamped."""
+    spec_fingerprint: str = ""
+    """`spec.pod_fingerprint` of the spec it was built from (`ANNOTATION_SPEC_FINGERPRINT`); "" before it was stamped."""
     failure: TrainerFailure | None = None
     """Why the trainer exited 82, from the failure record in its termination message, if any."""
     checkpoint_sync: str = ""
@@ -122,6 +124,7 @@ class PodView:
             ready=ready, ready_changed=ready_changed, checkpoint=checkpoint, failure=failure,
             checkpoint_sync=str((meta.get("annotations") or {}).get(ANNOTATION_CHECKPOINT_SYNC) or ""),
             generation=_generation((meta.get("annotations") or {}).get(ANNOTATION_SPEC_GENERATION)),
+            spec_fingerprint=str((meta.get("annotations") or {}).get(ANNOTATION_SPEC_FINGERPRINT) or "")[:64],
             pod_ip=status.get("podIP") or None, metrics_port=_metrics_port(body), unschedulable=unschedulable,
         )
 

@@ -25,6 +25,7 @@ from kubetrain.api import Job, pod_name
 from kubetrain.status import STARTED_PHASES, LastCheckpoint
 from kubetrain.values import format_time, parse_time
 from kubetrain.draft import MESSAGE_LIMIT, Draft, delete_pods, excerpt, fail, ttl
+from kubetrain.edits import spec_change
 from kubetrain.identity import describe
 from kubetrain.observe import Observed
 from kubetrain.progress import next_progress, usable_checkpoint
@@ -65,6 +66,7 @@ def plan(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     started = d.status.attempt >= 1 and d.status.phase in STARTED_PHASES
     if started:
         supervise(d, observed)
+        spec_change(d, observed)
     else:
         _start_next_attempt(d, observed)
     return d.build()

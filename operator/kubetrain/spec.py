@@ -11,6 +11,8 @@ use raises `SpecError`, a permanent error that names the field.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -83,6 +85,23 @@ class Checkpoint:
     identity: StorageIdentity
     endpoint: str | None = None
     region: str = "us-east-1"
+
+
+NEXT_ATTEMPT_RUN_POLICY = frozenset({"terminationGracePeriodSeconds"})
+"""runPolicy's pod fields: an edit takes effect at the next attempt, as one of the rest of the spec (runPolicy's
+limits, deadlines, grace periods and suspend apply at once)."""
+
+
+def pod_fingerprint(spec: Mapping[str, Any] | None) -> str:
+    """A digest of what a stored `.spec` builds pods from (all of it but runPolicy's fields that apply at once):
+    the spec a running attempt's pods were made from differs from the current one only if their digests do."""
+    spec = dict(spec or {})
+    policy = spec.pop("runPolicy", None)
+    kept = {k: v for k, v in policy.items() if k in NEXT_ATTEMPT_RUN_POLICY} if isinstance(policy, Mapping) else {}
+    if kept:
+        spec["runPolicy"] = kept
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -180,5 +180,5 @@ class Status:
 
 _CONDITION_ORDER = {t: i for i, t in enumerate(
     ("Queued", "Created", "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "CheckpointsLagging",
-     "StartupDelayed", "StartupSlow", "Unschedulable"))}
+     "StartupDelayed", "StartupSlow", "Unschedulable", "SpecChangePending"))}
 

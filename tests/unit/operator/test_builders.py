@@ -39,7 +39,8 @@ def test_pod_names_labels_owner_and_dns() -> None:
     assert meta["name"] == "gpt-small-a3-n2"
     assert meta["labels"] == {"team": "a", "kubetrain.io/job-name": "gpt-small", "kubetrain.io/attempt": "3",
                               "kubetrain.io/node-rank": "2", "app.kubernetes.io/managed-by": "kubetrain"}
-    assert meta["annotations"] == {"x": "y", "kubetrain.io/spec-generation": "1"}  # the spec the pod was made from
+    assert meta["annotations"] == {"x": "y", "kubetrain.io/spec-generation": "1",  # the spec the pod was made from
+                                   "kubetrain.io/spec-fingerprint": job.spec_fingerprint}
     assert meta["ownerReferences"] == [{"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
                                         "name": "gpt-small", "uid": "u-1", "controller": True,
                                         "blockOwnerDeletion": True}]
