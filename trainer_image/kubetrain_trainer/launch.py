@@ -253,14 +253,18 @@ def supervise(workers: Workers, stop: threading.Event, cfg: LaunchConfig,
 
 def main(argv: Sequence[str] | None = None) -> int:
     environ = pod_environ()
-    logging.basicConfig(
-        level=log_level(environ),
-        format="%(asctime)s kubetrain-launch %(levelname)s %(message)s",
-    )
+    invalid: ConfigError | None = None
+    try:
+        level = log_level(environ)
+    except ConfigError as e:  # reported below, once logging works
+        level, invalid = "INFO", e
+    logging.basicConfig(level=level, format="%(asctime)s kubetrain-launch %(levelname)s %(message)s")
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if invalid is not None:
+            raise invalid
         cfg = LaunchConfig.from_env(environ, argv)
         cfg.make_local_dir()
     except ConfigError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import sys
@@ -58,8 +59,13 @@ def pod_environ() -> dict[str, str]:
 
 
 def log_level(env: Mapping[str, str]) -> str:
-    """KUBETRAIN_LOG_LEVEL, upper-cased (INFO when unset)."""
-    return env.get(LOG_LEVEL, "INFO").upper()
+    """KUBETRAIN_LOG_LEVEL, upper-cased (INFO when unset or empty); ConfigError naming it for a name `logging`
+    does not know (which `logging.basicConfig` would raise as a ValueError: exit 1, retried until backoffLimit)."""
+    raw = env.get(LOG_LEVEL) or "INFO"
+    level = raw.strip().upper()
+    if level not in logging.getLevelNamesMapping():
+        raise ConfigError(f"{LOG_LEVEL}: unknown level {raw!r}; allowed: debug, info, warning, error, critical")
+    return level
 
 
 class ConfigError(ValueError):

@@ -268,6 +268,26 @@ def test_the_launcher_exits_82_when_the_local_checkpoint_folder_cannot_be_create
     assert launch.main(["--", "true"]) == EXIT_INVALID_CONFIG
 
 
+@pytest.mark.parametrize("value, level", [("", "INFO"), ("debug", "DEBUG"), (" Warning ", "WARNING"), ("ERROR", "ERROR")])
+def test_the_launchers_log_level_is_read_case_blind(value, level):
+    from kubetrain_trainer.launch_config import log_level
+
+    assert log_level({"KUBETRAIN_LOG_LEVEL": value}) == level and log_level({}) == "INFO"
+
+
+@pytest.mark.parametrize("value", ["verbose", "trace", "5"])
+def test_an_unknown_log_level_exits_82_naming_the_variable(tmp_path, monkeypatch, caplog, value):
+    """`KUBETRAIN_LOG_LEVEL: verbose` in spec.env: logging.basicConfig raised ValueError('Unknown level') before
+    anything was validated, so the launcher died with a traceback and exit 1, an application failure retried until
+    backoffLimit, where every other bad variable of the pod exits 82 naming it."""
+    from kubetrain_trainer import launch
+
+    monkeypatch.setattr(launch, "pod_environ", lambda: {
+        "KUBETRAIN_LOG_LEVEL": value, "KUBETRAIN_LOCAL_CHECKPOINT_DIR": str(tmp_path), "KUBETRAIN_METRICS_PORT": "0"})
+    assert launch.main(["--", "true"]) == EXIT_INVALID_CONFIG
+    assert f"KUBETRAIN_LOG_LEVEL: unknown level {value!r}" in caplog.text
+
+
 def test_a_local_checkpoint_folder_the_image_holds_that_cannot_be_written_is_invalid_configuration(tmp_path,
                                                                                                  monkeypatch):
     """`output_dir: "checkpoints"` where the image's working directory already holds that folder (a repository's
