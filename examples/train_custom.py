@@ -1,7 +1,8 @@
 """A user training script, written as an HF Trainer user would write it.
 
-Runs as is on a laptop (`python examples/train_custom.py --max_steps 20`), and
-in a TrainingJob with `trainer.command: ["python", "examples/train_custom.py"]`:
+Runs as is on a laptop (`python examples/train_custom.py --max_steps 20`; `--help`
+lists every argument), and in a TrainingJob with
+`trainer.command: ["python", "examples/train_custom.py"]`:
 the launcher restores the newest complete checkpoint first and sets
 KUBETRAIN_RESUME_FROM, so the same script resumes after a preemption.
 """

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
+from .args_help import print_help_and_exit, wants_help
 from .args_values import (ConfigError, _coerce, _refusing_unknown_names, load_mapping_file, parse_cli,
                           unknown_name_message)
 from .loglevels import LogLevel, ProcessLogLevels
@@ -428,7 +429,9 @@ class TrainingArguments(ProcessLogLevels):
 
     @classmethod
     def from_cli(cls, argv: Sequence[str]) -> "TrainingArguments":
-        """Build from command-line flags: `--max_steps 10`, `--bf16`, `--config args.yaml` (flags win)."""
+        """Build from command-line flags: `--max_steps 10`, `--bf16`, `--config args.yaml` (flags win); `--help`."""
+        if wants_help(argv):
+            print_help_and_exit(cls)
         return cls.from_dict(parse_cli(argv))
 
 

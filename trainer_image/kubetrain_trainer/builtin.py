@@ -38,11 +38,17 @@ class CausalLMTask:
     """A tiny GPT-like model on synthetic token sequences."""
 
     vocab_size: int = 256
+    """Token ids 0..vocab_size-1."""
     seq_len: int = 64
+    """Tokens per sequence (at least 2)."""
     d_model: int = 64
+    """Width of the model (a multiple of n_heads)."""
     n_layers: int = 2
+    """Transformer blocks."""
     n_heads: int = 4
+    """Attention heads per block."""
     dropout: float = 0.0
+    """Dropout probability, 0 to below 1."""
     num_samples: int = 4096
     """Training sequences."""
     eval_samples: int = 256
@@ -73,11 +79,17 @@ class RegressionTask:
     """A tiny MLP fitting a noisy linear function."""
 
     in_features: int = 8
+    """Inputs per sample."""
     hidden: int = 32
+    """Width of the hidden layer."""
     dropout: float = 0.0
+    """Dropout probability, 0 to below 1."""
     num_samples: int = 1024
+    """Training samples."""
     eval_samples: int = 128
+    """Evaluation samples (drawn with another seed)."""
     noise: float = 0.01
+    """Standard deviation of the noise on the targets (>= 0)."""
 
     def problems(self, args) -> list[str]:
         return [*_sizes(self, "in_features", "hidden", "num_samples"), *_eval_size(self, args), *_dropout(self),
@@ -360,13 +372,32 @@ def run(env: dict[str, str], argv: Sequence[str]) -> int:
     return 0
 
 
+def task_help() -> str:
+    """The built-in tasks' own keys, for `--help` (the text docs/trainer.md's table follows)."""
+    from .args_help import field_docs
+
+    lines = ["", "The built-in tasks' own keys (the task: KUBETRAIN_BUILTIN_TASK, spec.trainer.builtin.task):"]
+    for name, cls in TASKS.items():
+        docs = field_docs(cls)
+        lines.append(f"  {name}: {cls.__doc__}")
+        lines += [f"    --{f.name} (default: {f.default!r}) {docs.get(f.name, '')}" for f in dataclasses.fields(cls)]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from .args_help import print_help_and_exit, wants_help
+
+    if wants_help(argv):
+        from .args import TrainingArguments
+
+        print_help_and_exit(TrainingArguments, prog="python -m kubetrain_trainer.builtin", extra=task_help())
     try:
         env = WorkerEnv.from_environ()
     except WorkerEnvError as exc:
         print(f"kubetrain: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
-    return run(dict(env.environ), sys.argv[1:] if argv is None else argv)
+    return run(dict(env.environ), argv)
 
 
 if __name__ == "__main__":
