@@ -48,3 +48,19 @@ or the release namespace when that list is empty; empty with clusterWide (every 
 {{- join "," (.Values.namespaces | default (list .Release.Namespace)) -}}
 {{- end -}}
 {{- end -}}
+
+{{- /*
+Refuses user labels that would take over a label the chart or the operator relies on. Called with
+(dict "labels" <map> "value" "<values path>" "reserved" <list of keys> "context" .); a key under kubetrain.io/
+is always reserved (the operator's own pod labels). A duplicate key would otherwise reach the API server
+as the last one written: the Deployment's selector no longer matching its pods, Services and the
+PodDisruptionBudget selecting nothing, or (app.kubernetes.io/managed-by: kubetrain) the operator taking
+its own pod for a training pod.
+*/ -}}
+{{- define "kubetrain.refuseReservedLabels" -}}
+{{- range $key, $_ := .labels -}}
+{{- if or (has $key $.reserved) (hasPrefix "kubetrain.io/" $key) -}}
+{{- fail (printf "%s[%q]: %s is a label kubetrain sets itself and selects by (the operator's Deployment, Services, PodDisruptionBudget and pod matching); a second value would break them: remove it from %s (reserved: %s and kubetrain.io/*)" $.value $key $key $.value (join ", " $.reserved)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
