@@ -15,6 +15,7 @@ from kubetrain.api import (
     ANNOTATION_SPEC_FINGERPRINT, ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT,
     LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY, METRICS_PORT_NAME, Job, pod_name,
 )
+from kubetrain.resources import quantity
 from kubetrain.spec import CONTRACT_ENV_NAMES, DEFAULT_METRICS_PORT, Spec
 from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volume
 
@@ -155,9 +156,12 @@ def get_pod(*, job: Job, attempt: int, rank: int) -> dict[str, Any]:
         volumes.append({"name": DEEPSPEED_VOLUME, "configMap": {"name": cm}})
         mounts.append({"name": DEEPSPEED_VOLUME, "mountPath": DEEPSPEED_DIR, "readOnly": True})
     # The root file system is read-only: what the trainer writes goes to volumes (unless the user
-    # mounts their own at these paths). /dev/shm is memory-backed: a runtime's default is 64 MiB.
+    # mounts their own at these paths). /tmp is on the node's disk, limited so that a runaway write gets
+    # this pod evicted rather than filling the disk under the node's other pods. /dev/shm is
+    # memory-backed: a runtime's default is 64 MiB.
     taken = {m.get("mountPath") for m in mounts}
-    for name, path, source in ((TMP_VOLUME, "/tmp", {}),
+    tmp = {"sizeLimit": spec.tmp_size} if quantity(spec.tmp_size, "tmpSize") else {}  # 0: no limit
+    for name, path, source in ((TMP_VOLUME, "/tmp", tmp),
                                (SHM_VOLUME, "/dev/shm", {"medium": "Memory", "sizeLimit": spec.shm_size})):
         if path not in taken:
             volumes.append({"name": name, "emptyDir": source})

@@ -34,6 +34,11 @@ more here); the pod API's own default of 30 s left about 8 s for the upload
 MIN_TERMINATION_GRACE_SECONDS = 15
 """Below this no emergency checkpoint can be taken (a step, a save and an upload), so the job
 would lose everything since its last periodic checkpoint on every preemption."""
+DEFAULT_TMP_SIZE = "50Gi"
+"""spec.tmpSize when unset (the CRD's default): room for a node's local checkpoints of a model of a few billion
+parameters while one uploads, and for library caches; a runaway write is stopped before it fills the node's disk."""
+_SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+"""A size in bytes as the CRD's rule for spec.tmpSize takes it (no m, u or n: fractions of a byte)."""
 DEFAULT_METRICS_PORT = 9410
 """The launcher's metrics and progress endpoint (KUBETRAIN_METRICS_PORT, containerPort `metrics`)."""
 
@@ -145,6 +150,8 @@ class Spec:
     master_port: int = 29500
     shm_size: str = "1Gi"
     """sizeLimit of the memory-backed /dev/shm volume."""
+    tmp_size: str = DEFAULT_TMP_SIZE
+    """sizeLimit of the /tmp emptyDir on the node's disk (local checkpoints, HOME); "0": no limit."""
     resources: Mapping[str, Any] = field(default_factory=dict)
     trainer: Trainer = field(default_factory=Trainer)
     env: tuple[Mapping[str, Any], ...] = ()
@@ -184,6 +191,7 @@ class Spec:
             procs_per_node=procs,
             master_port=_int(spec, "masterPort", 29500, minimum=1024, maximum=65535),
             shm_size=str(spec["shmSize"]) if spec.get("shmSize") is not None else "1Gi",
+            tmp_size=_size(spec, "tmpSize", DEFAULT_TMP_SIZE),
             resources=resources,
             trainer=trainer,
             env=_env(spec.get("env")),
@@ -193,6 +201,17 @@ class Spec:
             run_policy=_run_policy(spec.get("runPolicy")),
             pod_template=_pod_template(spec.get("podTemplate")),
         )
+
+
+def _size(obj: Mapping[str, Any], key: str, default: str) -> str:
+    """A size in bytes (20Gi, 500Mi, 200G or an integer), 0 for no limit; SpecError naming the field otherwise."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not _SIZE.fullmatch(str(value)):  # as the CRD's rule: string(self).matches(...)
+        raise SpecError(key, f"must be a size in bytes such as 50Gi, 500Mi or 200G (binary Ki, Mi, Gi, Ti, Pi or "
+                             f"decimal k, M, G, T, P; no m, which is a thousandth), or 0 for no limit; got {value!r}")
+    return str(value)
 
 
 def _int(obj: Mapping[str, Any], key: str, default: int | None, *, path: str = "",

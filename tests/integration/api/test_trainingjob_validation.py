@@ -190,6 +190,8 @@ MALFORMED = [
     ("unknown-resource-name", spec(resources={"limits": {"gpu": 1}}),
      ["spec.resources.limits", "gpu is not a container resource"]),
     ("negative-shm-size", spec(shmSize=-1), ["spec.shmSize", "non-negative"]),
+    ("tmp-size-in-millis", spec(tmpSize="500m"), ["spec.tmpSize must be a size in bytes"]),
+    ("negative-tmp-size", spec(tmpSize=-1), ["spec.tmpSize must be a size in bytes"]),
     ("mount-path-dotdot", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data/../etc"}]}),
      ["spec.podTemplate.volumeMounts[0].mountPath", "must be a clean absolute path"]),
     ("mount-path-dot", spec(podTemplate=VOLUME | {"volumeMounts": [{"name": "data", "mountPath": "/data/./x"}]}),
@@ -419,6 +421,7 @@ def test_defaults_are_applied(submit):
     minimal = merged(BASE, {"spec": {"checkpoint": DELETE}})
     s = submit(minimal)["spec"]
     assert s["nodes"] == 1 and s["procsPerNode"] == 1 and s["masterPort"] == 29500
+    assert s["shmSize"] == "1Gi" and s["tmpSize"] == "50Gi"
     assert s["strategy"] == {"type": "ddp"}
     assert s["runPolicy"] == {"backoffLimit": 3, "backoffSeconds": 10, "suspend": False, "nodeLostGraceSeconds": 60,
                               "maxPreemptions": 30, "startupGraceSeconds": 300, "terminationGracePeriodSeconds": 120}

@@ -104,6 +104,12 @@ REFUSED = [
     (ids(supplementalGroups=100), "podTemplate.securityContext.supplementalGroups", "list"),
     (ids(fsGroupChangePolicy="OnMismatch"), "podTemplate.securityContext.fsGroupChangePolicy", "OnRootMismatch"),
     ({"podTemplate": {"securityContext": "1000"}}, "podTemplate.securityContext", "object"),
+    ({"tmpSize": "500m"}, "tmpSize", "must be a size in bytes such as 50Gi"),
+    ({"tmpSize": "lots"}, "tmpSize", "must be a size in bytes such as 50Gi"),
+    ({"tmpSize": "20 Gi"}, "tmpSize", "must be a size in bytes such as 50Gi"),
+    ({"tmpSize": "20Gi\n"}, "tmpSize", "must be a size in bytes such as 50Gi"),
+    ({"tmpSize": -1}, "tmpSize", "or 0 for no limit; got -1"),
+    ({"tmpSize": True}, "tmpSize", "must be a size in bytes such as 50Gi"),
 ]
 
 
@@ -156,6 +162,17 @@ def test_builtin_args_may_repeat_the_strategy_and_add_fsdp_options_the_crd_has_n
     spec = Spec.from_storage({**BASE, **builtin_args(strategy="fsdp", fsdp_config={"shard_modules": ["Block"]}),
                               "strategy": {"type": "fsdp", "fsdp": {"cpuOffload": True}}})
     assert spec.strategy.type == "fsdp" and spec.trainer.builtin_args["fsdp_config"] == {"shard_modules": ["Block"]}
+
+
+@pytest.mark.parametrize("value, limit", [(None, "50Gi"), ("200G", "200G"), ("1.5Ti", "1.5Ti"), (0, "0"),
+                                          (10737418240, "10737418240")])
+def test_tmp_size_is_a_size_in_bytes_with_the_crds_default(schema: dict, value, limit: str) -> None:
+    node = schema["properties"]["spec"]["properties"]["tmpSize"]
+    assert node["default"] == Spec.from_storage(BASE).tmp_size == "50Gi"
+    assert Spec.from_storage({**BASE, **({"tmpSize": value} if value is not None else {})}).tmp_size == limit
+    # The operator's second look takes exactly the sizes the CRD's rule does.
+    from kubetrain.spec import _SIZE
+    assert f"string(self).matches(r'{_SIZE.pattern}')" in _crd_rule_text(schema, "spec", "tmpSize")
 
 
 def _crd_rule_text(schema: dict, *path: str) -> str:

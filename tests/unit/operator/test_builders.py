@@ -239,7 +239,7 @@ def test_pods_pass_pod_security_restricted_with_writable_volumes_only() -> None:
                                             "readOnlyRootFilesystem": True}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {"sizeLimit": "50Gi"}
     assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     assert env_of(pod)["HOME"]["value"].startswith("/tmp/")
 
@@ -282,6 +282,22 @@ def test_shm_size_is_configurable_and_a_user_volume_at_dev_shm_wins() -> None:
     pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
     shm = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert shm == [{"name": "mine", "mountPath": "/dev/shm"}]
+
+
+@pytest.mark.parametrize("size, empty_dir", [("200Gi", {"sizeLimit": "200Gi"}), (107374182400, {"sizeLimit": "107374182400"}),
+                                             ("0", {}), (0, {})])
+def test_tmp_is_limited_per_job_and_zero_is_no_limit(size, empty_dir) -> None:
+    """/tmp (local checkpoints, HOME) is on the node's disk: without a sizeLimit one runaway write filled it and
+    got the node's other pods evicted; a job sets its own, 0 for none, and a user volume at /tmp still wins."""
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["tmpSize"] = size
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    (tmp,) = [v for v in pod["spec"]["volumes"] if v["name"] == builders.TMP_VOLUME]
+    assert tmp["emptyDir"] == empty_dir
+    body["spec"]["podTemplate"] = {"volumes": [{"name": "scratch", "persistentVolumeClaim": {"claimName": "s"}}],
+                                   "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}]}
+    pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
+    assert builders.TMP_VOLUME not in [v["name"] for v in pod["spec"]["volumes"]]
 
 
 @pytest.mark.parametrize("template, mounted, account", [
