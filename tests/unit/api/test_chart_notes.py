@@ -24,3 +24,13 @@ def test_notes_name_the_operator_image_the_deployment_runs(tmp_path, image, show
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == shown
     notes = render_notes(tmp_path, f"image={image}")
     assert f"running the operator image\n# {shown} " in notes, notes
+
+
+def test_notes_warn_when_the_image_is_the_charts_placeholder(tmp_path):
+    """The chart ships no image: left at kubetrain/operator, the operator pod pulls nothing (or a stranger's
+    Docker Hub image); NOTES says so, and what to set."""
+    notes = render_notes(tmp_path)
+    assert "WARNING: image.repository is the chart's placeholder kubetrain/operator" in notes
+    assert "--set image.repository=<registry>/kubetrain/operator" in notes
+    (tmp_path / "set").mkdir()
+    assert "WARNING" not in render_notes(tmp_path / "set", 'image={"repository":"registry.example.com/kubetrain/operator"}')
