@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kubetrain import builders
 from kubetrain.api import Job
@@ -282,6 +284,18 @@ def test_shm_size_is_configurable_and_a_user_volume_at_dev_shm_wins() -> None:
     pod = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)
     shm = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert shm == [{"name": "mine", "mountPath": "/dev/shm"}]
+
+
+def test_a_users_label_never_takes_over_the_labels_the_operator_finds_its_pods_by() -> None:
+    """The operator watches pods by app.kubernetes.io/managed-by=kubetrain and indexes them by kubetrain.io/*:
+    a podTemplate label with one of these keys is replaced (the CRD's description says so), never obeyed."""
+    body = json.loads(json.dumps(BODY))
+    body["spec"]["podTemplate"] = {"labels": {"app.kubernetes.io/managed-by": "argocd", "team": "a"}}
+    labels = builders.get_pod(job=Job.from_storage(body), attempt=1, rank=0)["metadata"]["labels"]
+    assert labels["app.kubernetes.io/managed-by"] == "kubetrain" and labels["team"] == "a"
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "crds" / "trainingjob.yaml").read_text())
+    node = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["podTemplate"]
+    assert "app.kubernetes.io/managed-by is always kubetrain" in " ".join(node["properties"]["labels"]["description"].split())
 
 
 @pytest.mark.parametrize("size, empty_dir", [("200Gi", {"sizeLimit": "200Gi"}), (107374182400, {"sizeLimit": "107374182400"}),
