@@ -87,7 +87,7 @@ class RegressionTask:
     num_samples: int = 1024
     """Training samples."""
     eval_samples: int = 128
-    """Evaluation samples (drawn with another seed)."""
+    """Evaluation samples (drawn with another seed, of the function the training samples fit)."""
     noise: float = 0.01
     """Standard deviation of the noise on the targets (>= 0)."""
 
@@ -101,7 +101,7 @@ class RegressionTask:
         model = TinyMLP(self.in_features, self.hidden, self.dropout)
         train = SyntheticRegression(self.num_samples, self.in_features, seed=args.data_seed, noise=self.noise)
         evaluation = SyntheticRegression(self.eval_samples, self.in_features, seed=args.data_seed + 1,
-                                         noise=self.noise)
+                                         noise=self.noise, weights=train.w)  # new samples of the same function
         return model, train, evaluation
 
 

@@ -128,13 +128,16 @@ class TinyMLP(nn.Module):
 
 
 class SyntheticRegression(Dataset):
-    """y = x . w + noise, with x, w and noise fixed by `seed`."""
+    """y = x . w + noise, with x, w and noise fixed by `seed`; `weights`: this w instead of one drawn (a held-out
+    set of the same function: another seed's samples of a training set's `w`)."""
 
-    def __init__(self, num_samples: int, in_features: int = 8, seed: int = 0, noise: float = 0.01):
+    def __init__(self, num_samples: int, in_features: int = 8, seed: int = 0, noise: float = 0.01,
+                 weights: torch.Tensor | None = None):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, in_features, generator=g)
-        w = torch.randn(in_features, generator=g)
-        self.y = self.x @ w + noise * torch.randn(num_samples, generator=g)
+        drawn = torch.randn(in_features, generator=g)  # drawn either way: a seed's noise stays the same
+        self.w = drawn if weights is None else weights
+        self.y = self.x @ self.w + noise * torch.randn(num_samples, generator=g)
 
     def __len__(self) -> int:
         return len(self.x)

@@ -290,3 +290,19 @@ def test_the_best_checkpoint_the_restored_one_names_is_not_stale(tmp_path):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
     drop_stale_checkpoints(str(out), keep=None)  # a fresh start: nothing is kept
     assert list(out.glob("checkpoint-*")) == []
+
+
+def test_the_regression_tasks_eval_set_samples_the_function_its_training_set_fits():
+    """Its eval_loss measures the trained function on new samples: the eval set drew its own weights before, so a
+    perfect fit of the training set scored like a random guess."""
+    import torch
+
+    from kubetrain_trainer.args import TrainingArguments
+    from kubetrain_trainer.builtin import RegressionTask
+
+    _, train, evaluation = RegressionTask(num_samples=256, eval_samples=64).build(
+        TrainingArguments(output_dir="unused", data_seed=7))
+    assert not torch.equal(train.x[:64], evaluation.x)  # other samples
+    fit = torch.linalg.lstsq(train.x, train.y.unsqueeze(1)).solution.squeeze(1)
+    error = ((evaluation.x @ fit - evaluation.y) ** 2).mean().item()
+    assert error < 0.01, error  # the noise's variance is 1e-4; another function's would be ~2 x in_features
