@@ -1,4 +1,4 @@
-"""The only module that writes to the Kubernetes API.
+"""The only module that writes to the Kubernetes API (with `k8s_kueue.py`, through `Api`, for Kueue's Workload).
 
 It carries out a `Plan` in order: creations (AlreadyExists is success, so a re-run after a crash never
 duplicates a pod), then the status as a merge patch guarded by the job's resourceVersion (a conflict means
@@ -9,7 +9,9 @@ liveness endpoint and the benchmark report.
 Every client error is classified once, in `Api._call`, into the types of
 `errors.py`; the functions here decide what each means for their request
 (AlreadyExists on a create is success, a conflict on the status write makes
-the caller re-read and re-plan, an invalid pod is a `PermanentError`).
+the caller re-read and re-plan, an invalid pod is a `PermanentError`); the Kueue
+integration's calls (its Workload's create and patches, the reads of Kueue's
+objects) are in `k8s_kueue.py`.
 The Kubernetes client is synchronous; calls run in a bounded thread pool.
 """
 
@@ -30,6 +32,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kubetrain import builders, kueue, kueue_admission
+from kubetrain.k8s_kueue import create_workload, patch_workload
 from kubetrain.permissions import Permissions
 from kubetrain.transport import Transport
 from kubetrain.errors import (
@@ -160,51 +163,6 @@ class Api:
         except RefusedError as exc:
             raise retry_later(exc, f"get trainingjob {namespace}/{name}: HTTP {exc.status}") from None
 
-    # ------------------------------------------------------------- Kueue (issue 14)
-
-    async def get_workload(self, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
-        """(Kueue's Workload API is served, the Workload or None)."""
-        try:
-            return True, await self.call("get workload", self.custom.get_namespaced_custom_object, KUEUE_GROUP,
-                                         KUEUE_VERSION, namespace, WORKLOADS, name, write=False, namespace=namespace)
-        except NotFoundError as exc:
-            # A missing object names itself; a missing resource type ("the server could not find the
-            # requested resource") means Kueue's CRDs are not installed.
-            return "could not find the requested resource" not in exc.api_message, None
-        except RefusedError as exc:
-            raise retry_later(exc, f"get workload {namespace}/{name}: HTTP {exc.status}") from None
-
-    async def priority_value(self, ref: kueue.PriorityRef) -> tuple[int | None, str]:
-        """(The value of a PriorityClass or WorkloadPriorityClass, why it could not be read)."""
-        try:
-            if ref.kind == kueue.WORKLOAD_PRIORITY_KIND:
-                body = await self.call("get workloadpriorityclass", self.custom.get_cluster_custom_object,
-                                       KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PRIORITY_CLASSES, ref.name, write=False)
-            else:
-                body = await self.call("get priorityclass", self.scheduling.read_priority_class, ref.name,
-                                       write=False)
-        except NotFoundError:
-            return None, f"{ref.kind} {ref.name!r} does not exist"
-        except RefusedError as exc:
-            raise retry_later(exc, f"get {ref.kind} {ref.name}: HTTP {exc.status}") from None
-        value = (body or {}).get("value")
-        return (value, "") if isinstance(value, int) else (None, f"{ref.kind} {ref.name!r} has no value")
-
-    async def flavor_spec(self, name: str) -> dict[str, Any] | None:
-        """A ResourceFlavor's spec (nodeLabels, tolerations); None when it does not exist."""
-        try:
-            body = await self.call("get resourceflavor", self.custom.get_cluster_custom_object, KUEUE_GROUP,
-                                   KUEUE_VERSION, RESOURCE_FLAVORS, name, write=False)
-        except NotFoundError:
-            return None
-        except RefusedError as exc:
-            raise retry_later(exc, f"get resourceflavor {name}: HTTP {exc.status}") from None
-        return dict((body or {}).get("spec") or {})
-
-
-KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = kueue.GROUP, kueue.VERSION, kueue.PLURAL
-RESOURCE_FLAVORS, WORKLOAD_PRIORITY_CLASSES = "resourceflavors", "workloadpriorityclasses"
-
 
 async def apply(api: Api, job: Job, resource_version: str, plan: Plan,
                 said: Callable[[dict[str, Any]], Any] = lambda _: None) -> dict[str, Any] | None:
@@ -242,7 +200,7 @@ async def apply(api: Api, job: Job, resource_version: str, plan: Plan,
         elif isinstance(action, DeleteJob):
             await _delete_job(api, job)
         elif isinstance(action, CreateWorkload):
-            await _create_workload(api, job, action)
+            await create_workload(api, job, action)
         elif isinstance(action, PatchWorkload):
             await patch_workload(api, job.namespace, action)
         i += 1
@@ -327,53 +285,6 @@ async def _create_pod(api: Api, job: Job, action: CreatePod) -> None:
         except kueue.KueueError as exc:
             raise PermanentError("KueueAdmissionConflict", str(exc)) from None
     await _create(api, job, "create pod", api.core.create_namespaced_pod, pod, api.core.read_namespaced_pod)
-
-
-async def _create_workload(api: Api, job: Job, action: CreateWorkload) -> None:
-    try:
-        body = kueue.build_workload(job, labels=job.labels, priority=action.priority)
-    except kueue.KueueError as exc:
-        raise PermanentError("InvalidQueueName", str(exc)) from None
-    try:
-        await api.call("create workload", api.custom.create_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
-                       job.namespace, WORKLOADS, body, namespace=job.namespace)
-    except ConflictError:
-        return  # AlreadyExists: one Workload per job, by name
-    except InvalidError as exc:
-        raise PermanentError("InvalidWorkload", f"create workload {body['metadata']['name']}: {exc.api_message}") \
-            from None
-    except RefusedError as exc:
-        raise retry_later(exc, f"create workload: HTTP {exc.status} {exc.api_message}") from None
-
-
-async def patch_workload(api: Api, namespace: str, action: PatchWorkload) -> None:
-    """One merge patch of a Workload, guarded by its resourceVersion: a ConflictError (Kueue wrote
-    meanwhile) makes the caller plan again from a fresh read; NotFound is nothing left to do."""
-    meta: dict[str, Any] = {"resourceVersion": action.resource_version} if action.resource_version else {}
-    try:
-        if action.status is not None:
-            await api.call("patch workload/status", api.custom.patch_namespaced_custom_object_status, KUEUE_GROUP,
-                           KUEUE_VERSION, namespace, WORKLOADS, action.name,
-                           {"metadata": meta, "status": dict(action.status)}, _content_type=MERGE_PATCH, namespace=namespace)
-            return
-        body: dict[str, Any] = {"metadata": meta}
-        if action.spec is not None:
-            body["spec"] = dict(action.spec)
-        if action.annotations is not None:
-            meta["annotations"] = dict(action.annotations)
-        if action.remove_finalizer:
-            current = await api.call("get workload", api.custom.get_namespaced_custom_object, KUEUE_GROUP,
-                                     KUEUE_VERSION, namespace, WORKLOADS, action.name, write=False, namespace=namespace)
-            meta["resourceVersion"] = current["metadata"]["resourceVersion"]
-            meta["finalizers"] = [f for f in current["metadata"].get("finalizers") or () if f != kueue.FINALIZER]
-        await api.call("patch workload", api.custom.patch_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
-                       namespace, WORKLOADS, action.name, body, _content_type=MERGE_PATCH, namespace=namespace)
-    except NotFoundError:
-        return
-    except ConflictError:
-        raise
-    except RefusedError as exc:
-        raise retry_later(exc, f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
 
 
 async def _check_owner(api: Api, job: Job, kind: str, name: str, read: Callable[..., Any]) -> None:

@@ -24,7 +24,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from kubetrain import k8s, kueue, metrics
+from kubetrain import k8s, k8s_kueue, kueue, metrics
 from kubetrain.backoff import Backoff
 from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
@@ -182,21 +182,21 @@ class Reconciler:
         if self.start_workload_watch is not None:
             start, self.start_workload_watch = self.start_workload_watch, None
             start()
-        installed, body = await self.api.get_workload(job.namespace, kueue.workload_name(job.name, job.uid))
+        installed, body = await k8s_kueue.get_workload(self.api, job.namespace, kueue.workload_name(job.name, job.uid))
         if not installed:
             return KueueObserved(installed=False)
         priority, error = None, ""
         if body is None and job.spec is not None:
             ref = kueue.priority_ref(job, job.labels)
             if ref is not None:
-                priority, error = await self.api.priority_value(ref)
+                priority, error = await k8s_kueue.priority_value(self.api, ref)
         flavors: dict[str, dict[str, Any]] = {}
         view = kueue.WorkloadView.from_storage(body) if body is not None else None
         if view is not None and view.admitted:
             for name in {f for a in view.assignments for f in a.flavors.values()}:
                 cached = self._flavors.get(name)
                 if cached is None or now - cached[0] > EXPECTATION_TTL:
-                    spec = await self.api.flavor_spec(name)
+                    spec = await k8s_kueue.flavor_spec(self.api, name)
                     if spec is None:
                         continue
                     cached = self._flavors[name] = (now, spec)
