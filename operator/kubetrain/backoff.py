@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from kubetrain import metrics
-from kubetrain.errors import DeniedError, RejectedError, TemporaryError
+from kubetrain.errors import DeniedError, RejectedError, TemporaryError, WorkloadRejectedError
 from kubetrain.repeats import Repeats
 
 log = logging.getLogger("kubetrain.operator")
@@ -59,11 +59,12 @@ class Backoff:
         return delay
 
     def rejected(self, key: Key, exc: RejectedError) -> float:
-        """Count and log one refused pod create: the seconds until the job tries again."""
+        """Count and log one refused pod create (or Workload write): the seconds until the job tries again."""
         metrics.ERRORS.labels("rejected").inc()
         count = self.rejections[key] = self.rejections.get(key, 0) + 1
         delay = REJECTED_BACKOFF[min(count, len(REJECTED_BACKOFF)) - 1]
-        refused = f"job {key[0]}/{key[1]}: pod create refused ({exc.reason})"
+        what = "Workload write" if isinstance(exc, WorkloadRejectedError) else "pod create"
+        refused = f"job {key[0]}/{key[1]}: {what} refused ({exc.reason})"
         if exc.reason == "Forbidden":  # RBAC's: logged once (permissions.py)
             log.debug("%s; retrying in %.0fs", refused, delay)
         else:
@@ -76,7 +77,7 @@ class Backoff:
             self.repeats.succeeded(key, f"reconcile of {key[0]}/{key[1]} goes through again")
 
     def created(self, key: Key) -> None:
-        """A pod create of the job went through."""
+        """A pod create (or a write of the job's Workload) went through."""
         if self.rejections.pop(key, None) is not None:
             self.refusals.succeeded(key, f"job {key[0]}/{key[1]}: pod creates go through again")
 

@@ -58,6 +58,16 @@ class RejectedError(TemporaryError):
         self.reason = reason
 
 
+class WorkloadRejectedError(RejectedError):
+    """The same for a write of the job's Kueue Workload: the job shows why while the operator waits with
+    backoff, in the terms of its queue (`plan_kueue.rejected_plan`)."""
+
+    def __init__(self, reason: str, message: str, *, create: bool) -> None:
+        super().__init__(reason, message)
+        self.create = create
+        """The Workload's create was refused (the job has none yet), else a patch of it."""
+
+
 class RefusedError(ApiError):
     """A definite answer about this request; the subclass says which."""
 

@@ -14,7 +14,10 @@ from typing import Any, Callable, Protocol
 from kubetrain import kueue
 from kubetrain.actions import CreateWorkload, PatchWorkload
 from kubetrain.api import Job
-from kubetrain.errors import ConflictError, InvalidError, NotFoundError, PermanentError, RefusedError, retry_later
+from kubetrain.errors import (
+    ConflictError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError, TemporaryError,
+    WorkloadRejectedError, classify_unavailable, retry_later,
+)
 
 GROUP, VERSION, WORKLOADS = kueue.GROUP, kueue.VERSION, kueue.PLURAL
 RESOURCE_FLAVORS, WORKLOAD_PRIORITY_CLASSES = "resourceflavors", "workloadpriorityclasses"
@@ -92,6 +95,9 @@ async def create_workload(api: Caller, job: Job, action: CreateWorkload) -> None
             from None
     except RefusedError as exc:
         raise retry_later(exc, f"create workload: HTTP {exc.status} {exc.api_message}") from None
+    except TemporaryError as exc:
+        raise _unavailable(exc, f"create workload {body['metadata']['name']}: {exc.api_message}", create=True) \
+            from None
 
 
 async def patch_workload(api: Caller, namespace: str, action: PatchWorkload) -> None:
@@ -122,3 +128,14 @@ async def patch_workload(api: Caller, namespace: str, action: PatchWorkload) -> 
         raise
     except RefusedError as exc:
         raise retry_later(exc, f"patch workload {action.name}: HTTP {exc.status} {exc.api_message}") from None
+    except TemporaryError as exc:
+        raise _unavailable(exc, f"patch workload {action.name}: {exc.api_message}", create=False) from None
+
+
+def _unavailable(exc: TemporaryError, message: str, *, create: bool) -> TemporaryError:
+    """Kueue's admission webhook (or another on Workloads) that the API server cannot call: the job is told
+    (`WorkloadRejectedError`), as for a pod; any other error is retried quietly as it is."""
+    rejected = classify_unavailable(exc, message)
+    if isinstance(rejected, RejectedError):
+        return WorkloadRejectedError(rejected.reason, str(rejected), create=create)
+    return exc

@@ -46,6 +46,7 @@ from kubetrain.observe import Observed
 from kubetrain.plan import plan
 from kubetrain.resources import quantity_value
 from kubetrain.status import STARTED_PHASES, Status
+from kubetrain.supervise import message_shape
 from kubetrain.values import format_time, parse_time
 
 QUEUED = "Queued"
@@ -195,6 +196,27 @@ def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetim
     if patch is None and not _same(view.pods_ready, ready):
         patch = _status_patch(body, now, {kueue.PODS_READY: ready})
     return _with(result, patch)
+
+
+def rejected_plan(job: Job, now: dt.datetime, *, reason: str, message: str, create: bool, first: bool) -> Plan:
+    """A write of the job's Workload refused for a reason that can pass (an admission webhook on Workloads that the
+    API server cannot call, Kueue's own when it is down): shown on the job while the operator waits with backoff,
+    as for a refused pod. A job waiting for its Workload's create waits in phase Queued with Queued=True and the
+    API server's message, and a Warning event when they change. A refused patch comes after the job's status (or
+    is the whole plan) and changes nothing on the job: a Warning event on the first refusal in a row (`first`)."""
+    d = Draft(job, now)
+    text = excerpt(message)
+    said = f"the API server refused the Workload's {'create' if create else 'update'}: {text}; retrying with backoff"
+    if create and job.status.phase in ("", QUEUED) and job.spec is not None and not job.spec.run_policy.suspend:
+        current = d.status.condition(QUEUED)
+        if current is None or current.status != "True" or current.reason != reason \
+                or message_shape(current.message) != message_shape(text):
+            d.event("Warning", reason, said)
+            d.cond(QUEUED, "True", reason, text)
+            d.update(phase=QUEUED, message=f"queued: {reason}: {text}")
+        return d.build()
+    # Events only: the job as read may be older than the status its plan wrote before the refused patch.
+    return Plan(events=(Event("Warning", reason, said),) if first else ())
 
 
 # ------------------------------------------------------------------ the job's side

@@ -24,13 +24,14 @@ import functools
 import logging
 from typing import Any, Callable
 
-from kubetrain import k8s, k8s_kueue, kueue, metrics
-from kubetrain.backoff import Backoff
+from kubetrain import k8s, k8s_kueue, kueue, metrics, plan_kueue
+from kubetrain.backoff import Backoff, Key
 from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
-from kubetrain.errors import ApiError, ConflictError, PermanentError, RejectedError, TemporaryError
+from kubetrain.errors import (ApiError, ConflictError, PermanentError, RejectedError, TemporaryError,
+                              WorkloadRejectedError)
 from kubetrain.informer import FINAL_STATE_UNKNOWN
-from kubetrain.actions import CreatePod, DeletePod, PatchWorkload, Plan
+from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, rejected_plan
 from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued, plan_unqueued
@@ -372,20 +373,13 @@ class Reconciler:
                 self._remember(key, job.uid, result, now, creates_only=True)
                 failed = fail_plan(job, self.observe(job, now), now, reason=exc.reason, message=str(exc))
                 try:  # said once marked Failed, whatever its deletes meet (the Failed job's next reconcile retries)
-                    await k8s.apply(self.api, job, rv, failed,
-                                    functools.partial(self._said, key, job, failed, cannot_run=exc))
+                    await k8s.apply(self.api, job, rv, failed, functools.partial(self._said, key, job, failed, cannot_run=exc))
                 except ApiError as error:  # a conflict plans again soon; RBAC, 5xx... back off
                     self._retry_later(key, error) if isinstance(error, TemporaryError) else self.enqueue(key, 2.0)
                     return
                 result = failed  # what was written: the expectations below are its
             except RejectedError as exc:
-                delay = self.backoff.rejected(key, exc)
-                waiting = rejected_plan(job, now, reason=exc.reason, message=str(exc))
-                try:  # said once its status is written, as any transition (the same refusal again writes none)
-                    await k8s.apply(self.api, job, rv, waiting, functools.partial(self._said, key, job, waiting))
-                except ApiError:
-                    pass  # the retry below plans again from whatever is stored
-                self.enqueue(key, delay)
+                await self._wait_rejected(key, job, rv, exc, now)
                 return
             except TemporaryError as exc:
                 self._retry_later(key, exc)
@@ -398,7 +392,7 @@ class Reconciler:
                 return
             self._remember(key, job.uid, result, now)
             self.backoff.went_through(key)
-            if any(isinstance(a, CreatePod) for a in result.actions):
+            if any(isinstance(a, (CreatePod, CreateWorkload, PatchWorkload)) for a in result.actions):
                 self.backoff.created(key)
             if result.status is None:  # else said once it was written
                 self._said(key, job, result, None)
@@ -406,6 +400,17 @@ class Reconciler:
                 self.enqueue(key, result.requeue_after + 0.05)
             return
         self.enqueue(key, 1.0)
+
+    async def _wait_rejected(self, key: Key, job: Job, rv: str, exc: RejectedError, now: dt.datetime) -> None:
+        """A create (or a Workload write) refused for a reason that can pass: the job shows why; tried again later."""
+        delay, why = self.backoff.rejected(key, exc), {"reason": exc.reason, "message": str(exc)}
+        waiting = (plan_kueue.rejected_plan(job, now, create=exc.create, first=self.backoff.rejections[key] == 1, **why)
+                   if isinstance(exc, WorkloadRejectedError) else rejected_plan(job, now, **why))
+        try:  # said once its status is written, as any transition (the same refusal again writes none)
+            await k8s.apply(self.api, job, rv, waiting, functools.partial(self._said, key, job, waiting))
+        except ApiError:
+            pass  # the retry below plans again from whatever is stored
+        self.enqueue(key, delay)
 
     def _said(self, key: tuple[str, str], job: Job, result: Plan, written: dict[str, Any] | None, *,
               cannot_run: PermanentError | None = None) -> None:
