@@ -101,6 +101,12 @@ class ForbiddenError(RefusedError):
         the user nor the owner's resource."""
         return OWNER_FINALIZERS in self.api_message
 
+    @property
+    def webhook_denied(self) -> bool:
+        """An admission webhook judged the object and said no (the API server's `admission webhook "<name>" denied
+        the request: ...`): not RBAC, not a quota; the same object is refused again."""
+        return self.denial is None and "denied the request" in self.api_message
+
 
 OWNER_FINALIZERS = "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on"
 

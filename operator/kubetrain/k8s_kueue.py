@@ -15,8 +15,8 @@ from kubetrain import kueue
 from kubetrain.actions import CreateWorkload, PatchWorkload
 from kubetrain.api import Job
 from kubetrain.errors import (
-    ConflictError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError, TemporaryError,
-    WorkloadRejectedError, classify_unavailable, retry_later,
+    ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError,
+    TemporaryError, WorkloadRejectedError, classify_unavailable, retry_later,
 )
 
 GROUP, VERSION, WORKLOADS = kueue.GROUP, kueue.VERSION, kueue.PLURAL
@@ -93,6 +93,11 @@ async def create_workload(api: Caller, job: Job, action: CreateWorkload) -> None
     except InvalidError as exc:
         raise PermanentError("InvalidWorkload", f"create workload {body['metadata']['name']}: {exc.api_message}") \
             from None
+    except ForbiddenError as exc:
+        if exc.webhook_denied:  # Kueue's validation or a policy engine: the job's Workload is refused as it is
+            raise PermanentError("WorkloadRejected", f"create workload {body['metadata']['name']}: "
+                                                     f"{exc.api_message}") from None
+        raise retry_later(exc, f"create workload: HTTP {exc.status} {exc.api_message}") from None
     except RefusedError as exc:
         raise retry_later(exc, f"create workload: HTTP {exc.status} {exc.api_message}") from None
     except TemporaryError as exc:

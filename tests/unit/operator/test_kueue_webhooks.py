@@ -157,3 +157,25 @@ def test_a_suspend_whose_workload_update_the_webhook_cannot_judge_says_so_once()
 def test_any_other_http_500_on_a_workload_create_is_retried_quietly() -> None:
     seen = reconcile(QUEUED_BODY, 1, workload_write=_error(500, "etcdserver: request timed out"))
     assert seen["statuses"] == [] and seen["events"] == [] and seen["delays"] == [2.0]
+
+
+DENIED = ('admission webhook "vworkload.kb.io" denied the request: spec.podSets[0].template.spec.containers[0]'
+          '.resources.requests[nvidia.com/gpu]: Invalid value: "0.5": must be an integer')
+
+
+def test_a_workload_create_a_webhook_denies_fails_the_job_with_its_message() -> None:
+    """Before: the 403 was retried as if RBAC might let it through later, up to every 60 s forever, and the job
+    showed nothing: no phase, no condition, no event. The same Workload is refused again, as a pod a webhook
+    denies is (test_admission_webhooks.py)."""
+    seen = reconcile(QUEUED_BODY, 1, workload_write=_error(403, DENIED))
+    status = seen["statuses"][-1]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert status["phase"] == "Failed" and failed["reason"] == "WorkloadRejected"
+    assert 'admission webhook "vworkload.kb.io" denied the request' in status["message"]
+
+
+def test_a_workload_create_rbac_refuses_still_waits_for_the_role_to_be_fixed() -> None:
+    rbac = ('workloads.kueue.x-k8s.io is forbidden: User "system:serviceaccount:kubetrain:kt" cannot create '
+            'resource "workloads" in API group "kueue.x-k8s.io" in the namespace "ml"')
+    seen = reconcile(QUEUED_BODY, 1, workload_write=_error(403, rbac))
+    assert not any(s.get("phase") == "Failed" for s in seen["statuses"]) and seen["delays"] == [2.0]
