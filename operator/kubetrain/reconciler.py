@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -227,24 +228,24 @@ class Reconciler:
         task.add_done_callback(self._tasks.discard)
 
     async def _release(self, key: tuple[str, str], uid: str, name: str) -> None:
-        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min);
-        a conflict (Kueue wrote meanwhile) is tried again."""
+        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min); a conflict
+        (Kueue wrote meanwhile) or an error that can pass (a webhook down, RBAC) is tried again until it goes through:
+        no event of the job is left to wake it up, and a Workload not let go stays Terminating forever."""
         try:
             await self.pods_synced.wait()  # after a restart, an empty index does not mean the pods are gone
             for _ in range(300):
                 if not any(owner == uid for owner, _ in self.pods_index[key]):
                     break
                 await asyncio.sleep(1.0)
-            for delay in (0.5, 1.0, 2.0, 4.0, 8.0, 0.0):
+            for tries in itertools.count(1):
                 try:
                     await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
                                                                              remove_finalizer=True))
                     return
-                except (ConflictError, TemporaryError) as exc:
-                    if not delay:
-                        raise
-                    log.info("releasing Workload %s/%s: %s; trying again", key[0], name, exc)
-                    await asyncio.sleep(delay)
+                except (ConflictError, TemporaryError) as exc:  # 0.5 s, doubling to every minute; warned once
+                    log.log(logging.INFO if tries < 6 else logging.WARNING if tries == 6 else logging.DEBUG,
+                            "releasing Workload %s/%s: %s; trying again", key[0], name, exc)
+                    await asyncio.sleep(min(60.0, 0.5 * 2 ** min(tries - 1, 7)))
         except ApiError as exc:
             log.warning("could not release Workload %s/%s: %s", key[0], name, exc)
         finally:
