@@ -46,6 +46,9 @@ class StorageConfig:
 
     uri: str
     endpoint_url: str | None = None
+    """The store's endpoint, given to the client explicitly; None: AWS S3 itself. `from_env` finds it as botocore
+    would (`endpoint_from_env`: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, neither with
+    AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true)."""
     region: str = "us-east-1"
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
@@ -90,7 +93,7 @@ class StorageConfig:
             rate = -1
         if rate < 0:
             raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
-        endpoint = env.get("AWS_ENDPOINT_URL") or None
+        endpoint = endpoint_from_env(env)
         checksums = {name: "when_required" for name, variable in _CHECKSUM_ENV.items()
                      if s3_compatible(endpoint) and not env.get(variable, "").strip()}
         return cls(
@@ -100,6 +103,27 @@ class StorageConfig:
             **{"test_upload_bytes_per_second": rate, "server_side_encryption": env.get(S3_SSE, "").strip() or None,
                "sse_kms_key_id": env.get(S3_SSE_KMS_KEY_ID, "").strip() or None, **checksums, **overrides},
         )
+
+
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""botocore's variables for the S3 endpoint, in its order: the service's own wins over the one of every service."""
+IGNORE_ENDPOINTS_ENV = "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"
+"""`true` (any case): botocore ignores `ENDPOINT_ENV` (and the config file's endpoints): AWS S3 itself."""
+
+
+def endpoint_variable(env: Mapping[str, str]) -> str | None:
+    """The variable botocore's S3 client takes its endpoint from in `env`, None for AWS S3 itself: the first of
+    `ENDPOINT_ENV` set and not empty, unless `IGNORE_ENDPOINTS_ENV` is true. Mirrors botocore's own lookup (its
+    `ConfiguredEndpointProvider`), so what the trainer treats as a custom endpoint is the store it talks to."""
+    if env.get(IGNORE_ENDPOINTS_ENV, "").lower() == "true":  # as botocore's ensure_boolean reads it
+        return None
+    return next((name for name in ENDPOINT_ENV if env.get(name)), None)
+
+
+def endpoint_from_env(env: Mapping[str, str]) -> str | None:
+    """The S3 endpoint URL botocore would use from `env` (`endpoint_variable`), None for AWS S3 itself."""
+    name = endpoint_variable(env)
+    return env[name] if name else None
 
 
 _CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",

@@ -39,7 +39,8 @@ def _answering(store: CheckpointStore, status: int, body: bytes, headers: dict[s
 def keys(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)
-    for name in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION", "AWS_CONFIG_FILE"):
+    for name in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION", "AWS_CONFIG_FILE",
+                 "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -103,6 +104,46 @@ def test_a_multipart_upload_to_a_custom_endpoint_names_no_checksum_algorithm(key
     store.upload_file(1, tmp_path / "w.bin", "w.bin")
     assert len(sent) == 4  # create, two parts, complete
     assert [_checksum_headers(r) for r in sent] == [{}] * 4
+
+
+def _pod(monkeypatch, **env: str) -> dict[str, str]:
+    """`env` set in this process too, as in a pod: botocore reads the endpoint variables from there as well."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return _env(**env)
+
+
+OTHER = "https://other.example.internal"
+
+
+@pytest.mark.parametrize("env, host", [
+    ({"AWS_ENDPOINT_URL_S3": ENDPOINT}, ENDPOINT),
+    ({"AWS_ENDPOINT_URL_S3": ENDPOINT, "AWS_ENDPOINT_URL": OTHER}, ENDPOINT),
+    ({"AWS_ENDPOINT_URL_S3": "", "AWS_ENDPOINT_URL": ENDPOINT}, ENDPOINT),
+])
+def test_the_s3_endpoint_variable_is_the_store_as_botocore_reads_it(keys, monkeypatch, env, host):
+    # botocore takes its S3 endpoint from AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL. Read from AWS_ENDPOINT_URL
+    # only, a pod with AWS_ENDPOINT_URL_S3 (envFrom, a user's own image) talked to that store as if it were AWS:
+    # virtual-hosted addressing (a DNS name per bucket that the store does not have) and botocore's CRC32
+    # checksums, which many S3-compatible stores refuse; with both set the trainer used the other store.
+    cfg = StorageConfig.from_env(_pod(monkeypatch, **env))
+    assert cfg.endpoint_url == host and cfg.request_checksum_calculation == "when_required"
+    store = CheckpointStore(cfg)
+    sent = _answering(store, 200, b"", PUT_OK)
+    store.put_bytes(1, "x.json", b"{}")
+    assert sent[0].url == f"{host}/b/p/checkpoint-1/x.json" and _checksum_headers(sent[0]) == {}
+
+
+@pytest.mark.parametrize("ignore", ["true", "TRUE"])
+def test_ignored_endpoint_variables_are_aws_itself(keys, monkeypatch, ignore):
+    # AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true: botocore ignores both variables, and so does the trainer.
+    cfg = StorageConfig.from_env(_pod(monkeypatch, AWS_ENDPOINT_URL_S3=ENDPOINT, AWS_ENDPOINT_URL=OTHER,
+                                      AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=ignore))
+    assert cfg.endpoint_url is None and cfg.request_checksum_calculation is None
+    store = CheckpointStore(cfg)
+    sent = _answering(store, 200, b"", PUT_OK)
+    store.put_bytes(1, "x.json", b"{}")
+    assert sent[0].url == "https://s3.amazonaws.com/b/p/checkpoint-1/x.json"  # ('b' is too short for a DNS name)
 
 
 def test_a_custom_endpoint_gets_delete_objects_content_md5_as_before_botocore_1_36(keys):
