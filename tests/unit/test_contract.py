@@ -139,6 +139,22 @@ def test_the_operator_sets_only_documented_variables_and_the_trainer_knows_the_t
         assert names <= mentioned, f"{path.name}: variables docs/contract.md does not name: {names - mentioned}"
 
 
+def test_spec_env_cannot_move_the_store_off_spec_checkpoint_endpoint() -> None:
+    # botocore takes the S3 endpoint from AWS_ENDPOINT_URL_S3 before the AWS_ENDPOINT_URL the operator sets from
+    # spec.checkpoint.endpoint, and from neither with AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true, and so does the
+    # trainer (storage_config.endpoint_variable). The CRD refused only AWS_ENDPOINT_URL in spec.env: either of the
+    # others sent a job's checkpoints to another store (or AWS) than its spec.checkpoint.endpoint said.
+    from kubetrain_trainer.storage_config import ENDPOINT_ENV, IGNORE_ENDPOINTS_ENV
+
+    crd = yaml.safe_load((ROOT / "crds" / "trainingjob.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rule = next(r for r in spec["x-kubernetes-validations"] if "'AWS_ENDPOINT_URL'" in r["rule"])
+    for name in (*ENDPOINT_ENV, IGNORE_ENDPOINTS_ENV):
+        assert f"'{name}'" in rule["rule"] and name in rule["message"], name
+    env = {"KUBETRAIN_CHECKPOINT_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://minio:9000"}
+    assert StorageConfig.from_env(env).endpoint_url == "http://minio:9000"  # what the operator sets is the store
+
+
 def _pod(code: int | None, *, rank: int, disruption: bool = False, phase: str | None = None) -> PodView:
     state = {"terminated": {"exitCode": code}} if code is not None else {"running": {}}
     conditions = [{"type": "Ready", "status": "False", "lastTransitionTime": CREATED}]

@@ -128,6 +128,8 @@ MALFORMED = [
      ["spec.podTemplate.serviceAccountName", "must be unset or equal spec.checkpoint.webIdentity.serviceAccountName"]),
     ("role-arn-env-with-checkpoint", spec(env=[{"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::1:role/x"}]),
      ["spec.env", "AWS_ROLE_ARN"]),
+    ("s3-endpoint-env-with-checkpoint", spec(env=[{"name": "AWS_ENDPOINT_URL_S3", "value": "http://other:9000"}]),
+     ["spec.env", "AWS_ENDPOINT_URL_S3"]),
     ("credentials-in-endpoint", spec(checkpoint={"endpoint": "http://key:secret@minio:9000"}),
      ["spec.checkpoint.endpoint", "must not contain credentials"]),
     ("reserved-env-rank", spec(env=[{"name": "NODE_RANK", "value": "3"}]),
