@@ -108,6 +108,11 @@ for a bucket policy that refuses writes without it. Unset: the bucket's default 
 S3_SSE_VALUES = ("AES256", "aws:kms", "aws:kms:dsse")
 S3_SSE_KMS_KEY_ID = "KUBETRAIN_S3_SSE_KMS_KEY_ID"
 """The KMS key (id, ARN or alias) of `aws:kms`/`aws:kms:dsse`; unset: the account's S3 key (aws/s3)."""
+S3_ADDRESSING_STYLE = "KUBETRAIN_S3_ADDRESSING_STYLE"
+"""How requests name the bucket: `path` (<endpoint>/<bucket>/<key>), `virtual` (<bucket>.<endpoint host>/<key>) or
+`auto` (botocore's choice: on AWS virtual where the bucket name allows it, else path); unset: path for a custom
+endpoint, else auto."""
+S3_ADDRESSING_STYLES = ("auto", "path", "virtual")
 
 # --- test hooks (docs/contract.md, "Test hooks"): off unless set ---------------------------
 TEST_HOLD_AT_STEP = "KUBETRAIN_TEST_HOLD_AT_STEP"

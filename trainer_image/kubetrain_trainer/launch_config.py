@@ -47,6 +47,7 @@ from kubetrain_trainer.command import shown_command
 from kubetrain_trainer.decisions import RetentionPolicy
 from kubetrain_trainer.metrics import DEFAULT_PORT
 from kubetrain_trainer.readiness import COMMIT_MODES, CommitMode
+from kubetrain_trainer.storage_config import StorageConfig
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
 BUILTIN_COMMAND = (sys.executable, "-m", "kubetrain_trainer.builtin")
@@ -158,6 +159,11 @@ class LaunchConfig:
             raise ConfigError(f"{S3_SSE}: unknown value {sse!r}; allowed: {', '.join(S3_SSE_VALUES)}")
         if env.get(S3_SSE_KMS_KEY_ID, "").strip() and not sse.startswith("aws:kms"):
             raise ConfigError(f"{S3_SSE_KMS_KEY_ID}: needs {S3_SSE}=aws:kms (or aws:kms:dsse)")
+        if uri is not None:
+            try:  # what storage would refuse once the checkpoint session starts (addressing, endpoint): exit 82 now
+                StorageConfig.from_env(env)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         for name, value in (("MASTER_PORT", port), ("KUBETRAIN_METRICS_PORT", metrics_port)):
             if value > 65535:
                 raise ConfigError(f"{name}: {value} is not a TCP port")

@@ -424,8 +424,8 @@ def _make_client(config: StorageConfig) -> Any:
         # A restore has every file's parts in flight at once (`_download`'s share of them each).
         max_pool_connections=max(10, config.download_parts_in_flight,
                                  max(config.file_concurrency, config.upload_file_concurrency) * config.max_concurrency),
-        # S3-compatible servers (MinIO) address buckets by path, not by host.
-        s3={"addressing_style": "path" if config.endpoint_url else "auto"},
+        # S3-compatible servers (MinIO) address buckets by path, not by host, unless told otherwise.
+        s3={"addressing_style": config.addressing_style or ("path" if config.endpoint_url else "auto")},
         # None leaves botocore's own setting (StorageConfig: `when_required` for a custom endpoint).
         request_checksum_calculation=config.request_checksum_calculation,
         response_checksum_validation=config.response_checksum_validation,

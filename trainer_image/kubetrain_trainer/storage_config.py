@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from kubetrain_trainer.contract import S3_SSE, S3_SSE_KMS_KEY_ID, TEST_UPLOAD_RATE
+from kubetrain_trainer.contract import S3_ADDRESSING_STYLE, S3_ADDRESSING_STYLES, S3_SSE, S3_SSE_KMS_KEY_ID, TEST_UPLOAD_RATE
 from kubetrain_trainer.storage_errors import StoragePermanentError
 
 
@@ -50,6 +50,9 @@ class StorageConfig:
     would (`endpoint_from_env`: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, neither with
     AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true)."""
     region: str = "us-east-1"
+    addressing_style: str | None = None
+    """`KUBETRAIN_S3_ADDRESSING_STYLE`: `path`, `virtual` or `auto` (contract.S3_ADDRESSING_STYLES); None: `path` for
+    a custom endpoint (most S3-compatible stores serve no host name per bucket), else `auto`."""
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     multipart_threshold: int = 64 << 20
@@ -93,6 +96,9 @@ class StorageConfig:
             rate = -1
         if rate < 0:
             raise ValueError(f"{UPLOAD_RATE_ENV} must be a whole number of bytes per second, not {raw!r}")
+        style = env.get(S3_ADDRESSING_STYLE, "").strip() or None
+        if style is not None and style not in S3_ADDRESSING_STYLES:
+            raise ValueError(f"{S3_ADDRESSING_STYLE}: unknown value {style!r}; allowed: {', '.join(S3_ADDRESSING_STYLES)}")
         endpoint = endpoint_from_env(env)
         checksums = {name: "when_required" for name, variable in _CHECKSUM_ENV.items()
                      if s3_compatible(endpoint) and not env.get(variable, "").strip()}
@@ -100,7 +106,8 @@ class StorageConfig:
             uri=env["KUBETRAIN_CHECKPOINT_URI"],
             endpoint_url=endpoint,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-            **{"test_upload_bytes_per_second": rate, "server_side_encryption": env.get(S3_SSE, "").strip() or None,
+            **{"test_upload_bytes_per_second": rate, "addressing_style": style,
+               "server_side_encryption": env.get(S3_SSE, "").strip() or None,
                "sse_kms_key_id": env.get(S3_SSE_KMS_KEY_ID, "").strip() or None, **checksums, **overrides},
         )
 

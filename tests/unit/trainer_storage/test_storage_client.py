@@ -324,3 +324,33 @@ def test_a_certificate_the_pod_does_not_trust_is_an_access_error_naming_aws_ca_b
     # A handshake cut short by the network stays temporary.
     assert type(classify(SSLError(endpoint_url="https://s", error="EOF occurred in violation of protocol"),
                          op="get", where="s3://b/k")) is StorageTemporaryError
+
+
+@pytest.mark.parametrize("env, url", [
+    ({"AWS_ENDPOINT_URL": ENDPOINT}, f"{ENDPOINT}/ckpt-bucket/p/checkpoint-1/x.json"),
+    ({"AWS_ENDPOINT_URL": ENDPOINT, "KUBETRAIN_S3_ADDRESSING_STYLE": "virtual"},
+     "https://ckpt-bucket.objects.example.internal/p/checkpoint-1/x.json"),
+    ({"AWS_ENDPOINT_URL": ENDPOINT, "KUBETRAIN_S3_ADDRESSING_STYLE": "auto"},  # botocore's auto: path there
+     f"{ENDPOINT}/ckpt-bucket/p/checkpoint-1/x.json"),
+    ({}, "https://ckpt-bucket.s3.amazonaws.com/p/checkpoint-1/x.json"),
+    ({"KUBETRAIN_S3_ADDRESSING_STYLE": "path"}, "https://s3.amazonaws.com/ckpt-bucket/p/checkpoint-1/x.json"),
+])
+def test_the_addressing_style_is_the_users_choice(keys, env, url):
+    # Every custom endpoint got path-style requests: a store that serves buckets only by host name (and an
+    # AWS access point or VPC endpoint given as the endpoint) refused every one of them.
+    store = CheckpointStore(StorageConfig.from_env({**_env(**env), "KUBETRAIN_CHECKPOINT_URI": "s3://ckpt-bucket/p"}))
+    sent = _answering(store, 200, b"", PUT_OK)
+    store.put_bytes(1, "x.json", b"{}")
+    assert sent[0].url == url
+
+
+@pytest.mark.parametrize("style", ["Path", "host", "virtual-hosted"])
+def test_an_addressing_style_botocore_does_not_know_is_invalid_configuration_naming_the_choices(style):
+    from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
+
+    env = _env(KUBETRAIN_S3_ADDRESSING_STYLE=style)
+    message = f"KUBETRAIN_S3_ADDRESSING_STYLE: unknown value '{style}'; allowed: auto, path, virtual"
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        LaunchConfig.from_env(env, [])
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        StorageConfig.from_env(env)
