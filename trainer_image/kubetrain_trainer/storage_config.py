@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -128,9 +129,50 @@ def endpoint_variable(env: Mapping[str, str]) -> str | None:
 
 
 def endpoint_from_env(env: Mapping[str, str]) -> str | None:
-    """The S3 endpoint URL botocore would use from `env` (`endpoint_variable`), None for AWS S3 itself."""
+    """The S3 endpoint URL botocore would use from `env` (`endpoint_variable`), None for AWS S3 itself. ValueError
+    naming the variable for a URL botocore would refuse (`_endpoint_problem`): it refuses it only as the client is
+    built, which was classified as a temporary failure and retried until the restore timeout, then as often as
+    the job's backoffLimit allowed."""
     name = endpoint_variable(env)
-    return env[name] if name else None
+    if name is None:
+        return None
+    url = env[name]
+    problem = _endpoint_problem(url)
+    if problem:
+        shown = "(not shown: it has an '@')" if "@" in url else repr(url)
+        spec = " (spec.checkpoint.endpoint)" if name == "AWS_ENDPOINT_URL" else ""
+        raise ValueError(f"{name}{spec}: {shown} is not an endpoint URL: {problem}; expected http(s)://host[:port]"
+                         "[/path], e.g. http://minio.minio:9000")
+    return url
+
+
+_HOST = re.compile(r"^((?!-)[a-z\d-]{1,63}(?<!-)\.)*(?!-)[a-z\d-]{1,63}(?<!-)\.?$", re.IGNORECASE)
+"""A host name as botocore accepts one in an endpoint (`botocore.utils.is_valid_endpoint_url`): no '_'."""
+
+
+def _endpoint_problem(url: str) -> str:
+    """What is wrong with `url` as an S3 endpoint ('' when nothing)."""
+    if url != url.strip() or any(c.isspace() for c in url):
+        return "it has white space"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # an unclosed '[', a port that is no number or out of range
+        return "its port is not a number from 1 to 65535, or an IPv6 address's ']' is missing"
+    if parts.scheme not in ("http", "https") or url[:len(parts.scheme) + 3].lower() != f"{parts.scheme}://":
+        return "it must start with http:// or https://"
+    if "@" in parts.netloc:
+        return "it must not contain credentials or '@'"
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    host = parts.hostname or ""
+    if not host:
+        return "it names no host"
+    if not (parts.netloc.startswith("[") or (len(host) <= 255 and _HOST.match(host))):
+        return f"{host!r} is not a host name (letters, digits, '-' and '.')"
+    if parts.query or parts.fragment:
+        return "it must not have a query ('?') or a fragment ('#')"
+    return ""
 
 
 _CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",

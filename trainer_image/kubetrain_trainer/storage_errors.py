@@ -98,6 +98,7 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         ClientError,
         ConfigNotFound,
         ConnectionError as BotoConnectionError,
+        EndpointResolutionError,
         HTTPClientError,
         InvalidChecksumConfigError,
         InvalidConfigError,
@@ -130,7 +131,8 @@ def classify(exc: BaseException, *, op: str, where: str) -> StorageError:
         return StorageTemporaryError(text)
     if isinstance(exc, (ParamValidationError, NoRegionError,  # the request can never be valid as configured
                         ProfileNotFound, ConfigNotFound, InvalidConfigError, InvalidChecksumConfigError,
-                        InvalidEndpointConfigurationError, InvalidRegionError)):  # nor the client (AWS_* settings)
+                        InvalidEndpointConfigurationError, InvalidRegionError,  # nor the client (AWS_* settings)
+                        EndpointResolutionError)):  # botocore's rules make no URL of the endpoint, region and bucket
         return StoragePermanentError(f"{op} {where}: {type(exc).__name__}: {_redact(str(exc))}")
     if isinstance(exc, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):  # retried within the access window
         # (a certificate rotated ahead of its CA bundle's mount, a node clock not yet synced), then exit 82

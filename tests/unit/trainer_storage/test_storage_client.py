@@ -4,6 +4,7 @@ answers of real stores are classified. No network: a `before-send` hook answers 
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import pytest
@@ -354,3 +355,47 @@ def test_an_addressing_style_botocore_does_not_know_is_invalid_configuration_nam
         LaunchConfig.from_env(env, [])
     with pytest.raises(ValueError, match=f"^{message}$"):
         StorageConfig.from_env(env)
+
+
+@pytest.mark.parametrize("name", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+@pytest.mark.parametrize("endpoint, problem", [
+    ("minio:9000", "it must start with http:// or https://"),
+    ("minio.minio", "it must start with http:// or https://"),
+    ("ftp://minio:9000", "it must start with http:// or https://"),
+    ("http://minio:abc", "its port is not a number from 1 to 65535"),
+    ("https://minio:99999", "its port is not a number from 1 to 65535"),
+    ("http://minio_1:9000", "'minio_1' is not a host name"),
+    ("http://:9000", "it names no host"),
+    ("http://minio:9000 ", "it has white space"),
+    ("http://minio:9000?region=x", "it must not have a query"),
+])
+def test_a_malformed_endpoint_is_invalid_configuration_naming_the_variable(name, endpoint, problem):
+    # botocore refuses these only as it builds the client, with "Invalid endpoint: ..." or "Custom endpoint ... was
+    # not a valid URI", which were classified as temporary: the start retried them until its restore timeout (10
+    # minutes), exited 84, and the job restarted as often as its backoffLimit allowed, never naming the setting.
+    from kubetrain_trainer.launch_config import ConfigError, LaunchConfig
+
+    with pytest.raises(ConfigError, match=re.escape(f"{endpoint!r} is not an endpoint URL: {problem}")) as err:
+        LaunchConfig.from_env(_env(**{name: endpoint}), [])
+    assert str(err.value).startswith(name) and "e.g. http://minio.minio:9000" in str(err.value)
+    assert ("spec.checkpoint.endpoint" in str(err.value)) is (name == "AWS_ENDPOINT_URL")
+
+
+def test_an_endpoint_with_credentials_is_refused_without_showing_them():
+    with pytest.raises(ValueError, match="AWS_ENDPOINT_URL_S3: .not shown.*must not contain credentials") as err:
+        StorageConfig.from_env(_env(AWS_ENDPOINT_URL_S3="http://AKIAEXAMPLE:s3cret@minio:9000"))
+    assert "s3cret" not in str(err.value) and "AKIAEXAMPLE" not in str(err.value)
+
+
+@pytest.mark.parametrize("endpoint", ["http://minio.minio:9000", "https://s3.eu-west-1.amazonaws.com/",
+                                      "http://127.0.0.1:9000", "http://[::1]:9000", "HTTPS://Store.Example:443/base"])
+def test_endpoints_botocore_takes_are_taken(endpoint):
+    assert StorageConfig.from_env(_env(AWS_ENDPOINT_URL=endpoint)).endpoint_url == endpoint
+
+
+def test_an_endpoint_botocores_rules_cannot_resolve_is_permanent(keys):
+    # What the checks above let through and botocore's endpoint rules still refuse is no network trouble either.
+    from botocore.exceptions import EndpointResolutionError
+
+    err = classify(EndpointResolutionError(msg="Custom endpoint `http://x` was not a valid URI"), op="get", where="s3://b/k")
+    assert type(err) is StoragePermanentError
