@@ -300,6 +300,8 @@ MALFORMED = [
      ["spec.podTemplate.volumes[0].secret.defaultMode"]),
     ("volume-empty-claim-name", spec(podTemplate={"volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": ""}}]}),
      ["spec.podTemplate.volumes[0].persistentVolumeClaim.claimName"]),
+    ("checkpoint-uri-bucket-uppercase", spec(checkpoint={"uri": "s3://Kubetrain_Test/jobs"}),
+     ["spec.checkpoint.uri", "an S3 bucket name: 3 to 63 lowercase letters"]),
     ("checkpoint-uri-dotdot", spec(checkpoint={"uri": "s3://kubetrain-test/jobs/../other"}),
      ["spec.checkpoint.uri", "no '.', '..' or empty ('//') segments"]),
     ("checkpoint-uri-dot", spec(checkpoint={"uri": "s3://kubetrain-test/./jobs"}),

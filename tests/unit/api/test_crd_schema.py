@@ -219,6 +219,20 @@ def test_checkpoint_uri_pattern(schema, uri, ok):
     assert bool(pat.match(uri)) is ok
 
 
+def test_a_bad_bucket_name_is_refused_with_the_rule_in_words(schema):
+    # The pattern's error shows only the regular expression ("should match '^s3://[a-z0-9]...'"): a user with an
+    # uppercase letter or a '_' in the bucket name had to decode it. A rule (which the API server checks beside the
+    # pattern, a pattern mismatch not being a blocking error) says it in words; it refuses what the pattern does.
+    uri = schema["properties"]["spec"]["properties"]["checkpoint"]["properties"]["uri"]
+    rule = next(r for r in uri["x-kubernetes-validations"] if "bucket name" in r["message"])
+    assert ("an S3 bucket name: 3 to 63 lowercase letters, digits, '.' and '-', starting and ending with a letter "
+            "or a digit (no uppercase letters, no '_')") in " ".join(rule["message"].split())
+    cel = re.fullmatch(r"self\.matches\(r'(.*)'\)", rule["rule"])
+    assert cel is not None
+    for bucket in ("My-Bucket", "my_bucket", "ab", "-ab", "ab-", "b" * 64, "kubetrain-demo", "my.bucket-1", "b" * 63):
+        assert bool(re.match(cel.group(1), f"s3://{bucket}/p")) is bool(re.match(uri["pattern"], f"s3://{bucket}/p"))
+
+
 @pytest.mark.parametrize("endpoint, ok", [
     ("http://minio.minio:9000", True),
     ("https://s3.eu-west-1.amazonaws.com", True),
