@@ -44,6 +44,7 @@ from kubetrain_trainer.progress import PROGRESS_FILE_ENV
 from kubetrain_trainer.restore import RestoreAgreementError
 from kubetrain_trainer.session import CheckpointSession, SessionConfig
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+from kubetrain_trainer.storage_config import region_hint
 from kubetrain_trainer.storage_errors import StorageAccessError, StorageError, StoragePermanentError
 
 from kubetrain_trainer import contract
@@ -298,7 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.builtin:  # it reads the restore's outcome from a pipe (handoff.py): start it now
             early = Workers.spawn(cfg, base, None, before_restore=True)
         try:
-            session = CheckpointSession(CheckpointStore(StorageConfig.from_env(environ)), session_config(cfg),
+            if hint := region_hint(storage := StorageConfig.from_env(environ)):
+                log.warning("%s", hint)
+            session = CheckpointSession(CheckpointStore(storage), session_config(cfg),
                                         telemetry=telemetry, stop=stop)
             restored = session.restore()
             session.start(restored)  # before the hand-over: the watcher primes before any worker saves

@@ -7,6 +7,7 @@ module that talks to S3) acts on it and re-exports both names.
 from __future__ import annotations
 
 import base64
+import difflib
 import hashlib
 import re
 from dataclasses import dataclass
@@ -178,6 +179,25 @@ def _endpoint_problem(url: str) -> str:
 _CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",
                  "response_checksum_validation": "AWS_RESPONSE_CHECKSUM_VALIDATION"}
 """botocore's own variables for `StorageConfig`'s checksum settings: set in spec.env, they win."""
+
+
+def region_hint(config: StorageConfig) -> str:
+    """A warning for a region AWS S3 may not have ('' for none): AWS S3 itself (no custom endpoint, whose regions are
+    its own) and a region no partition of this botocore has an S3 endpoint in. A typo (us-east1) otherwise showed
+    only as 'Could not connect to the endpoint URL', retried until the restore timeout. Not an error: a region newer
+    than this botocore still works."""
+    if config.endpoint_url is not None:
+        return ""
+    import botocore.session
+
+    session = botocore.session.get_session()
+    known = sorted({r for p in session.get_available_partitions()
+                    for r in session.get_available_regions("s3", partition_name=p)})
+    if config.region in known:
+        return ""
+    close = difflib.get_close_matches(config.region, known, n=1)
+    return (f"AWS_REGION (spec.checkpoint.region) {config.region!r} is no AWS S3 region botocore knows"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}: if S3 stays unreachable, correct it")
 
 
 def s3_compatible(endpoint_url: str | None) -> bool:

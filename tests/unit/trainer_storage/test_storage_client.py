@@ -399,3 +399,18 @@ def test_an_endpoint_botocores_rules_cannot_resolve_is_permanent(keys):
 
     err = classify(EndpointResolutionError(msg="Custom endpoint `http://x` was not a valid URI"), op="get", where="s3://b/k")
     assert type(err) is StoragePermanentError
+
+
+@pytest.mark.parametrize("region, hint", [
+    ("us-east1", "'us-east1' is no AWS S3 region botocore knows (did you mean 'us-east-1'?)"),
+    ("eu-wset-1", "(did you mean 'eu-west-1'?)"),
+    ("eu-west-1", ""), ("us-gov-west-1", ""), ("cn-north-1", ""),
+])
+def test_a_region_aws_s3_does_not_have_is_named_at_start(region, hint):
+    # A typo in spec.checkpoint.region (us-east1) showed only as "Could not connect to the endpoint URL:
+    # https://b.s3.us-east1.amazonaws.com/", retried for the whole restore timeout, then exit 84 and restarts.
+    from kubetrain_trainer.storage_config import region_hint
+
+    got = region_hint(StorageConfig(uri="s3://b/p", region=region))
+    assert (hint in got and "AWS_REGION (spec.checkpoint.region)" in got) if hint else got == ""
+    assert region_hint(StorageConfig(uri="s3://b/p", region=region, endpoint_url=ENDPOINT)) == ""  # its own regions
