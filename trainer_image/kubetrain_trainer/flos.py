@@ -8,8 +8,8 @@ input, counts 0.
 
 The loop counts nothing per step here. The parameters are counted once, in the first `train()`
 before the strategy shards them (the whole model's count on every rank). When the loop logs, saves
-or ends, the steps since the last count are priced at `train_batch_size` samples each (the global
-batch, all ranks: no collective) of as many main-input elements per sample as the last micro-batch
+or ends, the steps since the last count are priced at the global batch each (all ranks' samples of a
+step: no collective) of as many main-input elements per sample as the last micro-batch
 trained has. That is HF's number for batches of one shape (fixed-length or packed sequences, the
 built-in task's); with padding to each batch's longest row it is an estimate from the last
 micro-batch, and an epoch's short last batch (or step) counts as a full one, as `data_position`
@@ -40,18 +40,20 @@ def non_embedding_parameters(model: nn.Module) -> int:
 class FlosCounter:
     """Adds the flos of the steps since its last `store` to `state.total_flos` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, parameters: int, step: int):
+    def __init__(self, model: nn.Module, parameters: int, step: int, samples_per_step: int):
         self.main_input = getattr(model, "main_input_name", "input_ids")
         self.parameters = parameters
+        self.samples_per_step = samples_per_step
+        """The global batch: per-device batch x accumulation x world size."""
         self.step = step
         """The step up to which `total_flos` counts."""
 
     def store(self, state: Any, batch: Any) -> None:
-        """Count the steps since the last call, each of `state.train_batch_size` samples shaped as `batch` (the
+        """Count the steps since the last call, each of `samples_per_step` samples shaped as `batch` (the
         last micro-batch trained: the loop's variable, which an epoch's empty end leaves as it was)."""
         steps, self.step = state.global_step - self.step, state.global_step
         value = batch.get(self.main_input) if isinstance(batch, Mapping) else None
         if steps <= 0 or not self.parameters or not isinstance(value, torch.Tensor) or not value.dim():
             return  # nothing trained since, or no main input: HF counts 0
         per_sample = value.numel() / value.shape[0] if value.shape[0] else 0
-        state.total_flos += 6 * self.parameters * steps * state.train_batch_size * per_sample
+        state.total_flos += 6 * self.parameters * steps * self.samples_per_step * per_sample

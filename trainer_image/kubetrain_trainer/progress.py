@@ -312,8 +312,9 @@ class TrainProgressCallback(TrainerCallback):
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         if state.is_local_process_zero:
             lr = (lambda: lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else None
+            per_step = state.train_batch_size * args.gradient_accumulation_steps * state.world_size  # the global batch
             self.tracker.step_end(step=state.global_step, max_steps=state.max_steps, epoch=state.epoch,
-                                  samples_per_step=state.train_batch_size, learning_rate=lr)
+                                  samples_per_step=per_step, learning_rate=lr)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_local_process_zero:

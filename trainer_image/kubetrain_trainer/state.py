@@ -65,7 +65,8 @@ class TrainerState:
     eval_steps: int = 0
     save_steps: int = 0
     train_batch_size: int = 0
-    """Global batch per optimizer step (per-device batch x accumulation x world size)."""
+    """One process's micro-batch (`per_device_train_batch_size`), as HF writes it; the global batch of a step is
+    this x `gradient_accumulation_steps` x `world_size`."""
     world_size: int = 1
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None

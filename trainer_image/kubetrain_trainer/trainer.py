@@ -168,7 +168,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         counted_fn = self._counted_step_caller()  # for a model normalising its loss by the step's tokens (HF)
-        flos, batch = FlosCounter(self.model, self._flos_parameters, state.global_step), None  # counted off the step
+        flos, batch = FlosCounter(self.model, self._flos_parameters, state.global_step, samples_per_batch * ga), None
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         self._end_deferred_epoch(registry)
@@ -345,8 +345,9 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         train_loss = state.loss_total / state.loss_count if state.loss_count else float("nan")
+        samples = steps * state.train_batch_size * args.gradient_accumulation_steps * state.world_size
         metrics = {"train_runtime": round(runtime, 4),
-                   "train_samples_per_second": round(steps * state.train_batch_size / max(runtime, 1e-9), 3),
+                   "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
                    "total_flos": state.total_flos, "train_loss": train_loss, "epoch": state.epoch}
         self.log(metrics)
@@ -360,8 +361,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
             logging_steps=args.resolve_steps(args.logging_steps, plan.max_steps),
             eval_steps=args.resolve_steps(args.eval_steps, plan.max_steps),
             save_steps=args.resolve_steps(args.save_steps, plan.max_steps),
-            train_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps
-            * dist_util.world_size(),
+            train_batch_size=args.per_device_train_batch_size,  # one process's micro-batch, as HF's
             world_size=dist_util.world_size(),
             is_world_process_zero=dist_util.is_main_process(),
             is_local_process_zero=dist_util.is_local_main_process(),

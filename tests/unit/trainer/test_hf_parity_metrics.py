@@ -1,0 +1,64 @@
+"""What a user compares between kubetrain's Trainer and the installed transformers Trainer on the same tiny run:
+`trainer_state.json`'s fields and the train() metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import Trainer as HFTrainer
+from transformers import TrainingArguments as HFTrainingArguments
+
+from kubetrain_trainer import Trainer, TrainingArguments
+
+SEQ = 8
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=SEQ))
+
+
+def _rows(n=12):
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (n, SEQ), generator=g)]
+
+
+def _run(args_class, trainer_class, out, **kw):
+    args = args_class(**{**dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                report_to="none", disable_tqdm=True, use_cpu=True, logging_steps=2, save_steps=2,
+                                max_steps=2), **kw})
+    trainer = trainer_class(model=_gpt2(), args=args, train_dataset=_rows())
+    return trainer, trainer.train()
+
+
+def test_trainer_state_train_batch_size_is_the_transformers_trainers(tmp_path):
+    _run(HFTrainingArguments, HFTrainer, tmp_path / "hf")
+    _run(TrainingArguments, Trainer, tmp_path / "kt")
+    saved = {name: json.loads((tmp_path / name / "checkpoint-2" / "trainer_state.json").read_text())
+             for name in ("hf", "kt")}
+    assert saved["kt"]["train_batch_size"] == saved["hf"]["train_batch_size"] == 2  # one process's micro-batch
+
+
+def test_train_samples_per_second_counts_the_global_batch(tmp_path):
+    _, out = _run(TrainingArguments, Trainer, tmp_path / "kt")
+    metrics = out.metrics
+    # 2 samples x 2 accumulation x 1 process per step (HF: num_train_samples = max_steps x the total batch)
+    assert metrics["train_samples_per_second"] / metrics["train_steps_per_second"] == pytest.approx(4, rel=1e-2)
+
+
+def test_the_progress_report_counts_the_global_batch(make_args):
+    from kubetrain_trainer.callbacks import TrainerControl
+    from kubetrain_trainer.progress import TrainProgressCallback
+    from kubetrain_trainer.state import TrainerState
+
+    class Recorder:
+        def step_end(self, **kw):
+            self.samples_per_step = kw["samples_per_step"]
+
+    recorder = Recorder()
+    state = TrainerState(global_step=1, max_steps=4, train_batch_size=2, world_size=3)
+    TrainProgressCallback(recorder).on_step_end(make_args(gradient_accumulation_steps=5), state, TrainerControl())
+    assert recorder.samples_per_step == 2 * 5 * 3
