@@ -170,7 +170,7 @@ class TrainingArguments(ProcessLogLevels):
     logging_nan_inf_filter: bool = True
     """Leave NaN/inf losses out of the logged average (the step is still handled by `nan_inf_policy`)."""
     logging_dir: str | None = None
-    """Where reporters write (default `<output_dir>/runs`)."""
+    """Where reporters write (default `<output_dir>/runs`): `log.jsonl`, and TensorBoard a folder per run (HF's)."""
     report_to: str | list[str] = field(default_factory=lambda: ["jsonl"])
     """Reporters: tensorboard, jsonl (`<logging_dir>/log.jsonl`), all or none; one name, several, or a comma list
     (typed as HF types it, so HF's `HfArgumentParser` parses `--report_to none`)."""

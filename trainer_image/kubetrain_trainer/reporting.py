@@ -11,18 +11,25 @@ progress to it, whatever `report_to` says (`progress.py`): that feeds the pod's
 /metrics and /progress, not a user-facing log.
 The JSON-lines log (`<logging_dir>/log.jsonl`, one record per line) is the
 machine-readable history: easy to tail from a pod and to parse in tests.
+TensorBoard writes where HF 5's `TensorBoardCallback` does: `$TENSORBOARD_LOGGING_DIR`,
+else a folder per run, `<logging_dir>/<Mon DD_HH-MM-SS>_<hostname>` (with the
+default `logging_dir`, HF's `<output_dir>/runs/...`), so each run or attempt is
+a run of its own in `tensorboard --logdir <output_dir>/runs`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 import time
+from datetime import datetime
 from pathlib import Path
 
 from .args import TrainingArguments
 from .callbacks import PrinterCallback, TrainerCallback
 from .progress import progress_callbacks
+from .workerenv import WorkerEnv
 
 
 class JsonLinesCallback(TrainerCallback):
@@ -56,11 +63,20 @@ class JsonLinesCallback(TrainerCallback):
             self._file = None
 
 
+def tensorboard_dir(args: TrainingArguments, env: WorkerEnv) -> Path:
+    """The TensorBoard reporter's folder as HF 5 chooses it (see the module docstring)."""
+    if env.tensorboard_logging_dir is not None:
+        return env.tensorboard_logging_dir.expanduser()
+    return Path(args.logging_dir) / f"{datetime.now().strftime('%b%d_%H-%M-%S')}_{socket.gethostname()}"
+
+
 class TensorBoardCallback(TrainerCallback):
-    """Writes numeric log values as TensorBoard scalars under `logging_dir`."""
+    """Writes numeric log values as TensorBoard scalars in `tensorboard_dir` (chosen once: a record logged after
+    training, e.g. by `trainer.evaluate()`, goes to the same run)."""
 
     def __init__(self):
         self.writer = None
+        self.logging_dir: Path | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -72,7 +88,8 @@ class TensorBoardCallback(TrainerCallback):
     def _open(self, args) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported lazily: it is slow to import
 
-        self.writer = SummaryWriter(log_dir=args.logging_dir)
+        self.logging_dir = self.logging_dir or tensorboard_dir(args, WorkerEnv.from_environ())
+        self.writer = SummaryWriter(log_dir=str(self.logging_dir))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

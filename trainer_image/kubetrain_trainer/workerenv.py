@@ -26,6 +26,10 @@ from typing import Mapping
 from kubetrain_trainer import contract
 
 
+TENSORBOARD_LOGGING_DIR = "TENSORBOARD_LOGGING_DIR"
+"""HF 5's variable for the TensorBoard reporter's folder (its `TensorBoardCallback` reads it; not the pod contract)."""
+
+
 class WorkerEnvError(ValueError):
     """A variable of the worker's environment has a value of the wrong kind; the message names it."""
 
@@ -78,6 +82,9 @@ class WorkerEnv:
     it started this worker before the restore ended (handoff.py; None: RESUME_FROM says it)."""
     progress_file: Path | None = None
     """KUBETRAIN_PROGRESS_FILE: where to write the progress report (None: nowhere)."""
+    tensorboard_logging_dir: Path | None = None
+    """TENSORBOARD_LOGGING_DIR (HF 5's, not the pod contract's): the TensorBoard reporter's folder, `~` expanded
+    (None: a folder per run under `logging_dir`, reporting.py)."""
     test_hold_at_step: str = ""
     """KUBETRAIN_TEST_HOLD_AT_STEP, raw (test hook of the built-in trainer)."""
     test_hf_hold: str = ""
@@ -107,6 +114,7 @@ class WorkerEnv:
             resume_from=_path(env, contract.RESUME_FROM),
             restore_outcome_fd=_int(env, contract.RESTORE_OUTCOME_FD, None),
             progress_file=_path(env, contract.PROGRESS_FILE),
+            tensorboard_logging_dir=_path(env, TENSORBOARD_LOGGING_DIR),
             test_hold_at_step=env.get(contract.TEST_HOLD_AT_STEP, ""),
             test_hf_hold=env.get(contract.TEST_HF_HOLD, ""),
             test_hold_seconds=env.get(contract.TEST_HOLD_SECONDS, ""),

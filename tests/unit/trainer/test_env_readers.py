@@ -78,6 +78,7 @@ CASES = [
     ({contract.LOCAL_CHECKPOINT_DIR: "/ckpt"}, {"local_checkpoint_dir": Path("/ckpt")}),
     ({contract.RESUME_FROM: "/ckpt/checkpoint-4"}, {"resume_from": Path("/ckpt/checkpoint-4")}),
     ({contract.PROGRESS_FILE: "/run/p.json"}, {"progress_file": Path("/run/p.json")}),
+    ({"TENSORBOARD_LOGGING_DIR": "~/tb"}, {"tensorboard_logging_dir": Path("~/tb")}),
     ({contract.RESTORE_OUTCOME_FD: "7"}, {"restore_outcome_fd": 7}),
     ({contract.TEST_HOLD_AT_STEP: "2"}, {"test_hold_at_step": "2"}),
     ({contract.TEST_HF_HOLD: "1:save:10"}, {"test_hf_hold": "1:save:10"}),

@@ -62,3 +62,26 @@ def test_the_progress_report_counts_the_global_batch(make_args):
     state = TrainerState(global_step=1, max_steps=4, train_batch_size=2, world_size=3)
     TrainProgressCallback(recorder).on_step_end(make_args(gradient_accumulation_steps=5), state, TrainerControl())
     assert recorder.samples_per_step == 2 * 5 * 3
+
+
+def _event_dirs(root):
+    return sorted({p.parent for p in root.rglob("events.out.tfevents*")})
+
+
+def test_tensorboard_writes_where_the_transformers_trainer_does(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    for name, (args_class, trainer_class) in {"hf": (HFTrainingArguments, HFTrainer),
+                                              "kt": (TrainingArguments, Trainer)}.items():
+        _run(args_class, trainer_class, tmp_path / name, report_to=["tensorboard"], save_strategy="no")
+    hf, kt = _event_dirs(tmp_path / "hf"), _event_dirs(tmp_path / "kt")
+    # One folder per run, <output_dir>/runs/<Mon DD_HH-MM-SS>_<hostname> (HF's default_logdir)
+    assert [p.relative_to(tmp_path / "hf").parent for p in hf] == [p.relative_to(tmp_path / "kt").parent for p in kt]
+    assert [p.name.rsplit("_", 1)[1] for p in kt] == [p.name.rsplit("_", 1)[1] for p in hf]
+    assert len(kt) == 1 and kt[0].parent == tmp_path / "kt" / "runs"
+
+
+def test_tensorboard_logging_dir_is_honoured_as_by_the_transformers_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer, _ = _run(TrainingArguments, Trainer, tmp_path / "kt", report_to=["tensorboard"], save_strategy="no")
+    trainer.evaluate(_rows(4))  # after training: the same folder
+    assert _event_dirs(tmp_path) == [tmp_path / "tb"]

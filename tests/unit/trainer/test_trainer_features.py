@@ -221,7 +221,7 @@ def test_fractional_logging_steps_and_jsonl_report(tiny_gpt, tokens, make_args, 
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 4, 6, 8]
     lines = [json.loads(x) for x in (tmp_path / "out" / "runs" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == [2, 4, 6, 8]
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "runs").iterdir())
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "runs").glob("*/*"))
 
 
 def test_model_without_loss_is_reported(make_args):
