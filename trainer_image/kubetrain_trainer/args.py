@@ -127,7 +127,7 @@ class TrainingArguments(ProcessLogLevels):
     dataloader_pin_memory: bool = True
     """Pin host memory of batches (only used with a GPU)."""
     dataloader_drop_last: bool = False
-    """Drop the last incomplete batch of each epoch."""
+    """Drop the last incomplete batch of each epoch (map-style training data: HF ignores it for a stream)."""
     dataloader_persistent_workers: bool = False
     """Keep the worker processes between epochs and between evaluations (needs `dataloader_num_workers` > 0)."""
     dataloader_prefetch_factor: int | None = None

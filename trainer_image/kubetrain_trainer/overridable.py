@@ -127,18 +127,24 @@ class OverridableMixin:
             raise ValueError("training needs a train_dataset")
         args = self.args
         sampler, dataset, world = None, self.train_dataset, dist_util.world_size()
+        drop_last = args.dataloader_drop_last
         if has_length(dataset):
             sampler = self._train_sampler(dataset, world)
         else:
             if args.group_by_length:  # as HF 5: without random access no grouping, with a warning
                 logger.warning("group_by_length is ignored: the training data has no length (an IterableDataset); "
                                "its rows are trained in the order it yields them")
+            if isinstance(dataset, IterableDataset):  # as HF: its loader gets no drop_last (nor accelerate's shard)
+                if drop_last:
+                    logger.warning("dataloader_drop_last is ignored for an IterableDataset, as HF ignores it: the "
+                                   "short last batch of each pass over it is trained")
+                drop_last = False
             if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
                 dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
-                                        rank=dist_util.rank(), drop_last=args.dataloader_drop_last)
+                                        rank=dist_util.rank(), drop_last=drop_last)
         return make_loader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                            collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
-                           pin_memory=self._pin_memory, drop_last=args.dataloader_drop_last,
+                           pin_memory=self._pin_memory, drop_last=drop_last,
                            generator_seed=args.data_seed, rank=dist_util.rank(),
                            persistent_workers=args.dataloader_persistent_workers,
                            prefetch_factor=args.dataloader_prefetch_factor)
