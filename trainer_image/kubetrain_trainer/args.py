@@ -24,7 +24,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from .args_help import print_help_and_exit, wants_help
 from .args_values import (ConfigError, _coerce, _refusing_unknown_names, load_mapping_file, parse_cli,
-                          unknown_name_message)
+                          unknown_choices, unknown_name_message)
 from .loglevels import LogLevel, ProcessLogLevels
 from .workerenv import WorkerEnv
 
@@ -153,6 +153,8 @@ class TrainingArguments(ProcessLogLevels):
     """Evaluate every N steps (defaults to `logging_steps`); below 1 is a fraction of the total."""
     prediction_loss_only: bool = False
     """Evaluate the loss only; do not collect predictions for `compute_metrics`."""
+    include_for_metrics: list[str] = field(default_factory=list)
+    """Also give `compute_metrics` the samples' main input (`EvalPrediction.inputs`) and losses (`.losses`), as HF."""
     load_best_model_at_end: bool = False
     """Reload the best checkpoint (by `metric_for_best_model`) when training ends."""
     metric_for_best_model: str | None = None
@@ -237,8 +239,7 @@ class TrainingArguments(ProcessLogLevels):
                 return [f"report_to: {value!r} is not a JSON list"]
         given = [value] if isinstance(value, str) else list(value or [])
         self.report_to = [r.strip() for item in given for r in str(item).split(",") if r.strip()]
-        known = typing.get_args(Reporter)
-        return [f"report_to: {r!r} is not one of {', '.join(known)}" for r in self.report_to if r not in known]
+        return unknown_choices("report_to", self.report_to, typing.get_args(Reporter))
 
     def _incompatibilities(self) -> list[str]:
         """Settings that are each valid but do not work together; each message says what to change."""
@@ -322,7 +323,7 @@ class TrainingArguments(ProcessLogLevels):
             e.append("group_by_length and train_sampling_strategy 'sequential' are both set: pick one")
         if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
             e.append("neftune_noise_alpha must be > 0 (or null to disable NEFTune)")
-        return e
+        return e + unknown_choices("include_for_metrics", self.include_for_metrics, ("inputs", "loss"))
 
     # ------------------------------------------------------------ derived values
     def resolve_steps(self, value: float | None, max_steps: int) -> int:

@@ -36,6 +36,11 @@ def unknown_name_message(name: str, valid: Sequence[str]) -> str:
     return f"unknown argument {name!r}{hint}"
 
 
+def unknown_choices(name: str, values: Sequence[str], known: Sequence[str]) -> list[str]:
+    """A message for each of an argument's list `values` that is not one of `known`."""
+    return [f"{name}: {v!r} is not one of {', '.join(known)}" for v in values if v not in known]
+
+
 def _refusing_unknown_names(init: Any) -> Any:
     """The dataclass's __init__, refusing an argument it has not with the nearest valid name (a ConfigError, exit 82
     in a pod), as `from_dict` does: HF's `TrainingArguments(do_sample=...)` or an HF argument kubetrain lacks gave a

@@ -183,6 +183,14 @@ def _dealt(batches: Any, world: int, rank: int) -> Any:
         yield (round_[rank], True) if rank < len(round_) else (round_[0], False)
 
 
+def main_input_of(batch: Any, name: str) -> Any:
+    """The model's main input in a batch (`include_for_metrics: [inputs]`): HF's `batch[main_input_name]`."""
+    if not isinstance(batch, Mapping) or name not in batch:
+        raise ValueError(f"include_for_metrics 'inputs' takes the model's main input {name!r} from each eval batch: "
+                         "this batch has none (the batches must be dicts holding it)")
+    return batch[name]
+
+
 def _numpy(value: Any):
     return _nested(lambda t: (t.float() if t.is_floating_point() else t).numpy(), value)
 
@@ -276,7 +284,8 @@ class EvaluationMixin:
         dealt = dataset_len is None and world > 1 and isinstance(dataloader.dataset, IterableDataset)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
-        preds, labels = [], []
+        preds, labels, inputs, losses = [], [], [], []
+        main_input = getattr(self._unwrapped_model(), "main_input_name", "input_ids")  # HF's, for include_for_metrics
         seen = 0  # samples of this rank so far, to tell padding from real samples
         start = time.perf_counter()
         batches = 0
@@ -289,6 +298,10 @@ class EvaluationMixin:
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             if not mine:  # run for the collectives only
                 continue
+            if "inputs" in args.include_for_metrics:
+                inputs.append(_nested(torch.Tensor.cpu, main_input_of(batch, main_input)))
+            if "loss" in args.include_for_metrics and loss is not None:  # as HF: the batch's loss, once per sample
+                losses.append(loss.reshape(1).expand(n).cpu())
             if logits is not None and self.preprocess_logits_for_metrics is not None:  # as HF: before gathering
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if loss is not None and real:
@@ -309,11 +322,14 @@ class EvaluationMixin:
             metrics[f"{prefix}_loss"] = (loss_sum / count).item()
         all_preds = self._gather(preds, dataset_len, dealt)
         all_labels = self._gather(labels, dataset_len, dealt)
+        extra = {"inputs": self._gather(inputs, dataset_len, dealt) if "inputs" in args.include_for_metrics else None,
+                 "losses": self._gather(losses, dataset_len, dealt) if "loss" in args.include_for_metrics else None}
         # As HF: no metrics of a set without the labels the model takes (predict() on a test set without them);
         # a model that takes none (its targets under another name) gets them with label_ids None, as before.
         if self.compute_metrics is not None and all_preds is not None and (all_labels is not None
                                                                            or not self._takes_labels()):
-            for key, value in self.compute_metrics(EvalPrediction(_numpy(all_preds), _numpy(all_labels))).items():
+            given = EvalPrediction(_numpy(all_preds), _numpy(all_labels), **{k: _numpy(v) for k, v in extra.items()})
+            for key, value in self.compute_metrics(given).items():
                 metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
         runtime = time.perf_counter() - start
         metrics[f"{prefix}_runtime"] = round(runtime, 4)

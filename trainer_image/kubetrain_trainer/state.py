@@ -210,8 +210,19 @@ class PredictionOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-class EvalPrediction(NamedTuple):
-    """What `compute_metrics` receives."""
+class EvalPrediction:
+    """What `compute_metrics` receives, as HF's: `predictions` and `label_ids` and, with `include_for_metrics`,
+    `inputs` (the model's main input of every sample) and `losses` (each sample's batch loss); it unpacks as
+    the tuple of those it holds (`predictions, labels = eval_pred`)."""
 
-    predictions: Any
-    label_ids: Any
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> None:
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+        self.elements = (predictions, label_ids, *(x for x in (inputs, losses) if x is not None))
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx < 0 or idx >= len(self.elements):
+            raise IndexError("tuple index out of range")
+        return self.elements[idx]

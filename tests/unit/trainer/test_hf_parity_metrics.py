@@ -85,3 +85,54 @@ def test_tensorboard_logging_dir_is_honoured_as_by_the_transformers_trainer(tmp_
     trainer, _ = _run(TrainingArguments, Trainer, tmp_path / "kt", report_to=["tensorboard"], save_strategy="no")
     trainer.evaluate(_rows(4))  # after training: the same folder
     assert _event_dirs(tmp_path) == [tmp_path / "tb"]
+
+
+def _ragged_eval_rows():
+    g = torch.Generator().manual_seed(2)
+    return [{"input_ids": torch.randint(0, 50, (3 + i % 3,), generator=g),
+             "labels": torch.randint(0, 50, (3 + i % 3,), generator=g)} for i in range(5)]
+
+
+def _pad_collate(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    return {key: torch.stack([torch.nn.functional.pad(r[key], (0, width - len(r[key])), value=fill) for r in rows])
+            for key, fill in (("input_ids", 0), ("labels", -100))}
+
+
+def test_include_for_metrics_gives_compute_metrics_the_inputs_and_losses_as_the_transformers_trainer(tmp_path):
+    """Before, `include_for_metrics` was refused as an unknown argument, and `EvalPrediction` had no `inputs` or
+    `losses`: an HF script computing a metric from the inputs (e.g. a source-aware score) could not run."""
+    got = {}
+
+    def compute_metrics(eval_pred):
+        got[len(got)] = eval_pred
+        return {}
+
+    for args_class, trainer_class in ((HFTrainingArguments, HFTrainer), (TrainingArguments, Trainer)):
+        args = args_class(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=2, report_to="none",
+                          use_cpu=True, include_for_metrics=["inputs", "loss"])
+        trainer = trainer_class(model=_gpt2(), args=args, eval_dataset=_ragged_eval_rows(),
+                                compute_metrics=compute_metrics, data_collator=_pad_collate)
+        metrics = trainer.evaluate()
+    hf, kt = got[0], got[1]
+    assert kt.inputs.tolist() == hf.inputs.tolist()  # the rows' input_ids, batches padded to one width with -100
+    assert -100 in kt.inputs.tolist()[0]
+    assert kt.losses.shape == hf.losses.shape == (5,)  # each sample's batch loss
+    assert kt.losses[0] == kt.losses[1] and kt.losses[2] == kt.losses[3] != kt.losses[4]
+    assert kt.losses.mean() == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert len(tuple(kt)) == len(tuple(hf)) == 4 and kt[2] is kt.inputs and kt[3] is kt.losses
+    predictions, labels = got[1].__class__(kt.predictions, kt.label_ids)  # without them: the pair, as before
+    assert predictions is kt.predictions and labels is kt.label_ids
+
+
+def test_include_for_metrics_parses_as_hf_parses_it_and_refuses_an_unknown_value():
+    from transformers import HfArgumentParser
+
+    from kubetrain_trainer import ConfigError
+
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--include_for_metrics", "inputs", "loss"])
+    assert args.include_for_metrics == ["inputs", "loss"]
+    assert TrainingArguments.from_cli(["--include_for_metrics", "loss"]).include_for_metrics == ["loss"]
+    with pytest.raises(ConfigError, match="include_for_metrics: 'input' is not one of inputs, loss"):
+        TrainingArguments(include_for_metrics=["input"])
