@@ -12,6 +12,7 @@ that `metric_for_best_model="loss"` ranks checkpoints by.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import itertools
@@ -191,6 +192,22 @@ def main_input_of(batch: Any, name: str) -> Any:
     return batch[name]
 
 
+def metrics_format(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` as HF's `log_metrics` shows them: `*_runtime` as h:mm:ss.cc, `total_flos` in GF (2**30 flos),
+    `*_mem_*` in MB, other floats rounded to 4 places."""
+    shown = dict(metrics)
+    for key, value in metrics.items():
+        if "_mem_" in key:
+            shown[key] = f"{int(value) >> 20}MB"
+        elif "_runtime" in key:
+            shown[key] = f"{datetime.timedelta(seconds=int(value))}.{int(abs(value - int(value)) * 100):02d}"
+        elif key == "total_flos":
+            shown[key] = f"{int(value) >> 30}GF"
+        elif isinstance(value, float):
+            shown[key] = round(value, 4)
+    return shown
+
+
 def _numpy(value: Any):
     return _nested(lambda t: (t.float() if t.is_floating_point() else t).numpy(), value)
 
@@ -363,14 +380,15 @@ class EvaluationMixin:
         return _interleave(per_rank, dataset_len or sum(_rows(t) for t in per_rank))
 
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
-        """Print `metrics` under `***** {split} metrics *****`, one aligned line each, on the main process (HF's)."""
+        """Print `metrics` under `***** {split} metrics *****`, one aligned line each (`metrics_format`), values
+        right-aligned, on the main process (HF's)."""
         if not self.is_world_process_zero():
             return
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sorted(metrics.items())}
-        width = max((len(k) for k in shown), default=0)
+        shown = {k: str(v) for k, v in metrics_format(metrics).items()}
+        width, value_width = (max((len(x) for x in xs), default=0) for xs in (shown, shown.values()))
         print(f"***** {split} metrics *****")
-        for key, value in shown.items():
-            print(f"  {key: <{width}} = {value}")
+        for key in sorted(shown):
+            print(f"  {key: <{width}} = {shown[key]:>{value_width}}")
 
     def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
         """`<output_dir>/{split}_results.json` and, with `combined`, `all_results.json` updated with them (HF's)."""

@@ -136,3 +136,19 @@ def test_include_for_metrics_parses_as_hf_parses_it_and_refuses_an_unknown_value
     assert TrainingArguments.from_cli(["--include_for_metrics", "loss"]).include_for_metrics == ["loss"]
     with pytest.raises(ConfigError, match="include_for_metrics: 'input' is not one of inputs, loss"):
         TrainingArguments(include_for_metrics=["input"])
+
+
+def test_log_metrics_prints_what_the_transformers_trainer_prints(tmp_path, capsys):
+    """Before, the runtime showed as seconds, total_flos as a raw float and the values left-aligned: the summary
+    every HF example script prints at its end read differently."""
+    metrics = {"epoch": 3.0, "total_flos": 123456789012.0, "train_loss": 6.0857123, "train_runtime": 3725.123,
+               "train_samples_per_second": 12.345678, "train_samples": 100, "eval_peak_mem_gpu": 3 << 20}
+    printed = []
+    for args_class, trainer_class in ((HFTrainingArguments, HFTrainer), (TrainingArguments, Trainer)):
+        trainer = trainer_class(model=_gpt2(), args=args_class(output_dir=str(tmp_path), report_to="none",
+                                                              use_cpu=True))
+        capsys.readouterr()
+        trainer.log_metrics("train", dict(metrics))
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[0]
+    assert "train_runtime            = 1:02:05.12" in printed[1] and "=      114GF" in printed[1]
