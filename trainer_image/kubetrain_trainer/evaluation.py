@@ -303,7 +303,7 @@ class EvaluationMixin:
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         preds, labels, inputs, losses = [], [], [], []
         main_input = getattr(self._unwrapped_model(), "main_input_name", "input_ids")  # HF's, for include_for_metrics
-        seen = 0  # samples of this rank so far, to tell padding from real samples
+        seen = rows = 0  # samples of this rank so far (to tell padding from real samples), and the real ones
         start = time.perf_counter()
         batches = 0
         for batch, mine in (_dealt(dataloader, world, rank) if dealt else zip(dataloader, itertools.repeat(True))):
@@ -311,7 +311,7 @@ class EvaluationMixin:
             n = batch_size_of(batch)
             real = (n if mine else 0) if dataset_len is None else sum(1 for j in range(seen, seen + n)
                                                                      if j * world + rank < dataset_len)
-            seen += n
+            seen, rows = seen + n, rows + real
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             if not mine:  # run for the collectives only
                 continue
@@ -329,9 +329,9 @@ class EvaluationMixin:
             if label is not None:
                 labels.append(_nested(torch.Tensor.cpu, label))
         if world > 1:
-            totals = torch.stack([loss_sum, count])
+            totals = torch.stack([loss_sum, count, torch.tensor(float(rows), dtype=torch.float64, device=self.device)])
             dist.all_reduce(totals)
-            loss_sum, count = totals[0], totals[1]
+            loss_sum, count, rows = totals[0], totals[1], int(totals[2].item())
         if was_training:
             model.train()
         metrics: dict[str, float] = {}
@@ -350,8 +350,8 @@ class EvaluationMixin:
                 metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
         runtime = time.perf_counter() - start
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
-        if dataset_len:
-            metrics[f"{prefix}_samples_per_second"] = round(dataset_len / max(runtime, 1e-9), 3)
+        if dataset_len or rows:  # an iterable set's: the rows it yielded (HF's observed count)
+            metrics[f"{prefix}_samples_per_second"] = round((dataset_len or rows) / max(runtime, 1e-9), 3)
         metrics[f"{prefix}_steps_per_second"] = round(batches / max(runtime, 1e-9), 3)
         return all_preds, all_labels, metrics
 

@@ -152,3 +152,18 @@ def test_log_metrics_prints_what_the_transformers_trainer_prints(tmp_path, capsy
         printed.append(capsys.readouterr().out)
     assert printed[1] == printed[0]
     assert "train_runtime            = 1:02:05.12" in printed[1] and "=      114GF" in printed[1]
+
+
+def test_evaluate_and_predict_on_an_iterable_set_report_samples_per_second_as_the_transformers_trainer():
+    """Before, an eval or test set without a length (an IterableDataset) had no `*_samples_per_second`."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(_rows(10))
+
+    trainer = Trainer(model=_gpt2(), args=TrainingArguments(output_dir="unused", report_to="none",
+                                                            per_device_eval_batch_size=4, use_cpu=True))
+    for metrics, prefix in ((trainer.evaluate(Stream()), "eval"), (trainer.predict(Stream()).metrics, "test")):
+        per_step = metrics[f"{prefix}_samples_per_second"] / metrics[f"{prefix}_steps_per_second"]
+        assert per_step == pytest.approx(10 / 3, rel=1e-2)  # 10 rows in 3 batches
