@@ -78,6 +78,12 @@ class TrainerState:
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     total_flos: float = 0.0
+    num_input_tokens_seen: int = 0
+    """HF's (counted with its `include_num_input_tokens_seen`, which kubetrain has not): 0, as HF writes it then."""
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    """HF's hyperparameter-search fields (kubetrain runs none): written as HF writes them outside a search."""
     data_position: DataPosition = field(default_factory=DataPosition)
     loss_since_log: float = 0.0
     """Sum of step losses since the last log - in the checkpoint, so a resumed run logs the same average."""

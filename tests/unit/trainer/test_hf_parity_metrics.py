@@ -40,6 +40,9 @@ def test_trainer_state_train_batch_size_is_the_transformers_trainers(tmp_path):
     saved = {name: json.loads((tmp_path / name / "checkpoint-2" / "trainer_state.json").read_text())
              for name in ("hf", "kt")}
     assert saved["kt"]["train_batch_size"] == saved["hf"]["train_batch_size"] == 2  # one process's micro-batch
+    assert set(saved["kt"]) == set(saved["hf"])  # every field HF writes (num_input_tokens_seen, trial_name, ...)
+    for name in ("num_input_tokens_seen", "is_hyper_param_search", "trial_name", "trial_params"):
+        assert saved["kt"][name] == saved["hf"][name]
 
 
 def test_train_samples_per_second_counts_the_global_batch(tmp_path):
