@@ -313,6 +313,7 @@ class EvaluationMixin:
                                                                      if j * world + rank < dataset_len)
             seen, rows = seen + n, rows + real
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
             if not mine:  # run for the collectives only
                 continue
             if "inputs" in args.include_for_metrics:

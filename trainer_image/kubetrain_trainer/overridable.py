@@ -247,6 +247,18 @@ class OverridableMixin:
         self.strategy.backward(loss)
         return loss.detach()
 
+    def _clip_and_step(self) -> torch.Tensor:
+        """Clip the gradients (their norm before is returned), then the optimizer step, between HF's
+        `on_pre_optimizer_step` and `on_optimizer_step` (before the gradients are zeroed, as in HF)."""
+        args, state, handler = self.args, self.state, self.callback_handler
+        grad_norm = self.strategy.clip_grad_norm(args.max_grad_norm)
+        self.control = handler.on_pre_optimizer_step(args, state, self.control)
+
+        def stepped() -> None:
+            self.control = handler.on_optimizer_step(args, state, self.control)
+        self.strategy.optimizer_step(stepped)
+        return grad_norm
+
     def _wants_item_counts(self) -> bool:
         """Whether an override takes `num_items_in_batch` (the built-in methods ignore it: no count needed)."""
         return any(self._overrides(name) and accepts(getattr(self, name), "num_items_in_batch")

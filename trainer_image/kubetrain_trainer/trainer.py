@@ -218,8 +218,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                     step_loss, finite, stop = self._reduce_step(step_loss)
                 grad_norm = None
                 if finite:
-                    grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
-                    strategy.optimizer_step()
+                    grad_norm = self._clip_and_step()  # with HF's on_pre_optimizer_step / on_optimizer_step
                     state.loss_since_log += step_loss
                     state.loss_total += step_loss
                     state.steps_since_log += 1

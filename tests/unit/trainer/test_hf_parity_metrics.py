@@ -170,3 +170,46 @@ def test_evaluate_and_predict_on_an_iterable_set_report_samples_per_second_as_th
     for metrics, prefix in ((trainer.evaluate(Stream()), "eval"), (trainer.predict(Stream()).metrics, "test")):
         per_step = metrics[f"{prefix}_samples_per_second"] / metrics[f"{prefix}_steps_per_second"]
         assert per_step == pytest.approx(10 / 3, rel=1e-2)  # 10 rows in 3 batches
+
+
+def test_the_optimizer_and_prediction_step_events_fire_as_in_the_transformers_trainer(tmp_path):
+    """Before, a callback's on_pre_optimizer_step, on_optimizer_step and on_prediction_step never ran: an HF
+    callback watching the gradients around the update (or an eval progress bar) silently did nothing."""
+    from transformers import TrainerCallback as HFTrainerCallback
+
+    class Watch(HFTrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def _grads(self, model):
+            return all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.events.append(("step_begin", state.global_step))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            self.events.append(("pre_optimizer", state.global_step, self._grads(model)))
+
+        def on_optimizer_step(self, args, state, control, model=None, **kw):
+            self.events.append(("optimizer", state.global_step, self._grads(model)))
+
+        def on_step_end(self, args, state, control, **kw):
+            self.events.append(("step_end", state.global_step))
+
+        def on_prediction_step(self, args, state, control, **kw):
+            self.events.append(("prediction", state.global_step))
+
+    seen = []
+    for args_class, trainer_class in ((HFTrainingArguments, HFTrainer), (TrainingArguments, Trainer)):
+        watch = Watch()
+        args = args_class(output_dir=str(tmp_path / trainer_class.__module__), per_device_train_batch_size=4,
+                          gradient_accumulation_steps=2, per_device_eval_batch_size=2, max_steps=2,
+                          eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="none",
+                          disable_tqdm=True, use_cpu=True)
+        trainer = trainer_class(model=_gpt2(), args=args, train_dataset=_rows(16), eval_dataset=_rows(3),
+                                callbacks=[watch])
+        trainer.train()
+        seen.append(watch.events)
+    assert seen[1] == seen[0]
+    assert seen[1][:4] == [("step_begin", 0), ("pre_optimizer", 0, True), ("optimizer", 0, True), ("step_end", 1)]
+    assert seen[1].count(("prediction", 2)) == 2  # 3 eval rows in batches of 2

@@ -91,8 +91,8 @@ class Strategy(ABC):
         """*Collective.* Clip gradients to `max_norm` (global norm) and return the total norm before clipping."""
 
     @abstractmethod
-    def optimizer_step(self) -> None:
-        """Apply the update and zero the gradients."""
+    def optimizer_step(self, stepped: Callable[[], None] | None = None) -> None:
+        """Apply the update and zero the gradients; `stepped()` runs in between (HF's `on_optimizer_step`)."""
 
     @abstractmethod
     def skip_step(self) -> None:

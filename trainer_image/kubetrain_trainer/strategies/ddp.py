@@ -93,7 +93,7 @@ class DDPStrategy(Strategy):
         bound = max_norm if max_norm and max_norm > 0 else float("inf")
         return clip_grad_norm_(self._params, bound)  # it skips parameters without a gradient
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, stepped: Callable[[], None] | None = None) -> None:
         if self._scaler:
             self._scaler.step(self._optimizer)
             self._scaler.update()
@@ -105,6 +105,8 @@ class DDPStrategy(Strategy):
                 self._optimizer.param_groups = groups
         else:
             self._optimizer.step()
+        if stepped is not None:
+            stepped()
         self._optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self) -> None:

@@ -251,13 +251,15 @@ class FSDPStrategy(Strategy):
         # The norm of DTensor gradients is a partial DTensor: full_tensor() all-reduces it.
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, stepped: Callable[[], None] | None = None) -> None:
         assert self.optimizer is not None, "prepare() first"
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
+        if stepped is not None:
+            stepped()
         self.optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self) -> None:

@@ -325,14 +325,16 @@ class Zero3Strategy(Strategy):
         self._grad_norm = torch.full((), float("nan"))
         return self._grad_norm
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, stepped: Callable[[], None] | None = None) -> None:
         engine = self._engine()
-        engine.step()  # finalises the accumulated partitions, clips, updates, zeroes the gradients
+        engine.step()  # finalises the accumulated partitions, clips, updates, zeroes the gradients (before `stepped`)
         if self._grad_norm is not None:
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 self._grad_norm.fill_(float(norm))
             self._grad_norm = None
+        if stepped is not None:
+            stepped()
 
     def skip_step(self) -> None:
         engine = self._engine()
