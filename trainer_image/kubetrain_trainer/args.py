@@ -1,12 +1,10 @@
 """`TrainingArguments`: every knob of a run, typed, validated once, before training.
 
-The names and meanings follow the Hugging Face Trainer so that an HF user is at
-home at once. The operator passes the TrainingJob's `spec.trainer.args` as a
-JSON dict (`KUBETRAIN_TRAINER_ARGS`), users pass a YAML/JSON file or command
-line flags: all three go through `from_dict`, which coerces strings, rejects
-unknown names with the nearest valid one suggested, and checks that the
-settings work together. Every problem is a `ConfigError`, which the entrypoint
-maps to the "invalid configuration" exit code (82): such a job can never succeed.
+The names and meanings follow the Hugging Face Trainer so that an HF user is at home at once. The operator
+passes the TrainingJob's `spec.trainer.args` as a JSON dict (`KUBETRAIN_TRAINER_ARGS`), users pass a YAML/JSON
+file or command line flags: all three go through `from_dict`, which coerces strings, rejects unknown names with
+the nearest valid one suggested, and checks that the settings work together. Every problem is a `ConfigError`,
+which the entrypoint maps to the "invalid configuration" exit code (82): such a job can never succeed.
 """
 
 from __future__ import annotations
