@@ -40,6 +40,10 @@ ANNOTATION_SPEC_FINGERPRINT = "kubetrain.io/spec-fingerprint"
 """`spec.pod_fingerprint` of the spec a pod was built from: whether an edit since waits for the next attempt."""
 CONTAINER_NAME = "trainer"
 METRICS_PORT_NAME = "metrics"
+TMP_VOLUME = "kubetrain-tmp"
+"""The pods' /tmp (an emptyDir limited to spec.tmpSize); the kubelet names it when it evicts a pod for it."""
+SHM_VOLUME = "kubetrain-shm"
+"""The pods' /dev/shm (a memory-backed emptyDir limited to spec.shmSize)."""
 EXIT_INVALID_CONFIG = 82
 EXIT_PREEMPTED = 83
 FAILURE_RECORD_KIND = "kubetrain.io/failure"

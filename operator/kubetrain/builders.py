@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from kubetrain.api import (
     ANNOTATION_SPEC_FINGERPRINT, ANNOTATION_SPEC_GENERATION, API_VERSION, CONTAINER_NAME, GROUP, KIND, LABEL_ATTEMPT,
-    LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY, METRICS_PORT_NAME, Job, pod_name,
+    LABEL_JOB, LABEL_MANAGED_BY, LABEL_RANK, MANAGED_BY, METRICS_PORT_NAME, SHM_VOLUME, TMP_VOLUME, Job, pod_name,
 )
 from kubetrain.resources import quantity
 from kubetrain.spec import CONTRACT_ENV_NAMES, DEFAULT_METRICS_PORT, Spec
@@ -21,8 +21,6 @@ from kubetrain.identity import WebIdentity, get_identity_env, get_identity_volum
 
 DEEPSPEED_DIR = "/etc/kubetrain/deepspeed"
 DEEPSPEED_VOLUME = "kubetrain-deepspeed"
-TMP_VOLUME = "kubetrain-tmp"
-SHM_VOLUME = "kubetrain-shm"
 HOME_DIR = "/tmp/kubetrain/home"
 DEEPSPEED_KEY = "ds_config.json"
 LAUNCHER = ("python", "-m", "kubetrain_trainer.launch")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, pod_name
+from kubetrain.api import EXIT_INVALID_CONFIG, EXIT_PREEMPTED, FAILURE_REASONS, SHM_VOLUME, TMP_VOLUME, pod_name
 from kubetrain.values import format_time, parse_time
 from kubetrain.draft import Draft, delete_pods, excerpt, fail, ttl
 from kubetrain.observe import GONE_SUCCEEDED, Observed, PodView
@@ -42,6 +42,17 @@ SELF_INFLICTED_EVICTION = re.compile(
 """Kubelet eviction messages that blame the pod itself (it overused ephemeral storage beyond
 its limits, or memory/storage beyond its requests under node pressure): an application
 failure that spends backoffLimit, not a preemption (restarting would only repeat it)."""
+
+EMPTYDIR_OVER_LIMIT = re.compile(r'Usage of EmptyDir volume "([^"]+)" exceeds the limit')
+"""The kubelet's eviction message for an emptyDir over its sizeLimit; the group is the volume's name."""
+
+VOLUME_SETTINGS = {
+    TMP_VOLUME: "spec.tmpSize (the size limit of each pod's /tmp: the node's local checkpoints until they "
+                "are uploaded, library caches and what the training code writes there; 0 for no limit)",
+    SHM_VOLUME: "spec.shmSize (the size limit of each pod's /dev/shm, memory-backed: DataLoader workers and "
+                "NCCL use it)",
+}
+"""The setting a job raises when the kubelet evicts its pod for one of kubetrain's own volumes."""
 
 DISRUPTION_POD_REASONS = frozenset({
     "Evicted", "Preempting", "Shutdown", "NodeShutdown", "Terminated", "NodeLost",
@@ -207,6 +218,13 @@ def _unsettled_node(pods: list[PodView], observed: Observed) -> str:
         if pod.phase == "Unknown":
             return f"pod {pod.name} is in phase Unknown"
     return ""
+
+
+def _setting_to_raise(pod: PodView) -> str:
+    """" Raise spec.tmpSize (...)" when the kubelet evicted the pod for one of kubetrain's volumes, else ""."""
+    found = EMPTYDIR_OVER_LIMIT.search(pod.status_message)
+    setting = VOLUME_SETTINGS.get(found.group(1)) if found else None
+    return f" Raise {setting}" if setting else ""
 
 
 def _evicted_for_own_usage(pod: PodView) -> bool:
@@ -386,7 +404,7 @@ def _restart_after_failure(d: Draft, observed: Observed, pod: PodView) -> None:
     d.update(failures=failures)
     if _evicted_for_own_usage(pod):
         what = (f"pod {pod.name} (node rank {pod.rank}) was evicted for its own resource usage: "
-                f"{excerpt(pod.status_message)}")
+                f"{excerpt(pod.status_message)}{_setting_to_raise(pod)}")
     else:
         what = f"pod {pod.name} (node rank {pod.rank}) exited with code {pod.exit_code}{_exit_reason(pod)}"
     # A rank that waited for a peer the scheduler never placed times out in its rendezvous: name the cause.
