@@ -204,7 +204,8 @@ class Workers:
     def exited_cleanly(self) -> bool:
         """Every worker exited by itself with success or the contract's "preempted" (no signal, no crash);
         a shell the SIGTERM ended counts by the processes it left (`orphans.py`)."""
-        return all(self.orphans.clean(p.pid, p.returncode, (EXIT_OK, EXIT_PREEMPTED)) for p in self.procs)
+        return all(self.orphans.clean(p.pid, p.returncode, (EXIT_OK, EXIT_PREEMPTED), saved=EXIT_PREEMPTED)
+                   for p in self.procs)
 
     def terminate(self) -> None:
         if self._termed:

@@ -8,7 +8,8 @@ the launcher had already reported the worker gone. So once a stopping worker's l
 the members of its group whose parent is gone (the shell's children, not their DataLoader workers)
 get the SIGTERM in its place, and so do, in turn, those of a shell that shell ran (`sh -c "./train.sh;
 ..."`); the worker counts as stopped only when its group is empty, and a shell the SIGTERM ended as
-clean as the processes it left (`Orphans.clean`).
+clean as the processes it left (`Orphans.clean`), where a background helper (`tensorboard & python
+train.py`) that the SIGTERM ended does not count against it once the training process exited 83.
 
 As PID 1 (or, anywhere else, as the child subreaper it makes itself) the launcher also adopts
 every orphan of the pod and must reap them, or each one stays a zombie holding a PID until the pod
@@ -162,10 +163,24 @@ class Orphans:
         self._parents.update((p.pid, p.ppid) for p in live if p.ppid in inside)
         return tops
 
-    def clean(self, pid: int, code: int | None, ok: Collection[int]) -> bool:
+    def clean(self, pid: int, code: int | None, ok: Collection[int], *, saved: int | None = None) -> bool:
         """Whether process `pid`, which exited with `code`, stopped on its own terms: `code` in `ok`, or the
-        SIGTERM ended it (a shell) and every process it left stopped so."""
+        SIGTERM ended it (a shell) and every process it left stopped so. With `saved` (the code that says "my
+        emergency checkpoint is written": 83), a process it left that the handed-over SIGTERM ended and that left
+        nothing itself (a background helper: `tensorboard & python train.py`) is no writer cut short, once
+        another process it left exited with `saved`; without one, it may have been the writer."""
         if code in ok:
             return True
         left = self.left.get(pid)
-        return code == -signal.SIGTERM and bool(left) and all(self.clean(c, self.codes.get(c), ok) for c in left)
+        if code != -signal.SIGTERM or not left:
+            return False
+        own = [c for c in left if self.clean(c, self.codes.get(c), ok, saved=saved)]
+        helpers = [c for c in left if c not in own and self.codes.get(c) == -signal.SIGTERM and not self.left.get(c)]
+        if len(own) + len(helpers) < len(left):
+            return False
+        return not helpers or (saved is not None and any(self._saved(c, saved) for c in own))
+
+    def _saved(self, pid: int, saved: int) -> bool:
+        """Process `pid` exited with `saved`, or is a shell the SIGTERM ended that left one that did."""
+        code = self.codes.get(pid)
+        return code == saved or (code == -signal.SIGTERM and any(self._saved(c, saved) for c in self.left.get(pid, ())))

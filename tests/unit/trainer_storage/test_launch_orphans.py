@@ -228,3 +228,66 @@ def test_pipes_are_read_from_proc():
         os.close(read)
         os.close(write)
     assert pipe_of(p.pid, 0) is None  # gone
+
+
+@pytest.mark.parametrize("helper_code, trainer_code, clean", [
+    (-signal.SIGTERM, EXIT_PREEMPTED, True),   # `tensorboard & python train.py`: the helper dies of the SIGTERM
+    (-signal.SIGTERM, -signal.SIGTERM, False),  # the training process died of it too: no emergency save
+    (-signal.SIGTERM, 1, False),
+    (-signal.SIGTERM, 0, False),  # which of the two wrote the checkpoints is unknown: only 83 says "I saved"
+    (-signal.SIGKILL, EXIT_PREEMPTED, False),  # a helper killed at the end of the workers' time: not in time
+    (0, EXIT_PREEMPTED, True),
+])
+def test_a_background_helper_the_sigterm_ended_leaves_a_preempted_shell_clean(monkeypatch, helper_code, trainer_code,
+                                                                              clean):
+    """`bash -c "tensorboard --logdir runs & python train.py"`: the forwarded SIGTERM ends the shell, its two
+    processes get it in its place; the helper dies of it (-15), the training process saves and exits 83. Before,
+    the helper's -15 made the worker's exit unclean: the launcher took the emergency checkpoint for one its writer
+    may have died in the middle of and never committed it unless it had been quiet for the settle period."""
+    from kubetrain_trainer.launch import Workers
+
+    monkeypatch.setattr(os, "kill", lambda pid, sig: None)
+    workers = Workers([_Leader(10, -signal.SIGTERM)])
+    running = [Proc(11, 1, 10, "S"), Proc(12, 1, 10, "S")]  # the helper 11, the training process 12
+    workers.orphans = Orphans([10], list_processes=lambda: running)
+    monkeypatch.setattr(workers.orphans, "reap", lambda: None)
+    workers.terminate()
+    assert not workers.poll()
+    running.clear()
+    workers.orphans.codes.update({11: helper_code, 12: trainer_code})
+    assert workers.poll()
+    assert workers.exited_cleanly is clean
+
+
+HELPER = r"""
+import os, pathlib, subprocess, sys, time
+from kubetrain_trainer.launch import Workers
+from kubetrain_trainer.orphans import become_subreaper
+assert become_subreaper()
+out = pathlib.Path(sys.argv[1])
+(out / "train.py").write_text(
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(83))  # the emergency save, then 'preempted'\n"
+    "pathlib.Path(sys.argv[1]).write_text('x')\n"
+    "time.sleep(30)\n")
+shell = f"sleep 30 & {sys.executable} {out / 'train.py'} {out / 'ready'}; echo training ended"
+worker = subprocess.Popen(["bash", "-c", shell], process_group=0)
+deadline = time.monotonic() + 30
+while not (out / "ready").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+workers = Workers([worker])
+workers.terminate()
+while not workers.poll() and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(worker.returncode, sorted(workers.orphans.codes.values()), workers.exited_cleanly)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+def test_a_real_shell_with_a_background_helper_stops_cleanly(tmp_path: Path):
+    """The same through real processes: bash, a `sleep` in the background, a training process that exits 83."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "trainer_image"))
+    out = subprocess.run([sys.executable, "-c", HELPER, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "-15 [-15, 83] True", out.stdout + out.stderr
