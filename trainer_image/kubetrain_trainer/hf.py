@@ -83,7 +83,8 @@ class KubetrainCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:
             self.progress.train_begin(step=state.global_step, max_steps=state.max_steps,
-                                      tokens_seen=getattr(state, "num_input_tokens_seen", None) or None)
+                                      tokens_seen=getattr(state, "num_input_tokens_seen", None) or None,
+                                      reports_end=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:

@@ -14,7 +14,8 @@ It is the trainer side of docs/contract.md, and PID 1 of the pod:
 4. forward SIGTERM to the workers, give them what the emergency checkpoint
    needs of the grace period (`grace.py`), then spend the rest uploading it;
 5. exit with the contract's code: 0 success, 83 preempted, 82 invalid
-   configuration, 84 checkpoint storage unusable, else the worker's code.
+   configuration, 84 checkpoint storage unusable, else the worker's code; 1 when the
+   workers exited 0 but the training run they reported never ended (`outcome.py`).
 Throughout, it serves /metrics and /progress on KUBETRAIN_METRICS_PORT (`metrics.py`).
 """
 
@@ -40,7 +41,8 @@ from kubetrain_trainer.launch_config import ConfigError, LaunchConfig, log_level
 from kubetrain_trainer.metrics import Telemetry
 from kubetrain_trainer.orphans import Orphans, become_subreaper
 from kubetrain_trainer.podreport import report_storage_refused
-from kubetrain_trainer.progress import PROGRESS_FILE_ENV
+from kubetrain_trainer.outcome import exit_code_for, unfinished_run
+from kubetrain_trainer.progress import PROGRESS_FILE_ENV, final_report
 from kubetrain_trainer.restore import RestoreAgreementError
 from kubetrain_trainer.session import CheckpointSession, SessionConfig
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
@@ -114,19 +116,6 @@ def worker_env(cfg: LaunchConfig, local_rank: int, base: Mapping[str, str], resu
     # unless its arguments name one (then local_dir is that one) and resumes
     # from KUBETRAIN_RESUME_FROM: its arguments are passed through untouched.
     return env
-
-
-def exit_code_for(*, first_failure: int | None, signalled: bool, all_ok: bool) -> int:
-    """Map the workers' outcome to the contract's exit code."""
-    if all_ok:
-        return EXIT_OK
-    if first_failure in (EXIT_INVALID_CONFIG, EXIT_PREEMPTED):
-        return first_failure
-    if signalled:
-        return EXIT_PREEMPTED
-    if first_failure is None:
-        return 1
-    return 128 - first_failure if first_failure < 0 else first_failure
 
 
 class Workers:
@@ -329,12 +318,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     signalled_at = supervise(workers, stop, cfg, telemetry.grace_split)
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)
+    verdict = unfinished_run(code, final_report(telemetry.progress_file), signalled=signalled_at is not None)
+    if verdict.problem:  # a shell that went on after its training process crashed exits 0
+        log.error("%s", verdict.problem)
+    code = verdict.code
     log.info("workers finished after %.1fs; outcome exit code %d", time.monotonic() - started, code)
 
     if session is not None:
         # Workers that stopped on their own terms wrote their last folder completely; dead ones may not have.
         # A gang preempted elsewhere (83 here too) needs this node's newest checkpoint first as well.
-        session.finish_watching(writers_clean=workers.exited_cleanly,
+        session.finish_watching(writers_clean=workers.exited_cleanly and not verdict.writers_unseen,
                                 keep_only_newest=stop.is_set() or code == EXIT_PREEMPTED)
         # A finished run waits for its uploads; a failed one saves what it can without holding up the retry for
         # long. A SIGTERM (before or after the workers ended) cuts either wait to its grace period (`_drain`).

@@ -17,6 +17,12 @@ for HF transformers scripts, and `ProgressTracker.from_env()` for a custom loop.
 Outside the launcher (no variable) every writer is a no-op. Writing never
 raises: a full disk costs the progress report, never the training run.
 
+The writers of kubetrain's callbacks also say whether the training run ended (`run`): a
+shell command that swallows its training process's crash (`python train.py; echo done`)
+exits 0, and the launcher, seeing a run that began and never ended, fails the pod instead
+of reporting success (`outcome.py`). A custom loop opts in with `train_begin(reports_end=True)`
+and then must call `train_end()`.
+
 The file's format is internal to the image (writer and reader are this module).
 """
 
@@ -29,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from .callbacks import TrainerCallback
 from .contract import PROGRESS_FILE
@@ -44,6 +50,8 @@ SAVE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 
 """Upper bounds (seconds) of the checkpoint-save histogram; +Inf is implied."""
 RECENT_SAVES = 16
 """How many (step, seconds) of the latest saves the file carries (the launcher looks a step up at commit)."""
+RunState = Literal["training", "finished", "preempted"]
+RUN_STATES: tuple[RunState, ...] = ("training", "finished", "preempted")
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +123,16 @@ class WorkerProgress:
     save_seconds: Histogram = field(default_factory=lambda: Histogram.empty(SAVE_BUCKETS))
     saves: tuple[tuple[int, float], ...] = ()
     """(step, seconds) of the latest saves, oldest first."""
+    run: RunState | None = None
+    """training: a run began and has not ended; finished: it ended (not by a SIGTERM); preempted: it stopped
+    after its emergency checkpoint; None: the writer does not report the end of its run."""
 
     def for_file(self) -> str:
         body = {"format": FORMAT, "time": self.time, "step": self.step, "maxSteps": self.max_steps,
                 "epoch": self.epoch, "loss": self.loss, "learningRate": self.learning_rate,
                 "samplesPerSecond": self.samples_per_second, "tokensPerSecond": self.tokens_per_second,
                 "etaSeconds": self.eta_seconds, "stepSeconds": self.step_seconds.for_file(),
-                "saveSeconds": self.save_seconds.for_file(), "saves": [list(s) for s in self.saves]}
+                "saveSeconds": self.save_seconds.for_file(), "saves": [list(s) for s in self.saves], "run": self.run}
         return json.dumps({k: finite_or_none(v) for k, v in body.items()}, allow_nan=False)
 
     @classmethod
@@ -145,7 +156,8 @@ class WorkerProgress:
                    samples_per_second=number("samplesPerSecond"), tokens_per_second=number("tokensPerSecond"),
                    eta_seconds=number("etaSeconds"),
                    step_seconds=Histogram.from_file(STEP_BUCKETS, raw.get("stepSeconds")),
-                   save_seconds=Histogram.from_file(SAVE_BUCKETS, raw.get("saveSeconds")), saves=saves)
+                   save_seconds=Histogram.from_file(SAVE_BUCKETS, raw.get("saveSeconds")), saves=saves,
+                   run=raw["run"] if raw.get("run") in RUN_STATES else None)
 
     def save_seconds_of(self, step: int) -> float | None:
         return next((seconds for s, seconds in reversed(self.saves) if s == step), None)
@@ -190,11 +202,16 @@ class ProgressTracker:
         return cls(path, **kwargs) if path else NullTracker()
 
     # ------------------------------------------------------------ events
-    def train_begin(self, *, step: int, max_steps: int | None, tokens_seen: int | None = None) -> None:
+    def train_begin(self, *, step: int, max_steps: int | None, tokens_seen: int | None = None,
+                    reports_end: bool = False) -> None:
+        """A run begins; `reports_end`: the caller promises `train_end()` when it ends (kubetrain's callbacks do),
+        so that a run that began and never ended fails its pod even when the command exits 0."""
         now = self.clock()
         self._window, self._tokens_seen = (now, step, tokens_seen), tokens_seen
         self._last_event = now
         self._update(step=step, max_steps=max_steps or None)
+        if reports_end:
+            self._update(run="training")
         self.flush(force=True)
 
     def step_begin(self) -> None:
@@ -232,8 +249,15 @@ class ProgressTracker:
         self.flush(force=True)
         self._last_event = self.clock()
 
-    def train_end(self) -> None:
-        self.flush(force=True)
+    def train_end(self, *, preempted: bool = False) -> None:
+        """The run ended: finished, or `preempted` (stopped after its emergency checkpoint)."""
+        if self.report.run is not None:
+            self._update(run="preempted" if preempted else "finished")
+        if not self.flush(force=True) and self.report.run is not None:
+            try:  # a stale "training" would fail a finished run: no report says nothing
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------ writing
     def flush(self, *, force: bool = False) -> bool:
@@ -303,7 +327,7 @@ class TrainProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:
-            self.tracker.train_begin(step=state.global_step, max_steps=state.max_steps)
+            self.tracker.train_begin(step=state.global_step, max_steps=state.max_steps, reports_end=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:
@@ -335,9 +359,9 @@ class TrainProgressCallback(TrainerCallback):
             step = parse_checkpoint_dirname(Path(checkpoint_dir).name) if checkpoint_dir else None
             self.tracker.saved(state.global_step if step is None else step, seconds=save_seconds)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, preempted=False, **kwargs):
         if state.is_local_process_zero:
-            self.tracker.train_end()
+            self.tracker.train_end(preempted=bool(preempted))
 
 
 def progress_callbacks(env: Mapping[str, str] | None = None) -> list[TrainerCallback]:
@@ -351,6 +375,14 @@ def declare_tokens_per_sample(callbacks: list[TrainerCallback], tokens: int | No
     for cb in callbacks:
         if isinstance(cb, TrainProgressCallback) and isinstance(cb.tracker, ProgressTracker):
             cb.tracker.tokens_per_sample = tokens
+
+
+def final_report(path: Path) -> WorkerProgress | None:
+    """The workers' last report, read afresh once they exited (no cached copy); None when there is none."""
+    try:
+        return WorkerProgress.from_file(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def finite_or_none(value: Any) -> Any:

@@ -139,3 +139,49 @@ def test_the_hf_callback_reports_from_transformers_own_state(tmp_path: Path, mon
     assert report.tokens_per_second == pytest.approx(1000 / 0.5)  # HF counted them
     assert report.saves == ((10, 4.0),)
     assert any(p.name.startswith(".kubetrain-ready") for p in (tmp_path / "out" / "checkpoint-10").iterdir())
+
+
+def test_a_run_that_promises_its_end_reports_it(tmp_path: Path):
+    """The launcher tells a training run that crashed under a shell (`python train.py; echo done` exits 0) from one
+    that finished by this: kubetrain's callbacks promise `train_end`, a custom loop that does not stays unjudged."""
+    path = tmp_path / "progress.json"
+    tracker = ProgressTracker(path)
+    tracker.train_begin(step=0, max_steps=10, reports_end=True)
+    assert _read(path).run == "training"
+    tracker.train_end()
+    assert _read(path).run == "finished"
+    tracker.train_begin(step=10, max_steps=20, reports_end=True)
+    tracker.train_end(preempted=True)
+    assert _read(path).run == "preempted"
+    plain = ProgressTracker(tmp_path / "plain.json")
+    plain.train_begin(step=0, max_steps=10)
+    assert _read(tmp_path / "plain.json").run is None
+
+
+def test_a_run_end_that_cannot_be_written_leaves_no_stale_training_report(tmp_path: Path, monkeypatch):
+    path = tmp_path / "progress.json"
+    tracker = ProgressTracker(path)
+    tracker.train_begin(step=0, max_steps=10, reports_end=True)
+    monkeypatch.setattr(Path, "write_text", lambda self, text: (_ for _ in ()).throw(OSError(28, "full")))
+    tracker.train_end()
+    assert not path.exists()
+
+
+def test_kubetrains_trainer_and_the_hf_callback_report_the_end_of_their_run(tmp_path: Path, monkeypatch):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from kubetrain_trainer.hf import KubetrainCheckpointCallback
+    from kubetrain_trainer.progress import TrainProgressCallback
+
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv(PROGRESS_FILE_ENV, str(path))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    state, control = TrainerState(max_steps=20, train_batch_size=8), TrainerControl()
+    for callback in (KubetrainCheckpointCallback(), TrainProgressCallback()):
+        callback.on_train_begin(args, state, control)
+        assert _read(path).run == "training"
+        callback.on_train_end(args, state, control)
+        assert _read(path).run == "finished"
+    callback.on_train_begin(args, state, control)
+    callback.on_train_end(args, state, control, preempted=True)  # kubetrain's Trainer after its emergency save
+    assert _read(path).run == "preempted"
