@@ -21,22 +21,22 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
-import itertools
 import logging
 from typing import Any, Callable
 
-from kubetrain import k8s, k8s_kueue, kueue, metrics, plan_kueue
+from kubetrain import k8s, kueue, metrics, plan_kueue
 from kubetrain.backoff import Backoff, Key
-from kubetrain.api import KIND, LABEL_JOB, Job, pod_name
+from kubetrain.api import LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
 from kubetrain.errors import (ApiError, ConflictError, PermanentError, RejectedError, TemporaryError,
                               WorkloadRejectedError)
 from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
-from kubetrain.observe import EXPECTATION_TTL, GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
+from kubetrain.observe import GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, rejected_plan
-from kubetrain.plan_kueue import KueueObserved, is_queued, plan_queued, plan_unqueued
+from kubetrain.plan_kueue import is_queued, plan_queued, plan_unqueued
 from kubetrain.progress import ProgressObservation
+from kubetrain.reconciler_kueue import KueueSide
 
 log = logging.getLogger("kubetrain.operator")
 POD_EVENT_DELAY = 0.3
@@ -56,8 +56,8 @@ def _rv(body: dict[str, Any] | None) -> int:
         return 0
 
 
-class Reconciler:
-    """One serialized, coalescing reconcile loop per job."""
+class Reconciler(KueueSide):
+    """One serialized, coalescing reconcile loop per job (Kueue's part: `reconciler_kueue.KueueSide`)."""
 
     def __init__(self, *, api: k8s.Api, settings: Settings) -> None:
         self.api, self.settings = api, settings
@@ -80,10 +80,8 @@ class Reconciler:
         self._sem = asyncio.Semaphore(settings.max_concurrent_reconciles)
         self.progress: dict[tuple[str, str], ProgressObservation] = {}  # each job's newest /progress (poller.py)
         self.active = 0
-        self.start_workload_watch: Callable[[], None] | None = None  # called once, when a job first asks for Kueue
-        self._flavors: dict[str, tuple[dt.datetime, dict[str, Any]]] = {}
-        self._releasing: set[tuple[str, str]] = set()
         self._jobs_parsed: dict[tuple[str, str], tuple[tuple[Any, Any], Job]] = {}
+        super().__init__()
 
     # ------------------------------------------------------------ queueing
 
@@ -178,78 +176,6 @@ class Reconciler:
             del gone[name]  # only the current attempt's losses matter
         return Observed(pods=tuple(sorted(pods, key=lambda p: (p.attempt, p.rank))), nodes=nodes, gone=dict(gone),
                         progress=self.progress.get((job.namespace, job.name)))
-
-    async def observe_kueue(self, job: Job, now: dt.datetime) -> KueueObserved:
-        """Kueue's side of a queued job: its Workload, the priority value it needs, the admitted flavors."""
-        if self.start_workload_watch is not None:
-            start, self.start_workload_watch = self.start_workload_watch, None
-            start()
-        installed, body = await k8s_kueue.get_workload(self.api, job.namespace, kueue.workload_name(job.name, job.uid))
-        if not installed:
-            return KueueObserved(installed=False)
-        priority, error = None, ""
-        if body is None and job.spec is not None:
-            ref = kueue.priority_ref(job, job.labels)
-            if ref is not None:
-                priority, error = await k8s_kueue.priority_value(self.api, ref)
-        flavors: dict[str, dict[str, Any]] = {}
-        view = kueue.WorkloadView.from_storage(body) if body is not None else None
-        if view is not None and view.admitted:
-            for name in {f for a in view.assignments for f in a.flavors.values()}:
-                cached = self._flavors.get(name)
-                if cached is None or now - cached[0] > EXPECTATION_TTL:
-                    spec = await k8s_kueue.flavor_spec(self.api, name)
-                    if spec is None:
-                        continue
-                    cached = self._flavors[name] = (now, spec)
-                flavors[name] = cached[1]
-        return KueueObserved(workload=body, priority=priority, priority_error=error, flavors=flavors)
-
-    def workload_event(self, kind: str, body: dict[str, Any]) -> None:
-        """One Workload event: wake its job up; a Workload whose job is gone is let go once its pods are."""
-        meta = body.get("metadata") or {}
-        owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller") and o.get("kind") == KIND),
-                     None)
-        if owner is None:
-            return
-        key = (meta.get("namespace") or "", str(owner.get("name") or ""))
-        known = self.jobs.get(key)
-        if known is not None and (known.get("metadata") or {}).get("uid") == owner.get("uid"):
-            self.enqueue(key)
-        elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
-            self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""))
-
-    def _release_later(self, key: tuple[str, str], uid: str, name: str) -> None:
-        if (key[0], name) in self._releasing:
-            return
-        self._releasing.add((key[0], name))
-        task = asyncio.get_running_loop().create_task(self._release(key, uid, name))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _release(self, key: tuple[str, str], uid: str, name: str) -> None:
-        """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min); a conflict
-        (Kueue wrote meanwhile) or an error that can pass (a webhook down, RBAC) is tried again until it goes through:
-        no event of the job is left to wake it up, and a Workload not let go stays Terminating forever."""
-        try:
-            await self.pods_synced.wait()  # after a restart, an empty index does not mean the pods are gone
-            for _ in range(300):
-                if not any(owner == uid for owner, _ in self.pods_index[key]):
-                    break
-                await asyncio.sleep(1.0)
-            for tries in itertools.count(1):
-                try:
-                    await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
-                                                                             remove_finalizer=True))
-                    return
-                except (ConflictError, TemporaryError) as exc:  # 0.5 s, doubling to every minute; warned once
-                    log.log(logging.INFO if tries < 6 else logging.WARNING if tries == 6 else logging.DEBUG,
-                            "releasing Workload %s/%s: %s; trying again", key[0], name, exc)
-                    await asyncio.sleep(min(60.0, 0.5 * 2 ** min(tries - 1, 7)))
-        except ApiError as exc:
-            log.warning("could not release Workload %s/%s: %s", key[0], name, exc)
-        finally:
-            self._releasing.discard((key[0], name))
 
     def node_view(self, name: str, now: dt.datetime) -> NodeView:
         if self.nodes_index is not None and name in self.nodes_index:
