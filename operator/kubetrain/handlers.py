@@ -82,12 +82,13 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, nodes_by_name: kop
     memo.job_informer.start()
     memo.workload_informer = None
 
-    def watch_workloads() -> None:  # Kueue's Workloads, watched once a job asks for Kueue (issue 14)
+    def watch_workloads() -> None:  # Kueue's Workloads: at once where Kueue is served, else once a job asks for it
         memo.workload_informer = WorkloadInformer(watch_client(), namespaces=config.namespaces,
                                                   on_event=rec.workload_event)
         memo.workload_informer.start()
 
     rec.start_workload_watch = watch_workloads
+    rec.watch_workloads_if_served(namespace=next(iter(config.namespaces), ""), jobs_listed=memo.job_informer.synced)
 
     def check_nodes() -> None:  # no node counts as missing until kopf has listed them (Reconciler.node_view)
         if not rec.nodes_indexed:

@@ -293,8 +293,9 @@ KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 
 class WorkloadInformer(PodInformer):
     """Kueue's Workloads of queued jobs (issue 14), with the same list+watch semantics. The operator
-    starts it when it first meets a job labelled for Kueue (a cluster without Kueue never watches a
-    missing resource); its events only wake the owning job up, the reconcile reads the Workload."""
+    starts it at once where Kueue's API is served, else when it first meets a job labelled for Kueue (a
+    cluster without Kueue never watches a missing resource); its events only wake the owning job up (the
+    reconcile reads the Workload) or let go of the Workload of a job that is gone."""
 
     what = "Workload"
 

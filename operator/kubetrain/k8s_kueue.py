@@ -42,11 +42,31 @@ async def get_workload(api: Caller, namespace: str, name: str) -> tuple[bool, di
         return True, await api.call("get workload", api.custom.get_namespaced_custom_object, GROUP,
                                     VERSION, namespace, WORKLOADS, name, write=False, namespace=namespace)
     except NotFoundError as exc:
-        # A missing object names itself; a missing resource type ("the server could not find the
-        # requested resource") means Kueue's CRDs are not installed.
-        return "could not find the requested resource" not in exc.api_message, None
+        return not _not_served(exc), None
     except RefusedError as exc:
         raise retry_later(exc, f"get workload {namespace}/{name}: HTTP {exc.status}") from None
+
+
+async def workloads_served(api: Caller, namespace: str) -> bool:
+    """Whether Kueue's Workload API is served: a list of at most one Workload in `namespace` ("": cluster-wide)."""
+    try:
+        if namespace:
+            await api.call("list workloads", api.custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
+                           WORKLOADS, limit=1, write=False, namespace=namespace)
+        else:
+            await api.call("list workloads", api.custom.list_cluster_custom_object, GROUP, VERSION, WORKLOADS,
+                           limit=1, write=False)
+    except RefusedError as exc:
+        if isinstance(exc, NotFoundError) and _not_served(exc):
+            return False
+        raise retry_later(exc, f"list workloads: HTTP {exc.status} {exc.api_message}") from None
+    return True
+
+
+def _not_served(exc: NotFoundError) -> bool:
+    """A missing object names itself; a missing resource type ("the server could not find the requested
+    resource") means Kueue's CRDs are not installed."""
+    return "could not find the requested resource" in exc.api_message
 
 
 async def priority_value(api: Caller, ref: kueue.PriorityRef) -> tuple[int | None, str]:

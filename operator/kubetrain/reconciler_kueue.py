@@ -40,11 +40,42 @@ class KueueSide:
         self._flavors: dict[str, tuple[dt.datetime, dict[str, Any]]] = {}
         self._releasing: set[tuple[str, str]] = set()
 
-    async def observe_kueue(self, job: Job, now: dt.datetime) -> KueueObserved:
-        """Kueue's side of a queued job: its Workload, the priority value it needs, the admitted flavors."""
+    def _watch_workloads(self) -> None:
         if self.start_workload_watch is not None:
             start, self.start_workload_watch = self.start_workload_watch, None
             start()
+
+    def watch_workloads_if_served(self, *, namespace: str, jobs_listed: asyncio.Event) -> None:
+        """At start, once the jobs are listed: watch the Workloads now if Kueue's API is served (asked in `namespace`,
+        "": cluster-wide). Else the watch would wait for a queued job to be reconciled, and the Workload of a queued
+        job deleted while no operator led stayed Terminating (our finalizer) until one came. A cluster without Kueue
+        still never watches the missing API (a watch of it would be logged at ERROR after 5 min)."""
+        task = asyncio.get_running_loop().create_task(self._watch_if_served(namespace, jobs_listed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_if_served(self, namespace: str, jobs_listed: asyncio.Event) -> None:
+        # After the jobs' list: a listed Workload whose job is not known yet would be taken for an orphan.
+        await jobs_listed.wait()
+        for tries in itertools.count(1):
+            if self.start_workload_watch is None:
+                return  # a queued job started it meanwhile
+            try:
+                served = await k8s_kueue.workloads_served(self.api, namespace)
+                break
+            except TemporaryError as exc:  # the API server away, RBAC: asked again, as a release is
+                log.log(logging.INFO if tries < 6 else logging.WARNING if tries == 6 else logging.DEBUG,
+                        "asking whether Kueue's Workload API is served: %s; trying again", exc)
+                await asyncio.sleep(min(60.0, 0.5 * 2 ** min(tries - 1, 7)))
+        if served:
+            self._watch_workloads()
+        else:
+            log.info("Kueue's Workload API (%s) is not served: Workloads are watched once a job asks for Kueue",
+                     kueue.API_VERSION)
+
+    async def observe_kueue(self, job: Job, now: dt.datetime) -> KueueObserved:
+        """Kueue's side of a queued job: its Workload, the priority value it needs, the admitted flavors."""
+        self._watch_workloads()
         installed, body = await k8s_kueue.get_workload(self.api, job.namespace, kueue.workload_name(job.name, job.uid))
         if not installed:
             return KueueObserved(installed=False)
