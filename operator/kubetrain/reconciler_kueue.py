@@ -75,10 +75,10 @@ class KueueSide:
 
     async def observe_kueue(self, job: Job, now: dt.datetime) -> KueueObserved:
         """Kueue's side of a queued job: its Workload, the priority value it needs, the admitted flavors."""
-        self._watch_workloads()
         installed, body = await k8s_kueue.get_workload(self.api, job.namespace, kueue.workload_name(job.name, job.uid))
-        if not installed:
+        if not installed:  # no watch of a missing API (it would fail on and on): asked again at the next reconcile
             return KueueObserved(installed=False)
+        self._watch_workloads()
         priority, error = None, ""
         if body is None and job.spec is not None:
             ref = kueue.priority_ref(job, job.labels)

@@ -154,3 +154,55 @@ def test_a_question_left_unanswered_is_asked_again_with_backoff() -> None:
 def test_a_watch_a_queued_job_started_first_is_not_started_again() -> None:
     seen = start([None], before_listed=lambda rec: rec._watch_workloads())
     assert seen["watches"] == 1 and seen["lists"] == []
+
+
+QUEUED_JOB = {
+    "metadata": {"name": "train", "namespace": "ml", "uid": "uid-now", "generation": 1,
+                 "creationTimestamp": "2026-12-03T13:00:00Z", "resourceVersion": "7",
+                 "labels": {"kueue.x-k8s.io/queue-name": "team"}},
+    "spec": {"image": "reg/trainer:0.1.0", "nodes": 2, "trainer": {"builtin": {"task": "regression"}},
+             "strategy": {"type": "ddp"}},
+}
+
+
+def reconcile_queued(answers: list[Callable[[], ApiException]]) -> list[int]:
+    """One reconcile of a queued job per answer of its Workload read; the Workload watches started after each."""
+    watches: list[int] = []
+
+    def get_workload(*_: Any, **__: Any) -> _Response:
+        raise answers[0]()
+
+    def ok(*args: Any, **__: Any) -> _Response:
+        body = args[-1] if args and isinstance(args[-1], dict) else {}
+        return _Response({**QUEUED_JOB, "metadata": {**QUEUED_JOB["metadata"], "resourceVersion": "8"}, **body})
+
+    async def main() -> None:
+        api = Api(client.ApiClient(), threads=4)
+        api.core = SimpleNamespace(create_namespaced_event=ok)
+        api.custom = SimpleNamespace(get_namespaced_custom_object=get_workload, create_namespaced_custom_object=ok,
+                                     patch_namespaced_custom_object_status=ok)
+        rec = Reconciler(api=api, settings=Settings())
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: None  # type: ignore[method-assign]
+        started = [0]
+        rec.start_workload_watch = lambda: started.__setitem__(0, started[0] + 1)
+        try:
+            while answers:
+                rec.jobs[("ml", "train")] = json.loads(json.dumps(QUEUED_JOB))
+                await rec.reconcile(("ml", "train"))
+                watches.append(started[0])
+                answers.pop(0)
+            await asyncio.sleep(0.05)  # the events go out in the background
+        finally:
+            api.close()
+
+    asyncio.run(main())
+    return watches
+
+
+def test_a_queued_job_on_a_cluster_without_kueue_starts_no_watch_until_kueue_is_served() -> None:
+    """Before: the first queued job started the Workload watch before its read said Kueue's API is not served;
+    the watch of the missing API failed every 30 s and logged an ERROR after 5 minutes ('Workload watch (ml) has
+    been down for 300s: jobs there are not reconciled', while they were: phase Queued, KueueNotInstalled)."""
+    no_workload = lambda: _error(404, 'workloads.kueue.x-k8s.io "trainingjob-train-x" not found')  # noqa: E731
+    assert reconcile_queued([_no_kueue, _no_kueue, no_workload, no_workload]) == [0, 0, 1, 1]
