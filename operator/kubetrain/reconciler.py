@@ -24,7 +24,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from kubetrain import k8s, kueue, metrics, plan_kueue
+from kubetrain import k8s, metrics, plan_kueue
 from kubetrain.backoff import Backoff, Key
 from kubetrain.api import LABEL_JOB, Job, pod_name
 from kubetrain.config import Settings
@@ -191,10 +191,7 @@ class Reconciler(KueueSide):
         """One TrainingJob event: keep its newest body and wake it up; forget a deleted one."""
         if kind == "DELETED":
             self.forget(key)
-            meta = body.get("metadata") or {}
-            if kueue.LABEL_QUEUE_NAME in (meta.get("labels") or {}) and meta.get("uid"):
-                # Its Workload is deleted with it, held by the finalizer until the pods are gone.
-                self._release_later(key, str(meta["uid"]), kueue.workload_name(key[1], str(meta["uid"])))
+            self.job_deleted(key, body)
             return
         self.store_job(key, body)
         self.enqueue(key)

@@ -20,7 +20,7 @@ from kubetrain.actions import PatchWorkload
 from kubetrain.api import KIND, Job
 from kubetrain.errors import ApiError, ConflictError, TemporaryError
 from kubetrain.observe import EXPECTATION_TTL, PodIndex
-from kubetrain.plan_kueue import KueueObserved
+from kubetrain.plan_kueue import QUEUED, KueueObserved
 
 log = logging.getLogger("kubetrain.operator")
 
@@ -110,6 +110,15 @@ class KueueSide:
             self.enqueue(key)
         elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
             self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""))
+
+    def job_deleted(self, key: tuple[str, str], body: dict[str, Any]) -> None:
+        """A deleted job's Workload is deleted with it, held by the finalizer until the pods are gone: let go, that of
+        a queued job and that of a job whose queue label was removed (its Workload deactivated, still ours)."""
+        meta = body.get("metadata") or {}
+        queued = kueue.LABEL_QUEUE_NAME in (meta.get("labels") or {}) or any(
+            isinstance(c, dict) and c.get("type") == QUEUED for c in (body.get("status") or {}).get("conditions") or ())
+        if queued and meta.get("uid"):
+            self._release_later(key, str(meta["uid"]), kueue.workload_name(key[1], str(meta["uid"])))
 
     def _release_later(self, key: tuple[str, str], uid: str, name: str) -> None:
         if (key[0], name) in self._releasing:

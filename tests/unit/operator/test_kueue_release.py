@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kubetrain import k8s
+from kubetrain import k8s, kueue
 from kubetrain.config import Settings
 from kubetrain.errors import TemporaryError, WorkloadRejectedError
 from kubetrain.reconciler import Reconciler
@@ -43,3 +43,34 @@ def test_a_release_refused_for_a_while_is_tried_until_it_goes_through(monkeypatc
     asyncio.run(main())
     assert len(tries) == 10  # released at last
     assert max(sleeps) <= 60.0 and sleeps[:4] == [0.5, 1.0, 2.0, 4.0]  # backs off, at most a minute apart
+
+
+def _deleted_job(labels: dict, conditions: list) -> dict:
+    return {"metadata": {"namespace": "ns", "name": "tj", "uid": "uid-1", "labels": labels},
+            "status": {"conditions": conditions}}
+
+
+def test_the_workload_of_a_job_whose_queue_label_was_removed_is_released_when_the_job_is_deleted(monkeypatch):
+    """Before: only a job still labelled kueue.x-k8s.io/queue-name had its Workload let go on deletion. One whose
+    label was removed keeps its Workload (deactivated, our finalizer on it): deleted with the job, it stayed
+    Terminating whenever its Workload event came before the job's DELETED (the job still known: only woken up)."""
+    released: list[str] = []
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append(action.name)
+
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+    label_removed = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
+                     "lastTransitionTime": "2026-12-03T13:00:00Z"}
+
+    async def main() -> None:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced
+        rec.pods_synced.set()
+        rec.job_event("DELETED", ("ns", "tj"), _deleted_job({}, [label_removed]))
+        rec.job_event("DELETED", ("ns", "plain"), {**_deleted_job({}, []), "metadata": {
+            "namespace": "ns", "name": "plain", "uid": "uid-2"}})  # never queued: no Workload to let go
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert released == [kueue.workload_name("tj", "uid-1")]
