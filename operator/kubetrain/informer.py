@@ -63,6 +63,8 @@ class PodInformer:
     """Pods matching `label_selector` in `namespaces` (empty: cluster-wide)."""
 
     what = "pod"
+    down_means = "jobs there are not reconciled until it is back"
+    """What a watch down for DOWN_ERROR_SECONDS holds up (its ERROR says it)."""
 
     def __init__(self, api_client: client.ApiClient, *, namespaces: tuple[str, ...], label_selector: str,
                  on_event: OnEvent) -> None:
@@ -149,9 +151,8 @@ class PodInformer:
         since = self._down_since.get(scope)
         if since is not None and since >= 0 and time.monotonic() - since >= DOWN_ERROR_SECONDS:
             self._down_since[scope] = -1.0  # once per outage
-            log.error("%s watch (%s) has been down for %.0fs: jobs there are not reconciled until it is back "
-                      "(the operator's RBAC there, the API server?)", self.what, scope or "all namespaces",
-                      time.monotonic() - since)
+            log.error("%s watch (%s) has been down for %.0fs: %s (the operator's RBAC there, the API server?)",
+                      self.what, scope or "all namespaces", time.monotonic() - since, self.down_means)
 
     def _watch_up(self, scope: str | None) -> None:
         """The outage is over once a watch delivers, stays open, or runs its course; not once a list works: RBAC
@@ -298,6 +299,8 @@ class WorkloadInformer(PodInformer):
     reconcile reads the Workload) or let go of the Workload of a job that is gone."""
 
     what = "Workload"
+    down_means = ("Kueue's decisions reach the queued jobs there only at the resync (KUBETRAIN_RESYNC_SECONDS), "
+                  "and the Workload of a job deleted meanwhile stays Terminating until it is back")
 
     def __init__(self, api_client: client.ApiClient, *, namespaces: tuple[str, ...], on_event: OnEvent) -> None:
         super().__init__(api_client, namespaces=namespaces, label_selector="kueue.x-k8s.io/job-uid",

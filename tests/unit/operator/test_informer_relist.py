@@ -483,3 +483,22 @@ def test_a_watch_refused_slowly_is_never_up_and_its_outage_is_logged_at_error(mo
         informer._run("a")
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "has been down for" in errors[0], errors
+
+
+def test_a_workload_watch_down_for_minutes_says_what_it_holds_up(monkeypatch, caplog):
+    """Before: 'Workload watch (a) has been down for 300s: jobs there are not reconciled until it is back', though
+    queued jobs are reconciled without it (at the resync, slower); what waits is a deleted job's Workload."""
+    import kubetrain.informer as informer_module
+    from kubetrain.informer import WorkloadInformer
+
+    clock = [1000.0]
+    monkeypatch.setattr(informer_module.time, "monotonic", lambda: clock[0])
+    informer = WorkloadInformer(client.ApiClient(), namespaces=("a",), on_event=lambda k, o: None)
+    informer._post = lambda *args: None
+    with caplog.at_level(logging.ERROR, logger=informer_module.log.name):
+        informer._broken("a")
+        clock[0] += informer_module.DOWN_ERROR_SECONDS + 1
+        informer._broken("a")
+    (error,) = [r.getMessage() for r in caplog.records]
+    assert error.startswith("Workload watch (a) has been down for 301s: Kueue's decisions reach the queued jobs")
+    assert "not reconciled" not in error and "stays Terminating" in error
