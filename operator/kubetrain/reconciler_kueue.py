@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from kubetrain import k8s, k8s_kueue, kueue
 from kubetrain.actions import PatchWorkload
-from kubetrain.api import KIND, Job
+from kubetrain.api import GROUP, KIND, Job
 from kubetrain.errors import ApiError, ConflictError, TemporaryError
 from kubetrain.observe import EXPECTATION_TTL, PodIndex
 from kubetrain.plan_kueue import QUEUED, KueueObserved
@@ -100,8 +100,8 @@ class KueueSide:
     def workload_event(self, kind: str, body: dict[str, Any]) -> None:
         """One Workload event: wake its job up; a Workload whose job is gone is let go once its pods are."""
         meta = body.get("metadata") or {}
-        owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller") and o.get("kind") == KIND),
-                     None)
+        owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller") and o.get("kind") == KIND
+                      and str(o.get("apiVersion") or "").split("/")[0] == GROUP), None)  # not another group's kind
         if owner is None:
             return
         key = (meta.get("namespace") or "", str(owner.get("name") or ""))

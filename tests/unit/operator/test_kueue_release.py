@@ -74,3 +74,31 @@ def test_the_workload_of_a_job_whose_queue_label_was_removed_is_released_when_th
 
     asyncio.run(main())
     assert released == [kueue.workload_name("tj", "uid-1")]
+
+
+def test_a_workload_owned_by_another_groups_training_job_is_not_ours_to_release(monkeypatch):
+    """Before: any owner of kind TrainingJob counted, whatever its API group: the Terminating Workload of another
+    operator's TrainingJob (a Kueue external framework) lost Kueue's finalizer to kubetrain."""
+    released: list[str] = []
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append(action.name)
+
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+
+    def workload(api_version: str, name: str) -> dict:
+        return {"metadata": {"namespace": "ns", "name": name, "deletionTimestamp": "2026-12-03T13:00:00Z",
+                             "finalizers": [kueue.FINALIZER],
+                             "ownerReferences": [{"apiVersion": api_version, "kind": "TrainingJob", "name": "tj",
+                                                  "uid": "uid-1", "controller": True}]}}
+
+    async def main() -> None:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced
+        rec.pods_synced.set()
+        rec.workload_event("MODIFIED", workload("sagemaker.aws.amazon.com/v1", "theirs"))
+        rec.workload_event("MODIFIED", workload("kubetrain.io/v1alpha1", "ours"))
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert released == ["ours"]
