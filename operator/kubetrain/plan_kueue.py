@@ -108,10 +108,12 @@ def plan_unqueued(job: Job, observed: Observed, now: dt.datetime) -> Plan:
 
 def plan_queued(job: Job, observed: Observed, kq: KueueObserved, now: dt.datetime) -> Plan:
     """Decide what to do about one TrainingJob queued by Kueue. Pure and deterministic."""
-    if job.deleting:
-        return Plan()
     body = kq.workload
     view = kueue.WorkloadView.from_storage(body) if body is not None else None
+    if job.deleting:  # dependents first (foreground): the job waits for its Workload, the Workload for our finalizer
+        if view is not None and view.deleting and not observed.pods and kueue.FINALIZER in _finalizers(body or {}):
+            return Plan(actions=(_release(body or {}),))
+        return Plan()
     if job.status.terminal or job.spec is None:
         return _finish(plan(job, observed, now), job, observed, body, view, now)
     d = Draft(job, now)

@@ -274,6 +274,18 @@ def test_jobs_without_the_label_are_not_queued() -> None:
     assert plan_queued(queued(deleting=True), observed(), KueueObserved(), at(5)) == Plan()
 
 
+def test_a_job_deleted_dependents_first_lets_its_workload_go_once_its_pods_are() -> None:
+    """Foreground deletion (`kubectl delete --cascade=foreground`, Argo CD's prune): the job waits, with its
+    deletionTimestamp, for its Workload (blockOwnerDeletion), and the Workload for our finalizer. Before: a deleting
+    job planned nothing, so the finalizer never went and the job and its Workload stayed Terminating forever."""
+    deleting = KueueObserved(workload=workload(*ADMITTED, admitted=True, deleting=True))
+    assert plan_queued(queued(deleting=True), observed(*gang(2, deleting=True)), deleting, at(5)) == Plan()
+    result = plan_queued(queued(deleting=True), observed(), deleting, at(5))
+    assert result == Plan(actions=(PatchWorkload(name=NAME, resource_version="7", remove_finalizer=True),))
+    live = KueueObserved(workload=workload(*ADMITTED, admitted=True))  # not being deleted: nothing to let go yet
+    assert plan_queued(queued(deleting=True), observed(), live, at(5)) == Plan()
+
+
 def test_the_suspend_mark_goes_in_the_same_write_as_spec_active() -> None:
     """Deactivating for a suspend marks the Workload, activating removes the mark, in one merge patch each
     (so no reader can see an inactive Workload of a suspend without the mark)."""
