@@ -306,6 +306,8 @@ class EvaluationMixin:
         seen = rows = 0  # samples of this rank so far (to tell padding from real samples), and the real ones
         start = time.perf_counter()
         batches = 0
+        # As HF (its handler's `eval_dataloader`): callbacks get the loader, e.g. to size an eval progress bar.
+        self.callback_handler.objects = {**self.callback_handler.objects, "eval_dataloader": dataloader}
         for batch, mine in (_dealt(dataloader, world, rank) if dealt else zip(dataloader, itertools.repeat(True))):
             batches += 1
             n = batch_size_of(batch)

@@ -213,3 +213,29 @@ def test_the_optimizer_and_prediction_step_events_fire_as_in_the_transformers_tr
     assert seen[1] == seen[0]
     assert seen[1][:4] == [("step_begin", 0), ("pre_optimizer", 0, True), ("optimizer", 0, True), ("step_end", 1)]
     assert seen[1].count(("prediction", 2)) == 2  # 3 eval rows in batches of 2
+
+
+def test_callbacks_get_the_eval_dataloader_as_from_the_transformers_trainer(tmp_path):
+    """Before, on_prediction_step (and on_evaluate) had no `eval_dataloader` kwarg: HF's own ProgressCallback
+    (and any HF callback sizing an eval progress bar by it) silently showed nothing, and one reading
+    kwargs["eval_dataloader"] raised KeyError in the middle of an evaluation."""
+    from transformers import TrainerCallback as HFTrainerCallback
+
+    class Sizes(HFTrainerCallback):
+        def __init__(self):
+            self.sizes = []
+
+        def on_prediction_step(self, args, state, control, **kw):
+            self.sizes.append(("prediction", len(kw["eval_dataloader"])))
+
+        def on_evaluate(self, args, state, control, **kw):
+            self.sizes.append(("evaluate", len(kw["eval_dataloader"])))
+
+    seen = []
+    for args_class, trainer_class in ((HFTrainingArguments, HFTrainer), (TrainingArguments, Trainer)):
+        sizes = Sizes()
+        args = args_class(output_dir=str(tmp_path / trainer_class.__module__), per_device_eval_batch_size=2,
+                          report_to="none", disable_tqdm=True, use_cpu=True)
+        trainer_class(model=_gpt2(), args=args, eval_dataset=_rows(3), callbacks=[sizes]).evaluate()
+        seen.append(sizes.sizes)
+    assert seen[1] == seen[0] == [("prediction", 2), ("prediction", 2), ("evaluate", 2)]
