@@ -105,6 +105,10 @@ def pod_fingerprint(spec: Mapping[str, Any] | None) -> str:
     kept = {k: v for k, v in policy.items() if k in NEXT_ATTEMPT_RUN_POLICY} if isinstance(policy, Mapping) else {}
     if kept:
         spec["runPolicy"] = kept
+    checkpoint = spec.get("checkpoint")
+    if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get("uri"), str):
+        # As `_checkpoint` reads it: the CRD lets an edit add or drop the trailing '/', which builds the same pods.
+        spec["checkpoint"] = {**checkpoint, "uri": checkpoint["uri"].rstrip("/")}
     text = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

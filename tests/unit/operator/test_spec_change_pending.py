@@ -103,3 +103,17 @@ def test_the_digest_is_stamped_on_pods_and_left_out_of_kueues_template() -> None
     assert job(generation=5, runPolicy__backoffLimit=9).spec_fingerprint == job().spec_fingerprint
     assert job(image="img:2").spec_fingerprint != job().spec_fingerprint
     assert "kubetrain.io/spec-fingerprint" not in (podset_template(job())["metadata"].get("annotations") or {})
+
+
+def test_a_trailing_slash_added_to_the_checkpoint_uri_says_nothing() -> None:
+    """The CRD lets an edit add or drop checkpoint.uri's trailing '/' (a re-apply of the manifest spelt the other way),
+    and the operator strips it: the pods are the same, so the job must not say the edit waits for the next attempt."""
+    ckpt = {"uri": "s3://bucket/jobs", "credentialsSecret": {"name": "s3"}}
+    built = job(checkpoint=ckpt)
+    edited = job(generation=2, checkpoint={**ckpt, "uri": "s3://bucket/jobs/"})
+    assert edited.spec is not None and edited.spec.checkpoint is not None
+    assert edited.spec.checkpoint.uri == built.spec.checkpoint.uri  # the same pods
+    assert edited.spec_fingerprint == built.spec_fingerprint
+    assert pending(plan(edited, gang(built), at(30)).status) is None
+    moved = job(generation=2, checkpoint={**ckpt, "uri": "s3://bucket/jobs/x"})  # not an edit the CRD lets through,
+    assert moved.spec_fingerprint != built.spec_fingerprint                     # but a digest that still tells apart
