@@ -96,8 +96,11 @@ def test_active_deadline_fails_the_job(operator, jobs) -> None:
     jobs.create("late", spec(nodes=1, runPolicy={"activeDeadlineSeconds": 3}))
     status = jobs.wait_phase("late", "Failed", timeout=120)
     assert {c["type"]: c for c in status["conditions"]}["Failed"]["reason"] == "DeadlineExceeded"
-    wait_until(lambda: jobs.event_reasons("late"), lambda r: "DeadlineExceeded" in r, timeout=60,
-               what="DeadlineExceeded event")
+    # One Warning, Failed, as every failure's (the reason is condition Failed's): no DeadlineExceeded event besides.
+    wait_until(lambda: jobs.event_messages("late", "Failed"),
+               lambda ms: any("activeDeadlineSeconds=3 exceeded" in m for m in ms), timeout=60,
+               what="the Failed event naming the deadline")
+    assert "DeadlineExceeded" not in jobs.event_reasons("late")
     wait_until(lambda: jobs.pods("late"), lambda p: not p, timeout=120, what="running pods deleted")
 
 
