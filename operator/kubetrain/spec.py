@@ -34,9 +34,9 @@ more here); the pod API's own default of 30 s left about 8 s for the upload
 MIN_TERMINATION_GRACE_SECONDS = 15
 """Below this no emergency checkpoint can be taken (a step, a save and an upload), so the job
 would lose everything since its last periodic checkpoint on every preemption."""
-DEFAULT_TMP_SIZE = "50Gi"
-"""spec.tmpSize when unset (the CRD's default): room for a node's local checkpoints of a model of a few billion
-parameters while one uploads, and for library caches; a runaway write is stopped before it fills the node's disk."""
+DEFAULT_TMP_SIZE = "0"
+"""spec.tmpSize when unset (the CRD's default): no limit. A default limit that a model's checkpoints outgrow would
+evict jobs that ran before (and spend their backoffLimit); a user who wants the node's disk guarded sets one."""
 _SIZE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 """A size in bytes as the CRD's rule for spec.tmpSize takes it (no m, u or n: fractions of a byte)."""
 DEFAULT_METRICS_PORT = 9410

@@ -425,7 +425,7 @@ def test_defaults_are_applied(submit):
     minimal = merged(BASE, {"spec": {"checkpoint": DELETE}})
     s = submit(minimal)["spec"]
     assert s["nodes"] == 1 and s["procsPerNode"] == 1 and s["masterPort"] == 29500
-    assert s["shmSize"] == "1Gi" and s["tmpSize"] == "50Gi"
+    assert s["shmSize"] == "1Gi" and s["tmpSize"] == "0"
     assert s["strategy"] == {"type": "ddp"}
     assert s["runPolicy"] == {"backoffLimit": 3, "backoffSeconds": 10, "suspend": False, "nodeLostGraceSeconds": 60,
                               "maxPreemptions": 30, "startupGraceSeconds": 300, "terminationGracePeriodSeconds": 120}

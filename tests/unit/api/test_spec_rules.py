@@ -164,11 +164,12 @@ def test_builtin_args_may_repeat_the_strategy_and_add_fsdp_options_the_crd_has_n
     assert spec.strategy.type == "fsdp" and spec.trainer.builtin_args["fsdp_config"] == {"shard_modules": ["Block"]}
 
 
-@pytest.mark.parametrize("value, limit", [(None, "50Gi"), ("200G", "200G"), ("1.5Ti", "1.5Ti"), (0, "0"),
+@pytest.mark.parametrize("value, limit", [(None, "0"), ("50Gi", "50Gi"), ("200G", "200G"), ("1.5Ti", "1.5Ti"),
+                                          (0, "0"),
                                           (10737418240, "10737418240")])
 def test_tmp_size_is_a_size_in_bytes_with_the_crds_default(schema: dict, value, limit: str) -> None:
     node = schema["properties"]["spec"]["properties"]["tmpSize"]
-    assert node["default"] == Spec.from_storage(BASE).tmp_size == "50Gi"
+    assert node["default"] == Spec.from_storage(BASE).tmp_size == "0"
     assert Spec.from_storage({**BASE, **({"tmpSize": value} if value is not None else {})}).tmp_size == limit
     # The operator's second look takes exactly the sizes the CRD's rule does.
     from kubetrain.spec import _SIZE

@@ -241,7 +241,10 @@ def test_pods_pass_pod_security_restricted_with_writable_volumes_only() -> None:
                                             "readOnlyRootFilesystem": True}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes[mounts["/tmp"]]["emptyDir"] == {"sizeLimit": "50Gi"}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}  # no limit unless spec.tmpSize sets one
+    limited = builders.get_pod(job=Job.from_storage({**BODY, "spec": {**BODY["spec"], "tmpSize": "50Gi"}}),
+                               attempt=1, rank=0)
+    assert {"name": "kubetrain-tmp", "emptyDir": {"sizeLimit": "50Gi"}} in limited["spec"]["volumes"]
     assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
     assert env_of(pod)["HOME"]["value"].startswith("/tmp/")
 
