@@ -9,7 +9,6 @@ which the entrypoint maps to the "invalid configuration" exit code (82): such a 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -23,8 +22,8 @@ from typing import Any, Literal, Mapping, Sequence
 from .args_help import print_help_and_exit, wants_help
 from .args_values import (ConfigError, _coerce, _refusing_unknown_names, load_mapping_file, parse_cli,
                           unknown_choices, unknown_name_message)
-from .loglevels import LogLevel, ProcessLogLevels
-from .workerenv import WorkerEnv
+from .args_process import ProcessArguments
+from .loglevels import LogLevel
 
 IntervalStrategy = Literal["no", "steps", "epoch"]
 SaveStrategy = Literal["no", "steps", "epoch", "best"]
@@ -33,7 +32,7 @@ Reporter = Literal["tensorboard", "jsonl", "all", "none"]
 
 
 @dataclass
-class TrainingArguments(ProcessLogLevels):
+class TrainingArguments(ProcessArguments):
     """Arguments of one training run (Hugging Face `TrainingArguments` names and semantics)."""
 
     # --- output and checkpoints -------------------------------------------------
@@ -336,59 +335,6 @@ class TrainingArguments(ProcessLogLevels):
         if self.warmup_steps:
             return self.resolve_steps(self.warmup_steps, max_steps)
         return math.ceil(self.warmup_ratio * max_steps)
-
-    # ------------------------------------------------------------------ HF's process properties
-    # (process_index, local_process_index and should_log come with ProcessLogLevels)
-    @property
-    def world_size(self) -> int:
-        """Processes in the run (WORLD_SIZE), as HF's `args.world_size`."""
-        return WorkerEnv.from_environ().world_size
-
-    @property
-    def should_save(self) -> bool:
-        """Whether this process writes what one process writes (the world's main one), as in HF."""
-        return self.process_index == 0
-
-    @property
-    def n_gpu(self) -> int:
-        """GPUs this process uses: one (its local rank's) or none; HF's data-parallel-in-one-process is not done."""
-        import torch
-
-        return int(torch.cuda.is_available() and not self.use_cpu)
-
-    @property
-    def device(self) -> Any:
-        from .distributed import device_for
-
-        return device_for(self.use_cpu)
-
-    @property
-    def train_batch_size(self) -> int:
-        """One process's micro-batch, as HF's `args.train_batch_size`."""
-        return self.per_device_train_batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size
-
-    @contextlib.contextmanager
-    def main_process_first(self, local: bool = True, desc: str = "work") -> Any:
-        """As HF's: the main process (of the node with `local`, else of the world) runs the block first, then the
-        others (a dataset's map cached by the first). HF scripts call it before the Trainer exists: the process
-        group is joined here then, as HF's arguments do (the Trainer reuses it)."""
-        import torch.distributed as dist
-
-        from .distributed import init_process_group
-
-        if self.world_size > 1:
-            init_process_group(use_cpu=self.use_cpu, timeout_s=self.ddp_timeout)
-        together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        main = (self.local_process_index if local else self.process_index) == 0
-        if together and not main:
-            dist.barrier()
-        yield
-        if together and main:
-            dist.barrier()
 
     # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
