@@ -152,6 +152,8 @@ class TrainingArguments(ProcessArguments):
     """Evaluate the loss only; do not collect predictions for `compute_metrics`."""
     include_for_metrics: list[str] = field(default_factory=list)
     """Also give `compute_metrics` the samples' main input (`EvalPrediction.inputs`) and losses (`.losses`), as HF."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step, as HF (on every `train()`: a resumed attempt evaluates at its step)."""
     load_best_model_at_end: bool = False
     """Reload the best checkpoint (by `metric_for_best_model`) when training ends."""
     metric_for_best_model: str | None = None

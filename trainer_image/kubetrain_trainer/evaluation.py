@@ -91,8 +91,11 @@ not overridden, no callback adding to its metrics): a `metric_for_best_model` ou
 
 
 def check_eval_dataset(dataset: Any, trainer: Any) -> None:
-    """Refuse, before any step, a dict of eval sets that cannot work: keys that are not names, none to evaluate
-    periodically, or a `metric_for_best_model` that none of its sets' metrics (`eval_<name>_<metric>`) can be."""
+    """Refuse, before any step, `eval_on_start` without an eval set, and a dict of eval sets that cannot work: keys
+    that are not names, none to evaluate periodically, or a `metric_for_best_model` that none of its sets' metrics
+    (`eval_<name>_<metric>`) can be."""
+    if dataset is None and trainer.args.eval_on_start:  # HF fails at train(), after loading everything
+        raise ConfigError("eval_on_start needs an eval_dataset: pass one or set eval_on_start: false")
     if not isinstance(dataset, dict):
         return
     if not all(isinstance(name, str) for name in dataset):

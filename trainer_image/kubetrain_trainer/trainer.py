@@ -171,6 +171,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         flos, batch = FlosCounter(self.model, self._flos_parameters, state.global_step, samples_per_batch * ga), None
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        if args.eval_on_start:  # as HF: before the first step, on every train() (a resume's too)
+            self.evaluate()
         self._end_deferred_epoch(registry)
         preempted = False
         while state.global_step < state.max_steps and not self.control.should_training_stop and not preempted:
