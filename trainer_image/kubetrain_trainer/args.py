@@ -170,6 +170,9 @@ class TrainingArguments(ProcessArguments):
     """Also log after the first step."""
     logging_nan_inf_filter: bool = True
     """Leave NaN/inf losses out of the logged average (the step is still handled by `nan_inf_policy`)."""
+    include_num_input_tokens_seen: str | bool = "no"
+    """Count the main input's tokens ("all", or "non_padding") over every rank in `state.num_input_tokens_seen` and
+    log it, with `train_tokens_per_second`, as HF (true is "all", false "no"; typed as HF's for its parser)."""
     logging_dir: str | None = None
     """Where reporters write (default `<output_dir>/runs`): `log.jsonl`, and TensorBoard a folder per run (HF's)."""
     report_to: str | list[str] = field(default_factory=lambda: ["jsonl"])
@@ -222,6 +225,8 @@ class TrainingArguments(ProcessArguments):
             self.report_to = []
         if self.group_by_length or self.train_sampling_strategy == "group_by_length":  # either name sets both
             self.group_by_length, self.train_sampling_strategy = True, "group_by_length"
+        if isinstance(self.include_num_input_tokens_seen, bool):  # HF's mapping
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if self.data_seed is None:
             self.data_seed = self.seed
         if self.logging_dir is None:
@@ -322,6 +327,9 @@ class TrainingArguments(ProcessArguments):
             e.append("group_by_length and train_sampling_strategy 'sequential' are both set: pick one")
         if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
             e.append("neftune_noise_alpha must be > 0 (or null to disable NEFTune)")
+        tokens = self.include_num_input_tokens_seen
+        e += unknown_choices("include_num_input_tokens_seen", [tokens] if isinstance(tokens, str) else [],
+                             ("all", "non_padding", "no"))
         return e + unknown_choices("include_for_metrics", self.include_for_metrics, ("inputs", "loss"))
 
     # ------------------------------------------------------------ derived values

@@ -312,6 +312,8 @@ class OverridableMixin:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch  # in the caller's dict too, as HF: evaluate()'s metrics carry it
+        if self.args.include_num_input_tokens_seen != "no":
+            self._token_logs(logs, start_time)  # tokens_seen.py
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 

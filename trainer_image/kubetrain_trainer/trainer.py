@@ -46,12 +46,13 @@ from .saving import SavingMixin
 from .state import DataPosition, NonFiniteLossError, TrainerState, TrainOutput, defer_epoch_end
 from .steps import StepPlan, epoch_batches, plan_steps
 from .strategies import Strategy, get_strategy, strategy_options
+from .tokens_seen import TokenCountingMixin
 from .workerenv import WorkerEnv, unwatched_output_dir
 
 logger = logging.getLogger("kubetrain_trainer")
 
 
-class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
+class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, TokenCountingMixin):
     """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -168,6 +169,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         counted_fn = self._counted_step_caller()  # for a model normalising its loss by the step's tokens (HF)
+        step_fn, counted_fn = self._token_counting(step_fn, counted_fn)  # wrapped only to count the tokens seen
         flos, batch = FlosCounter(self.model, self._flos_parameters, state.global_step, samples_per_batch * ga), None
         model.train()
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
@@ -309,7 +311,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin):
                 logs["grad_norm"] = grad_norm.item()
             state.loss_since_log = 0.0
             state.steps_since_log = 0
-            self.log(logs)
+            self.log(logs, self._train_start_time)
         control.should_log = False
         metrics = None
         if control.should_evaluate:
