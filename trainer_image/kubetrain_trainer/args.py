@@ -154,6 +154,8 @@ class TrainingArguments(ProcessArguments):
     """Also give `compute_metrics` the samples' main input (`EvalPrediction.inputs`) and losses (`.losses`), as HF."""
     eval_on_start: bool = False
     """Evaluate once before the first step, as HF (on every `train()`: a resumed attempt evaluates at its step)."""
+    batch_eval_metrics: bool = False
+    """Call `compute_metrics` on each eval batch with `compute_result` (True on the last), as HF, keeping no logits."""
     load_best_model_at_end: bool = False
     """Reload the best checkpoint (by `metric_for_best_model`) when training ends."""
     metric_for_best_model: str | None = None

@@ -22,7 +22,7 @@ import logging
 import math
 import sys
 from operator import attrgetter
-from typing import Any, Callable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
@@ -313,3 +313,13 @@ def batch_size_of(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
     return 1
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, whether it is the last one): HF's `end_of_dataloader`, read one item ahead."""
+    items = iter(items)
+    for item in items:
+        for after in items:
+            yield item, False
+            item = after
+        yield item, True

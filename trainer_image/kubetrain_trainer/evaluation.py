@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist_util
 from .args import ConfigError
-from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader
+from .data import ResumableDistributedSampler, batch_size_of, has_length, make_loader, with_last
 from .layout import metric_key
 from .state import EvalPrediction, PredictionOutput
 
@@ -308,10 +308,12 @@ class EvaluationMixin:
         main_input = getattr(self._unwrapped_model(), "main_input_name", "input_ids")  # HF's, for include_for_metrics
         seen = rows = 0  # samples of this rank so far (to tell padding from real samples), and the real ones
         start = time.perf_counter()
-        batches = 0
-        # As HF (its handler's `eval_dataloader`): callbacks get the loader, e.g. to size an eval progress bar.
-        self.callback_handler.objects = {**self.callback_handler.objects, "eval_dataloader": dataloader}
-        for batch, mine in (_dealt(dataloader, world, rank) if dealt else zip(dataloader, itertools.repeat(True))):
+        batches, computed = 0, None
+        per_batch = args.batch_eval_metrics and self.compute_metrics is not None  # batch_metrics.py
+        keep = not per_batch or prediction_loss_only is not None  # as HF: then evaluate() keeps no predictions
+        self.callback_handler.objects = {**self.callback_handler.objects, "eval_dataloader": dataloader}  # HF's
+        source = _dealt(dataloader, world, rank) if dealt else zip(dataloader, itertools.repeat(True))
+        for (batch, mine), last in with_last(source):
             batches += 1
             n = batch_size_of(batch)
             real = (n if mine else 0) if dataset_len is None else sum(1 for j in range(seen, seen + n)
@@ -319,20 +321,22 @@ class EvaluationMixin:
             seen, rows = seen + n, rows + real
             loss, logits, label = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
-            if not mine:  # run for the collectives only
-                continue
-            if "inputs" in args.include_for_metrics:
-                inputs.append(_nested(torch.Tensor.cpu, main_input_of(batch, main_input)))
-            if "loss" in args.include_for_metrics and loss is not None:  # as HF: the batch's loss, once per sample
-                losses.append(loss.reshape(1).expand(n).cpu())
             if logits is not None and self.preprocess_logits_for_metrics is not None:  # as HF: before gathering
                 logits = self.preprocess_logits_for_metrics(logits, label)
+            if per_batch:  # every rank, each batch: HF's last return is the metrics
+                computed = self._batch_eval_metrics(batch, logits, label, loss, real=real, last=last, dealt=dealt)
+            if not mine:  # run for the collectives only
+                continue
+            if "inputs" in args.include_for_metrics and keep:
+                inputs.append(_nested(torch.Tensor.cpu, main_input_of(batch, main_input)))
+            if "loss" in args.include_for_metrics and loss is not None and keep:  # as HF: the batch's loss per sample
+                losses.append(loss.reshape(1).expand(n).cpu())
             if loss is not None and real:
                 loss_sum += loss.double() * real
                 count += real
-            if logits is not None:
+            if logits is not None and keep:
                 preds.append(_nested(torch.Tensor.cpu, logits))
-            if label is not None:
+            if label is not None and keep:
                 labels.append(_nested(torch.Tensor.cpu, label))
         if world > 1:
             totals = torch.stack([loss_sum, count, torch.tensor(float(rows), dtype=torch.float64, device=self.device)])
@@ -349,11 +353,12 @@ class EvaluationMixin:
                  "losses": self._gather(losses, dataset_len, dealt) if "loss" in args.include_for_metrics else None}
         # As HF: no metrics of a set without the labels the model takes (predict() on a test set without them);
         # a model that takes none (its targets under another name) gets them with label_ids None, as before.
-        if self.compute_metrics is not None and all_preds is not None and (all_labels is not None
-                                                                           or not self._takes_labels()):
+        if not per_batch and self.compute_metrics is not None and all_preds is not None and (
+                all_labels is not None or not self._takes_labels()):
             given = EvalPrediction(_numpy(all_preds), _numpy(all_labels), **{k: _numpy(v) for k, v in extra.items()})
-            for key, value in self.compute_metrics(given).items():
-                metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
+            computed = self.compute_metrics(given)
+        for key, value in (computed or {}).items():
+            metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = plain_metrics(value)
         runtime = time.perf_counter() - start
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
         if dataset_len or rows:  # an iterable set's: the rows it yielded (HF's observed count)

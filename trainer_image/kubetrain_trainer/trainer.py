@@ -31,6 +31,7 @@ from . import rng
 from .args import ConfigError, TrainingArguments
 from .args_values import MetricNotFound
 from .background_save import BackgroundSaver
+from .batch_metrics import BatchMetricsMixin, check_batch_metrics
 from .callbacks import (CallbackHandler, DefaultFlowCallback, LoggingCallback, ProgressCallback, TrainerCallback,
                         TrainerControl)
 from .data import default_data_collator
@@ -52,7 +53,7 @@ from .workerenv import WorkerEnv, unwatched_output_dir
 logger = logging.getLogger("kubetrain_trainer")
 
 
-class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, TokenCountingMixin):
+class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, TokenCountingMixin, BatchMetricsMixin):
     """Trains `model` on `train_dataset` as `args` says. See the module docstring."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -88,6 +89,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, Tok
         self.processing_class = processing_class
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics  # (logits, labels) -> what is gathered
         self.compute_metrics = compute_metrics
+        check_batch_metrics(args, compute_metrics)
         self.optimizer, self.lr_scheduler = optimizers
         if self.optimizer is not None and args.strategy in ("fsdp", "zero3"):
             # Sharding replaces the parameters: an optimizer built before would update stale tensors.

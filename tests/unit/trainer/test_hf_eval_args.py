@@ -62,3 +62,88 @@ def test_eval_on_start_evaluates_again_on_a_resume_as_hf(tmp_path):
 def test_eval_on_start_without_an_eval_dataset_is_refused_when_the_trainer_is_built(make_args, tiny_gpt, tokens):
     with pytest.raises(ConfigError, match="eval_on_start needs an eval_dataset"):
         Trainer(model=tiny_gpt(), args=make_args(eval_on_start=True), train_dataset=tokens())
+
+
+class _Accuracy:
+    """A `batch_eval_metrics` compute_metrics: token accuracy summed over batches, returned on the last one."""
+
+    def __init__(self):
+        self.calls, self.right, self.total = [], 0, 0
+
+    def __call__(self, eval_pred, compute_result):
+        preds, labels = eval_pred.predictions, eval_pred.label_ids
+        self.calls.append((type(preds).__name__, tuple(preds.shape), tuple(labels.shape), compute_result,
+                           None if eval_pred.losses is None else tuple(eval_pred.losses.shape)))
+        self.right += (preds.argmax(-1)[:, :-1] == labels[:, 1:]).sum().item()
+        self.total += labels[:, 1:].numel()
+        if compute_result:
+            return {"accuracy": self.right / self.total}
+
+
+@pytest.mark.parametrize("include", [[], ["loss"]])
+def test_batch_eval_metrics_calls_compute_metrics_per_batch_as_hf(tmp_path, include):
+    got = {}
+    for kind in KINDS:
+        metric = _Accuracy()
+        trainer = _trainer(kind, tmp_path / kind, compute_metrics=metric, batch_eval_metrics=True,
+                           include_for_metrics=include)
+        got[kind] = (metric.calls, trainer.evaluate()["eval_accuracy"])
+    assert got["kt"] == got["hf"]
+    assert [call[3] for call in got["kt"][0]] == [False, True]  # 6 rows in batches of 4: compute_result last
+
+
+def test_batch_eval_metrics_predict_calls_it_per_batch_and_returns_every_prediction(tmp_path):
+    got = {}
+    for kind in KINDS:
+        metric = _Accuracy()
+        trainer = _trainer(kind, tmp_path / kind, compute_metrics=metric, batch_eval_metrics=True)
+        out = trainer.predict(_rows(6, seed=2))
+        got[kind] = (metric.calls, out.predictions.shape, out.metrics["test_accuracy"])
+    assert got["kt"] == got["hf"]
+
+
+def test_batch_eval_metrics_evaluate_keeps_no_predictions(tmp_path):
+    trainer = _trainer("kt", tmp_path, compute_metrics=_Accuracy(), batch_eval_metrics=True)
+    preds, labels, metrics = trainer.evaluation_loop(trainer.get_eval_dataloader(), prefix="eval")
+    assert preds is None and labels is None and "eval_accuracy" in metrics
+
+
+def test_batch_eval_metrics_needs_a_compute_metrics_taking_compute_result(tmp_path):
+    for kind in KINDS:
+        with pytest.raises(ValueError, match="compute_result"):
+            _trainer(kind, tmp_path / kind, compute_metrics=lambda eval_pred: {}, batch_eval_metrics=True)
+
+
+def test_batch_eval_metrics_on_two_ranks_sees_each_sample_once_in_order(tmp_path):
+    """Two gloo processes, 5 rows (one padding row on rank 1), batches of 2 per rank: each call gets the batch of
+    both ranks in the set's order, without the padding row, and both ranks get the same metrics."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "batches.py"
+    script.write_text(
+        "import json, os, torch\n"
+        "from kubetrain_trainer import Trainer, TrainingArguments\n"
+        "class Echo(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.w = torch.nn.Parameter(torch.zeros(()))\n"
+        "    def forward(self, x, labels=None):\n"
+        "        return {'loss': self.w * 0 + x.float().mean(), 'logits': x.float()}\n"
+        "seen = []\n"
+        "def metrics(p, compute_result):\n"
+        "    seen.append([p.label_ids.tolist(), compute_result])\n"
+        "    return {'n': sum(len(s[0]) for s in seen)} if compute_result else None\n"
+        "rows = [{'x': torch.tensor([i]), 'labels': torch.tensor(i)} for i in range(5)]\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, use_cpu=True, per_device_eval_batch_size=2,"
+        " report_to='none', disable_tqdm=True, batch_eval_metrics=True, save_strategy='no')\n"
+        "trainer = Trainer(model=Echo(), args=args, train_dataset=rows, eval_dataset=rows, compute_metrics=metrics)\n"
+        "out = trainer.evaluate()\n"
+        f"open({str(tmp_path)!r} + '/rank' + os.environ['RANK'] + '.json', 'w').write(json.dumps([seen, out['eval_n']]))\n")
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547", "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in (0, 1)]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    for rank in (0, 1):
+        seen, n = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == [[[0, 1, 2, 3], False], [[4], True]] and n == 5
