@@ -68,6 +68,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, Tok
                                                                             WorkerEnv.from_environ())) is not None:
             raise ConfigError(unwatched)
         dist_util.init_process_group(use_cpu=args.use_cpu, timeout_s=args.ddp_timeout)
+        if args.should_save:  # as HF: the output folder exists once the Trainer does (a script may write there)
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self.device = dist_util.device_for(args.use_cpu)
         if args.fp16 and self.device.type != "cuda":
             raise ConfigError("fp16 needs a GPU; on CPU set bf16: true instead")

@@ -147,3 +147,12 @@ def test_batch_eval_metrics_on_two_ranks_sees_each_sample_once_in_order(tmp_path
     for rank in (0, 1):
         seen, n = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen == [[[0, 1, 2, 3], False], [[4], True]] and n == 5
+
+
+def test_the_output_dir_exists_once_the_trainer_is_built_as_hf(tmp_path):
+    """A script that writes into output_dir right after building the Trainer (a tokenizer's files, notes) found no
+    folder with kubetrain and a FileNotFoundError; HF makes it on the process that saves."""
+    for kind in KINDS:
+        out = tmp_path / kind / "nested"
+        _trainer(kind, out, save_strategy="no")
+        assert out.is_dir()
