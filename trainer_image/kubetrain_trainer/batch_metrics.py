@@ -38,9 +38,10 @@ class BatchMetricsMixin:
     """`_batch_eval_metrics` of `Trainer`: one eval batch's `compute_metrics` call."""
 
     def _batch_eval_metrics(self, batch: Any, logits: Any, labels: Any, loss: torch.Tensor | None, *, real: int,
-                            last: bool, dealt: bool) -> Any:
+                            last: bool, dealt: bool, previous: Any = None) -> Any:
         """*Collective.* `compute_metrics` of this batch on every rank (see the module docstring); `real`: its
-        rows that are samples of the set (0 for an iterable set's copy only run for the collectives; `dealt`)."""
+        rows that are samples of the set (0 for an iterable set's copy only run for the collectives; `dealt`).
+        A batch without predictions or labels gets no call: `previous` (the last call's return) is returned."""
         losses = None if loss is None else loss.reshape(1).expand(batch_size_of(batch))
         if dist_util.world_size() > 1:
             mine = (_nested(torch.Tensor.cpu, logits), _nested(torch.Tensor.cpu, labels),
@@ -52,7 +53,7 @@ class BatchMetricsMixin:
                                       _nested(lambda t: t.to(self.device), _concat(part) if dealt
                                               else _interleave(part, rows)) for part in parts)
         if logits is None or labels is None:  # as HF: no call for this batch
-            return None
+            return previous
         include = self.args.include_for_metrics
         given = EvalPrediction(logits, labels, inputs=batch if "inputs" in include else None,
                                losses=losses if "loss" in include else None)

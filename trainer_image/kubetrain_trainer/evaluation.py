@@ -324,7 +324,8 @@ class EvaluationMixin:
             if logits is not None and self.preprocess_logits_for_metrics is not None:  # as HF: before gathering
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if per_batch:  # every rank, each batch: HF's last return is the metrics
-                computed = self._batch_eval_metrics(batch, logits, label, loss, real=real, last=last, dealt=dealt)
+                computed = self._batch_eval_metrics(batch, logits, label, loss, real=real, last=last, dealt=dealt,
+                                                    previous=computed)
             if not mine:  # run for the collectives only
                 continue
             if "inputs" in args.include_for_metrics and keep:

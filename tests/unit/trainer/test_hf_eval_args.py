@@ -156,3 +156,15 @@ def test_the_output_dir_exists_once_the_trainer_is_built_as_hf(tmp_path):
         out = tmp_path / kind / "nested"
         _trainer(kind, out, save_strategy="no")
         assert out.is_dir()
+
+
+def test_batch_eval_metrics_a_last_batch_without_labels_keeps_the_last_calls_metrics(tmp_path):
+    """As HF: a batch without labels gets no call, and does not wipe the metrics the last call returned."""
+    rows = _rows(6, seed=2)
+    for row in rows[4:]:
+        del row["labels"]
+    metric = _Accuracy()
+    trainer = _trainer("kt", tmp_path, compute_metrics=lambda p, compute_result: metric(p, True),
+                       batch_eval_metrics=True)
+    assert "eval_accuracy" in trainer.evaluate(rows)
+    assert len(metric.calls) == 1
