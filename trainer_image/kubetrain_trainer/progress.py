@@ -327,7 +327,8 @@ class TrainProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:
-            self.tracker.train_begin(step=state.global_step, max_steps=state.max_steps, reports_end=True)
+            self.tracker.train_begin(step=state.global_step, max_steps=state.max_steps, tokens_seen=_tokens(args, state),
+                                     reports_end=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.is_local_process_zero:
@@ -338,7 +339,8 @@ class TrainProgressCallback(TrainerCallback):
             lr = (lambda: lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else None
             per_step = state.train_batch_size * args.gradient_accumulation_steps * state.world_size  # the global batch
             self.tracker.step_end(step=state.global_step, max_steps=state.max_steps, epoch=state.epoch,
-                                  samples_per_step=per_step, learning_rate=lr)
+                                  samples_per_step=per_step, tokens_seen=_tokens(args, state),
+                                  learning_rate=lr)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_local_process_zero:
@@ -368,6 +370,11 @@ def progress_callbacks(env: Mapping[str, str] | None = None) -> list[TrainerCall
     """The progress reporter when the launcher asked for one (it sets KUBETRAIN_PROGRESS_FILE), else none."""
     tracker = ProgressTracker.from_env(env)
     return [TrainProgressCallback(tracker)] if isinstance(tracker, ProgressTracker) else []
+
+
+def _tokens(args: Any, state: Any) -> int | None:
+    """The tokens counted so far with `include_num_input_tokens_seen` (0 at a fresh start), else None (unknown)."""
+    return state.num_input_tokens_seen if args.include_num_input_tokens_seen != "no" else None
 
 
 def declare_tokens_per_sample(callbacks: list[TrainerCallback], tokens: int | None) -> None:

@@ -104,6 +104,22 @@ def test_kubetrains_trainer_reports_through_the_launchers_file(tmp_path: Path, m
     assert [step for step, _seconds in report.saves] == [3, 6]
 
 
+def test_kubetrains_trainer_reports_the_tokens_it_counts(tmp_path: Path, monkeypatch, tiny_gpt, make_args):
+    """With include_num_input_tokens_seen the job's progress has the tokens per second of the counted tokens (as
+    for an HF Trainer), not none for a model without a built-in task's declared sample length."""
+    import torch
+
+    from kubetrain_trainer import Trainer
+
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv(PROGRESS_FILE_ENV, str(path))
+    rows = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32} for _ in range(32)]
+    args = make_args(include_num_input_tokens_seen=True, save_strategy="no", max_steps=6)
+    Trainer(model=tiny_gpt(), args=args, train_dataset=rows).train()
+    report = _read(path)
+    assert report.tokens_per_second == pytest.approx(report.samples_per_second * 8, rel=1e-6)
+
+
 def test_the_hf_callback_reports_from_transformers_own_state(tmp_path: Path, monkeypatch):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
