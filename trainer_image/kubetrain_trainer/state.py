@@ -79,7 +79,8 @@ class TrainerState:
     is_world_process_zero: bool = True
     total_flos: float = 0.0
     num_input_tokens_seen: int = 0
-    """HF's (counted with its `include_num_input_tokens_seen`, which kubetrain has not): 0, as HF writes it then."""
+    """Input tokens trained on, over every rank, with `include_num_input_tokens_seen` (tokens_seen.py); else 0, as
+    HF writes it then. Saved with HF's fields: a resumed run continues the count."""
     is_hyper_param_search: bool = False
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None
