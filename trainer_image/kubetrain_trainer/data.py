@@ -25,7 +25,7 @@ from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Sized
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -114,6 +114,29 @@ class IterableShard(IterableDataset):
         if current and not self.drop_last:
             current += (first or current) * math.ceil(group / len(first or current))
             yield from current[:group][mine]
+
+
+class EpochRelay(IterableDataset):
+    """A stream's `set_epoch` carried to its copies in persistent data workers: they were made at the first
+    epoch, so the main process's `set_epoch` alone never reached them and every epoch replayed the first's order.
+    The epoch sits in shared memory and each worker's copy is told it as its pass starts (as `datasets` shares an
+    `IterableDataset`'s epoch with torch's persistent workers)."""
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        self.dataset = dataset
+        self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+        self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # TypeError without a length
+
+    def __iter__(self) -> Iterator:
+        if get_worker_info() is not None:  # a worker's copy, made at an earlier epoch
+            self.dataset.set_epoch(int(self.epoch))
+        return iter(self.dataset)
 
 
 def batches_per_epoch(sampler: ResumableDistributedSampler, batch_size: int, drop_last: bool) -> int:

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed as dist_util
 from . import optim
-from .data import (IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
+from .data import (EpochRelay, IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
                    to_device)
 from .evaluation import call_model, count_items, extract_loss
 from .length_grouping import BatchDealtSampler, LengthGroupedSampler, dataset_lengths
@@ -142,6 +142,9 @@ class OverridableMixin:
             if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
                 dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
                                         rank=dist_util.rank(), drop_last=drop_last)
+            if (args.dataloader_persistent_workers and args.dataloader_num_workers
+                    and isinstance(dataset, IterableDataset) and hasattr(dataset, "set_epoch")):
+                dataset = EpochRelay(dataset)  # kept workers hold copies made at the first epoch
         return make_loader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                            collate_fn=self._collator("training data"), num_workers=args.dataloader_num_workers,
                            pin_memory=self._pin_memory, drop_last=drop_last,

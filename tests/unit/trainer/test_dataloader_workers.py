@@ -71,3 +71,37 @@ def test_training_and_evaluating_twice_with_persistent_workers_gives_the_in_proc
 
     workers = run(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=1)
     assert workers == run()
+
+
+class _EpochStream(torch.utils.data.IterableDataset):
+    """Rows {"x": 1000 * epoch + i}: a stream whose order depends on the epoch it was told (a shuffle buffer)."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([{"x": torch.tensor(float(1000 * self.epoch + i))} for i in range(self.n)])
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.seen = torch.nn.Parameter(torch.zeros(())), []
+
+    def forward(self, x):
+        self.seen += [int(v) for v in x.tolist()]
+        return {"loss": (self.w * x).mean()}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kept_workers_read_each_epoch_of_a_stream_as_it_was_told(make_args, persistent):
+    """Before, with dataloader_persistent_workers the workers' copies of a stream were made at the first epoch and
+    `set_epoch` reached only the main process's: every epoch replayed the first's order (0..3 three times)."""
+    model = _Recorder()
+    args = make_args(per_device_train_batch_size=2, max_steps=6, save_strategy="no", dataloader_num_workers=1,
+                     dataloader_persistent_workers=persistent)
+    Trainer(model=model, args=args, train_dataset=_EpochStream(4)).train()
+    assert model.seen == [0, 1, 2, 3, 1000, 1001, 1002, 1003, 2000, 2001, 2002, 2003]
