@@ -8,7 +8,8 @@ round-robin to the ranks. After `n` samples have been consumed globally the
 remaining order is `perm[n:]` dealt out the same way, so the sampler starts
 there directly — no batch is loaded to be thrown away, and the world size
 may even change between runs. Iterable datasets have no random access; they
-fall back to skipping batches (logged).
+fall back to skipping batches (logged). On several ranks one is read by rank 0
+alone, which deals the batches (`DispatchedLoader`).
 
 Without a `data_collator`, batches are made as HF's `default_data_collator`
 makes them (`default_data_collator` here; transformers is not needed).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -85,9 +87,10 @@ class IterableShard(IterableDataset):
     where rank 0 reads and sends each rank its batch, gives each rank the same samples): of every
     `batch_size * num_replicas` samples in a row, rank r takes the r-th `batch_size`. The last incomplete group
     is dropped (`drop_last`) or completed from the first samples, so every rank has as many batches and none
-    waits at a collective for a rank whose data ran out."""
+    waits at a collective for a rank whose data ran out. `rank` None: every rank's part, in rank order (what
+    rank 0 reads to deal, `DispatchedLoader`)."""
 
-    def __init__(self, dataset: IterableDataset, *, batch_size: int, num_replicas: int, rank: int,
+    def __init__(self, dataset: IterableDataset, *, batch_size: int, num_replicas: int, rank: int | None,
                  drop_last: bool) -> None:
         self.dataset, self.batch_size, self.num_replicas, self.rank = dataset, batch_size, num_replicas, rank
         self.drop_last = drop_last
@@ -98,11 +101,13 @@ class IterableShard(IterableDataset):
 
     def __len__(self) -> int:
         n, group = len(self.dataset), self.batch_size * self.num_replicas  # TypeError without a length
-        return (n // group if self.drop_last else math.ceil(n / group)) * self.batch_size
+        per_rank = (n // group if self.drop_last else math.ceil(n / group)) * self.batch_size
+        return per_rank * (self.num_replicas if self.rank is None else 1)
 
     def __iter__(self) -> Iterator:
-        group, mine = self.batch_size * self.num_replicas, slice(self.rank * self.batch_size,
-                                                               (self.rank + 1) * self.batch_size)
+        group = self.batch_size * self.num_replicas
+        mine = slice(None) if self.rank is None else slice(self.rank * self.batch_size,
+                                                             (self.rank + 1) * self.batch_size)
         first: list = []
         current: list = []
         for sample in self.dataset:
@@ -114,6 +119,40 @@ class IterableShard(IterableDataset):
         if current and not self.drop_last:
             current += (first or current) * math.ceil(group / len(first or current))
             yield from current[:group][mine]
+
+
+class DispatchedLoader(DataLoader):
+    """An iterable training set read once, by rank 0, which sends each rank its batch (HF's default for one:
+    accelerate's `dispatch_batches`). Its dataset is an `IterableShard` of every rank's part: rank 0's loader
+    makes the batches of a group in rank order and scatters them, one per rank; the other ranks never read the
+    stream (nor start workers) and get the batches `IterableShard` would have given them. The end of the stream
+    is scattered too (None), so every rank stops at the same batch. *Collective*: every rank iterates it alike,
+    as the training loop does."""
+
+    def __init__(self, *args: Any, world: int, rank: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.world, self.rank = world, rank
+
+    def __len__(self) -> int:
+        return super().__len__() // self.world
+
+    def __iter__(self) -> Iterator:
+        import torch.distributed as dist
+
+        if self.rank:
+            while True:
+                box: list = [None]
+                dist.scatter_object_list(box, None, src=0)
+                if box[0] is None:
+                    return
+                yield box[0]
+        batches = super().__iter__()
+        while True:
+            parts = list(itertools.islice(batches, self.world))
+            dist.scatter_object_list([None], parts if len(parts) == self.world else [None] * self.world, src=0)
+            if len(parts) < self.world:  # whole groups only: a short round is the end
+                return
+            yield parts[0]
 
 
 class EpochRelay(IterableDataset):
@@ -168,15 +207,18 @@ def seed_worker(worker_id: int, num_workers: int = 1, rank: int = 0) -> None:
 
 def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, collate_fn: Callable | None,
                 num_workers: int, pin_memory: bool, drop_last: bool, generator_seed: int, rank: int = 0,
-                persistent_workers: bool = False, prefetch_factor: int | None = None) -> DataLoader:
-    """`persistent_workers` and `prefetch_factor` apply with workers only (torch refuses them without)."""
+                persistent_workers: bool = False, prefetch_factor: int | None = None,
+                dispatch_to: int = 0) -> DataLoader:
+    """`persistent_workers` and `prefetch_factor` apply with workers only (torch refuses them without).
+    `dispatch_to` > 1 ranks: a `DispatchedLoader` (rank 0 reads `dataset`, every rank's part, and deals it)."""
     # A private generator: DataLoader draws the workers' base seed from it rather than from the
     # global torch RNG, which would otherwise advance at each epoch start and break exact resume.
     g = torch.Generator()
     g.manual_seed(generator_seed)
-    if sampler is None:  # every rank reads the whole stream and keeps its part (`IterableShard`, `_dealt`): its
+    dispatch = dict(world=dispatch_to, rank=rank) if dispatch_to > 1 else {}
+    if sampler is None:  # a stream is read whole, by rank 0 (`DispatchedLoader`) or by every rank (`_dealt`): its
         rank = 0  # workers must draw alike on every rank (HF seeds per rank only the sets a sampler shards)
-    return DataLoader(
+    return (DispatchedLoader if dispatch else DataLoader)(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -188,6 +230,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
         worker_init_fn=functools.partial(seed_worker, num_workers=num_workers, rank=rank) if num_workers else None,
         persistent_workers=persistent_workers and num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers else None,
+        **dispatch,
     )
 
 

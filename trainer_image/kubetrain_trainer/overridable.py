@@ -126,7 +126,7 @@ class OverridableMixin:
         if self.train_dataset is None:
             raise ValueError("training needs a train_dataset")
         args = self.args
-        sampler, dataset, world = None, self.train_dataset, dist_util.world_size()
+        sampler, dataset, world, dispatch = None, self.train_dataset, dist_util.world_size(), 0
         drop_last = args.dataloader_drop_last
         if has_length(dataset):
             sampler = self._train_sampler(dataset, world)
@@ -139,9 +139,10 @@ class OverridableMixin:
                     logger.warning("dataloader_drop_last is ignored for an IterableDataset, as HF ignores it: the "
                                    "short last batch of each pass over it is trained")
                 drop_last = False
-            if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them)
+            if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them),
+                dispatch = world  # read by rank 0 only, which deals them (HF's default, `dispatch_batches`)
                 dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
-                                        rank=dist_util.rank(), drop_last=drop_last)
+                                        rank=None, drop_last=drop_last)
             if (args.dataloader_persistent_workers and args.dataloader_num_workers
                     and isinstance(dataset, IterableDataset) and hasattr(dataset, "set_epoch")):
                 dataset = EpochRelay(dataset)  # kept workers hold copies made at the first epoch
@@ -150,7 +151,7 @@ class OverridableMixin:
                            pin_memory=self._pin_memory, drop_last=drop_last,
                            generator_seed=args.data_seed, rank=dist_util.rank(),
                            persistent_workers=args.dataloader_persistent_workers,
-                           prefetch_factor=args.dataloader_prefetch_factor)
+                           prefetch_factor=args.dataloader_prefetch_factor, dispatch_to=dispatch)
 
     def _train_sampler(self, dataset: Any, world: int) -> ResumableDistributedSampler:
         """The training data's order (`train_sampling_strategy`): shuffled per epoch, as it is, or grouped by

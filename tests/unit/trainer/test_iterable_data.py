@@ -50,12 +50,49 @@ class Recorder(nn.Module):
 
 
 def _rank_rows(trainer, monkeypatch, world):
+    """Each rank's training rows, the ranks run one after the other: what rank 0 scatters is kept and handed to
+    the others as they ask for it (`torch.distributed.scatter_object_list` faked; a 2-process run in
+    tests/slow/trainer/test_trainer_processes.py)."""
+    sent, received = [], {}
+
+    def scatter(box, scattered, src=0):
+        rank = dist_util.rank()
+        if rank == 0:
+            sent.append(scattered)
+        else:
+            box[0] = sent[received.setdefault(rank, 0)][rank]
+            received[rank] += 1
+
+    monkeypatch.setattr(torch.distributed, "scatter_object_list", scatter)
     parts = []
     for rank in range(world):
         monkeypatch.setattr(dist_util, "world_size", lambda: world)
         monkeypatch.setattr(dist_util, "rank", lambda r=rank: r)
         parts.append([int(v) for batch in trainer.get_train_dataloader() for v in batch["x"].tolist()])
     return parts
+
+
+class Counted(Stream):
+    def __init__(self, n):
+        super().__init__(n)
+        self.reads = 0
+
+    def __iter__(self):
+        self.reads += 1
+        return super().__iter__()
+
+
+def test_only_rank_0_reads_a_stream_and_deals_the_batches(make_args, monkeypatch):
+    """Before, every rank read the whole stream and kept its own batches: a streaming set was downloaded and
+    decoded on each of N ranks. Now rank 0 reads it and sends each rank its batch (HF's default,
+    `dispatch_batches`), the same batches every rank kept before; the other ranks start no data workers."""
+    args = make_args(per_device_train_batch_size=2, save_strategy="no")
+    stream = Counted(10)
+    trainer = Trainer(model=Recorder(), args=args, train_dataset=stream)
+    rank0, rank1 = _rank_rows(trainer, monkeypatch, 2)
+    assert stream.reads == 1
+    split = [list(IterableShard(range(10), batch_size=2, num_replicas=2, rank=r, drop_last=False)) for r in (0, 1)]
+    assert [rank0, rank1] == split == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 0, 1]]
 
 
 @pytest.mark.parametrize("n, drop_last", [(16, False), (11, False), (11, True), (3, False)])
