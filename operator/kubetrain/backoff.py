@@ -5,7 +5,9 @@ Two counts per job, each of errors in a row:
   write): each doubles the error's own delay (2 s, 5 s on a 429) up to
   `TEMPORARY_MAX_DELAY`, never less than the answer's Retry-After; reset by
   the job's next reconcile that goes through. Not every job every 2 s: with
-  hundreds of jobs that is a steady load on an API server already refusing;
+  hundreds of jobs that is a steady load on an API server already refusing.
+  An answer no step of the reconcile expected (a 404, a 400/422 on a write
+  that is not a create: `refused`) counts among them, from `REFUSED_DELAY`;
 - pod creates refused for a reason that can pass (a full ResourceQuota, RBAC not
   yet granted): `REJECTED_BACKOFF`, reset once a pod create goes through.
 A job's temporary error is logged at WARNING the first time, an identical
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from kubetrain import metrics
-from kubetrain.errors import DeniedError, RejectedError, TemporaryError, WorkloadRejectedError
+from kubetrain.errors import ApiError, DeniedError, RejectedError, TemporaryError, WorkloadRejectedError
 from kubetrain.repeats import Repeats
 
 log = logging.getLogger("kubetrain.operator")
@@ -32,6 +34,8 @@ REJECTED_BACKOFF = (5.0, 10.0, 20.0, 40.0, 60.0)
 """Seconds between pod creates the API server refused for a reason that can pass (quota)."""
 TEMPORARY_MAX_DELAY = 60.0
 """Longest wait after temporary errors in a row (each one doubles the error's own delay)."""
+REFUSED_DELAY = 5.0
+"""First wait after an answer no step of the reconcile expected (`Backoff.refused`), doubling as a temporary error's."""
 
 Key = tuple[str, str]
 
@@ -49,14 +53,27 @@ class Backoff:
         """Count and log one temporary error of the job's reconcile (`doing`: in which step, e.g. "reading Kueue"):
         the seconds until it is tried again."""
         metrics.ERRORS.labels("forbidden" if isinstance(exc, DeniedError) else "temporary").inc()
-        count = self.failures[key] = self.failures.get(key, 0) + 1
-        delay = max(exc.delay, min(TEMPORARY_MAX_DELAY, exc.delay * 2 ** min(count - 1, 16)))
+        delay = self._failed(key, exc.delay)
         failure = f"reconcile of {key[0]}/{key[1]}: {f'{doing}: ' if doing else ''}{exc}"
         if isinstance(exc, DeniedError):
             log.debug("%s; retrying in %.0fs", failure, delay)
         else:
             self.repeats.failed(key, failure, f"; retrying in {delay:.0f}s")
         return delay
+
+    def refused(self, key: Key, exc: ApiError) -> float:
+        """Count and log an answer to the job's reconcile that no step of it expected (a 404, a 400 or 422 on a write
+        that is not a create): tried again with backoff, as a temporary error, since what caused it (an object deleted
+        meanwhile, a schema being upgraded) may pass. The seconds until it is tried again."""
+        metrics.ERRORS.labels("api").inc()
+        delay = self._failed(key, REFUSED_DELAY)
+        self.repeats.failed(key, f"reconcile of {key[0]}/{key[1]}: {exc}", f"; retrying in {delay:.0f}s")
+        return delay
+
+    def _failed(self, key: Key, base: float) -> float:
+        """One more error in a row of the job's reconcile: `base` doubled per error before it, up to the longest."""
+        count = self.failures[key] = self.failures.get(key, 0) + 1
+        return max(base, min(TEMPORARY_MAX_DELAY, base * 2 ** min(count - 1, 16)))
 
     def rejected(self, key: Key, exc: RejectedError) -> float:
         """Count and log one refused pod create (or Workload write): the seconds until the job tries again."""

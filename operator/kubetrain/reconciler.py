@@ -308,11 +308,8 @@ class Reconciler(KueueSide):
             except TemporaryError as exc:
                 self._retry_later(key, exc)
                 return
-            except ApiError as exc:  # refused (404, 403, 400/422 on a write that is not a create): look again later
-                metrics.ERRORS.labels("api").inc()
-                log.warning("reconcile of %s/%s: HTTP %s %s; retrying", job.namespace, job.name, exc.status,
-                            exc.http_reason)
-                self.enqueue(key, 5.0)
+            except ApiError as exc:  # refused (404, 400/422 on a write that is not a create): backs off, warned once
+                self.enqueue(key, self.backoff.refused(key, exc))
                 return
             self._remember(key, job.uid, result, now)
             self.backoff.went_through(key)

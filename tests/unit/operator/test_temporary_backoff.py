@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,10 +16,12 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from urllib3._collections import HTTPHeaderDict
 
+from kubetrain import k8s
 from kubetrain.config import Settings
-from kubetrain.errors import TemporaryError, classify
+from kubetrain.errors import InvalidError, TemporaryError, classify
 from kubetrain.k8s import Api
 from kubetrain.reconciler import Reconciler
+from reconciler_harness import logged, quiet_reconciler
 
 BODY = {
     "metadata": {"name": "train", "namespace": "ml", "uid": "uid-now", "generation": 1,
@@ -126,3 +129,37 @@ def test_a_conflict_whose_re_read_fails_is_tried_again_later_not_a_crash() -> No
 
     asyncio.run(main())
     assert delays == [2.0]
+
+
+def test_an_answer_no_step_expected_backs_off_warns_once_and_says_when_it_goes_through(caplog, monkeypatch) -> None:
+    """Before: a refusal that reached the reconcile unclassified (a 404, a 422 on a write that is not a create)
+    logged `reconcile of ml/train: HTTP 422 ...; retrying` at WARNING every 5 s for as long as it lasted, and
+    nothing when it ended. The k8s layer stands in: it raises what the API server's answer became."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    answers: list[Any] = [InvalidError("patch trainingjob/status: HTTP 422 Unprocessable Entity", status=422,
+                                       http_reason="Unprocessable Entity")] * 6 + [None]
+    delays: list[float] = []
+
+    async def apply(*_: Any, **__: Any) -> None:
+        if answers[0] is not None:
+            raise answers[0]
+
+    async def main() -> None:
+        api = Api(client.ApiClient(), threads=1)
+        rec = quiet_reconciler(api, delays)
+        try:
+            while answers:
+                rec.jobs[("ml", "train")] = copy.deepcopy(BODY)
+                rec.expectations.clear()
+                await rec.reconcile(("ml", "train"))
+                answers.pop(0)
+        finally:
+            api.close()
+
+    monkeypatch.setattr(k8s, "apply", apply)
+    asyncio.run(main())
+    assert delays == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert logged(caplog, logging.WARNING) == [
+        "reconcile of ml/train: patch trainingjob/status: HTTP 422 Unprocessable Entity; retrying in 5s"]
+    assert len([m for m in logged(caplog, logging.DEBUG) if "HTTP 422" in m]) == 5
+    assert "reconcile of ml/train goes through again (after 6 failures in a row)" in logged(caplog, logging.INFO)
