@@ -30,7 +30,8 @@ reads the same way as for kube-controller-manager:
   (`repeats.py`). Its health endpoint still answers 200: a restart gives it
   neither the permission nor an API server, and when the API server is away
   for everyone, restarting every replica only adds a crash-loop backoff to the
-  time they need to come back.
+  time they need to come back. The leader's failed renewals are said the same
+  way (their cadence and the renew deadline are untouched).
 """
 
 from __future__ import annotations
@@ -212,6 +213,9 @@ class LeaderElector:
         self._watchdog.start()
 
     def _renew_loop(self) -> None:
+        renewing = (self.lease_ref, "renew")  # its failures said once, as the standby's (`_trouble`)
+        then = (f"; trying again every {self.timing.retry_period:g}s (leadership is lost "
+                f"{self.timing.renew_deadline:g}s after the last renewal)")
         while not self._stop.wait(self.timing.retry_period):
             started = self.clock()
             try:
@@ -221,13 +225,17 @@ class LeaderElector:
                             return
                         self._renewed_at = started
                         self._renewed.notify_all()
+                    self._trouble.succeeded(renewing, f"{self.lease_ref} renewed again")
                     continue
                 if self.holder not in (None, self.identity):
                     self._lose(f"{self.lease_ref} is now held by {self.holder}")
                     return
-                log.warning("cannot renew %s (will retry): write conflict", self.lease_ref)
+                self._trouble.failed(renewing, f"cannot renew {self.lease_ref}: write conflict", then)
             except Exception as exc:  # noqa: BLE001
-                log.warning("cannot renew %s (will retry): %s", self.lease_ref, exc)
+                if isinstance(exc, ForbiddenError) and exc.denial is not None:  # the ledger's ERROR said it
+                    log.debug("cannot renew %s: %s", self.lease_ref, exc)
+                else:
+                    self._trouble.failed(renewing, f"cannot renew {self.lease_ref}: {exc}", then)
             if self._lost:
                 return
 

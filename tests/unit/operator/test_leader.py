@@ -233,3 +233,53 @@ def test_a_standby_that_cannot_reach_the_api_warns_once_a_minute_with_a_count_an
         caplog, logging.INFO)
     assert ticks.waits == [LeaseTiming().retry_period] * 61
     assert [what for what, _ in fake.calls] == ["read"] * 62 + ["create"]
+
+
+class Rounds(Ticks):
+    """`_renew_loop`'s stop event on a fake clock: `rounds` renewals, then stop."""
+
+    def __init__(self, ticks: Ticks, rounds: int) -> None:
+        super().__init__()
+        self.ticks, self.rounds = ticks, rounds
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.ticks.wait(timeout)
+        return len(self.ticks.waits) > self.rounds
+
+
+def renew_through(failures: list[Any]) -> tuple[FailingLeases, Ticks]:
+    """A leader whose renewals' reads fail with `failures`, one per round, then one renewal that goes through;
+    renewed on the calling thread (no watchdog: the renew deadline is not what is tested here)."""
+    fake, ticks = FailingLeases([]), Ticks()
+    elector = LeaderElector(client.ApiClient(), namespace="ops", name="kubetrain", identity="me", clock=ticks)
+    elector.api = fake  # type: ignore[assignment]
+    assert elector.acquire(ticks)
+    fake.failures, fake.calls, ticks.waits = list(failures), [], []
+    elector._stop = Rounds(ticks, len(failures) + 1)
+    elector._renew_loop()
+    assert elector.is_leader
+    return fake, ticks
+
+
+def test_a_leader_that_cannot_renew_warns_once_and_says_when_it_renews_again(caplog):
+    """Before: `cannot renew Lease ops/kubetrain (will retry): ...` at WARNING at every try, every retry period."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    fake, ticks = renew_through([_unreachable] * 4)
+    warnings = messages(caplog, logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("cannot renew Lease ops/kubetrain: ") and "Connection refused" in warnings[0]
+    assert warnings[0].endswith("; trying again every 2s (leadership is lost 10s after the last renewal)")
+    assert len([m for m in messages(caplog, logging.DEBUG) if m.startswith("cannot renew")]) == 3
+    assert "Lease ops/kubetrain renewed again (after 4 failures in a row)" in messages(caplog, logging.INFO)
+    # The renewals' cadence is untouched: a try every retry period.
+    assert ticks.waits == [LeaseTiming().retry_period] * 6
+    assert [what for what, _ in fake.calls] == ["read"] * 5 + ["replace"]
+
+
+def test_a_leader_whose_renewal_rbac_refuses_says_it_once_at_error_not_a_warning_per_try(caplog):
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    renew_through([_lease_forbidden] * 4)
+    (error,) = messages(caplog, logging.ERROR)
+    assert "forbids the operator to get leases in namespace ops" in error
+    assert messages(caplog, logging.WARNING) == []
+    assert any("allowed again" in m for m in messages(caplog, logging.INFO))
