@@ -9,13 +9,15 @@ Two counts per job, each of errors in a row:
   An answer no step of the reconcile expected (a 404, a 400/422 on a write
   that is not a create: `refused`) counts among them, from `REFUSED_DELAY`;
 - pod creates refused for a reason that can pass (a full ResourceQuota, RBAC not
-  yet granted): `REJECTED_BACKOFF`, reset once a pod create goes through.
+  yet granted): `REJECTED_BACKOFF`, reset once a pod create goes through, and
+  when the job is suspended or finishes (`settled`).
 A job's temporary error is logged at WARNING the first time, an identical
 repeat at DEBUG, and the reconcile that goes through after repeats once at INFO
 (`repeats.py`): an API server away for an hour is not a warning per job per
 minute. So is a job's refused pod create (the same reason again is a repeat:
 a job waiting a day for quota is one WARNING; its condition and event say the
-rest), ended by its next pod create that goes through. RBAC's refusals are
+rest), ended by its next pod create that goes through (forgotten when the job
+is suspended, finishes or is deleted). RBAC's refusals are
 logged at DEBUG here: the API client reported the missing permission once, at
 ERROR (`permissions.py`).
 """
@@ -97,6 +99,12 @@ class Backoff:
         """A pod create (or a write of the job's Workload) went through."""
         if self.rejections.pop(key, None) is not None:
             self.refusals.succeeded(key, f"job {key[0]}/{key[1]}: pod creates go through again")
+
+    def settled(self, key: Key) -> None:
+        """The job was just suspended (or Succeeded, or Failed): its refused creates in a row are over, so once
+        resumed its first refusal waits the shortest and is warned again."""
+        self.rejections.pop(key, None)
+        self.refusals.forget(key)
 
     def forget(self, key: Key) -> None:
         self.failures.pop(key, None)

@@ -342,6 +342,9 @@ class Reconciler(KueueSide):
             log.error("job %s/%s cannot run: %s", job.namespace, job.name, cannot_run)
         if written is not None:
             self.store_job(key, written)
+        phase = result.status.phase if result.status is not None else None
+        if phase != job.status.phase and phase in ("Suspended", "Succeeded", "Failed"):
+            self.backoff.settled(key)  # a wait for quota from before a suspend is not the resumed job's
         metrics.count_plan(job.status, result)
         for event in result.events:
             log.info("%s/%s %s: %s", job.namespace, job.name, event.reason, event.message)

@@ -4,6 +4,7 @@ only the client functions are stand-ins (`test_admission_refusals.Server`) that 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -11,8 +12,8 @@ import logging
 from kubernetes.client.rest import ApiException
 
 from test_admission_refusals import Server, no_service_account, run
-from test_rbac_denials import BODY
-from reconciler_harness import logged
+from test_rbac_denials import BODY, KEY
+from reconciler_harness import logged, quiet_reconciler
 
 
 def over_quota(used: int = 4) -> ApiException:
@@ -63,3 +64,35 @@ def test_the_refused_creates_events_are_logged_once_their_status_is_written_as_a
     said = [m.split(":")[0] for m in logged(caplog, logging.INFO) if m.startswith("ml/train ")]
     assert said == ["ml/train Resumed", "ml/train QuotaExceeded"]  # once each, as the events
     assert cluster.statuses[0]["phase"] == "Restarting" and len(cluster.statuses) == 1
+
+
+def test_a_job_suspended_while_it_waited_for_quota_resumes_with_the_shortest_wait_and_warns_again(caplog) -> None:
+    """Before: the refused creates in a row outlived the suspend: the resumed job's first refusal waited 60 s (the
+    longest step) and was logged at DEBUG as a repeat of a refusal from before the suspend, maybe days old."""
+    caplog.set_level(logging.DEBUG, logger="kubetrain")
+    cluster = Server(refusals={"create pod": over_quota})
+    delays: list[float] = []
+
+    async def main() -> None:
+        api = cluster.api()
+        rec = quiet_reconciler(api, delays)
+        rec.jobs[KEY] = copy.deepcopy(cluster.body)
+        try:
+            for suspend in (None,) * 5 + (True, False):
+                if suspend is not None:  # the user edits spec.runPolicy.suspend
+                    meta = cluster.body["metadata"]
+                    meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+                    cluster.body["spec"]["runPolicy"] = {"suspend": suspend}
+                    rec.jobs[KEY] = copy.deepcopy(cluster.body)
+                cluster.denied = {"create pod"}
+                rec.expectations.clear()
+                await rec.reconcile(KEY)
+                await asyncio.sleep(0.05)
+        finally:
+            api.close()
+
+    asyncio.run(main())
+    assert [s["phase"] for s in cluster.statuses] == ["Pending", "Suspended", "Pending"]
+    assert delays == [5.0, 10.0, 20.0, 40.0, 60.0, 5.0]  # the suspend asks for none
+    assert [m for m in logged(caplog, logging.WARNING) if "pod create refused" in m] == [
+        "job ml/train: pod create refused (QuotaExceeded); retrying in 5s"] * 2
