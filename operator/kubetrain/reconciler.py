@@ -253,6 +253,13 @@ class Reconciler(KueueSide):
         return hit[1]
 
     async def reconcile(self, key: tuple[str, str]) -> None:
+        try:
+            await self._reconcile(key)
+        finally:
+            if key not in self.jobs:  # deleted while it ran: what it noted since (errors in a row, expectations) goes
+                self.forget(key)
+
+    async def _reconcile(self, key: tuple[str, str]) -> None:
         for _ in range(CONFLICT_RETRIES):
             body = self.jobs.get(key)
             if body is None:
@@ -284,7 +291,7 @@ class Reconciler(KueueSide):
                 except TemporaryError as exc:  # the re-read failed: tried again later, not a crash
                     self._retry_later(key, exc)
                     return
-                if fresh is None:
+                if fresh is None or key not in self.jobs:  # gone, or its DELETED event came during the read
                     self.forget(key)
                     return
                 self.jobs[key] = fresh
@@ -340,7 +347,7 @@ class Reconciler(KueueSide):
         if cannot_run is not None:
             metrics.ERRORS.labels("permanent").inc()
             log.error("job %s/%s cannot run: %s", job.namespace, job.name, cannot_run)
-        if written is not None:
+        if written is not None and key in self.jobs:  # not a job whose DELETED event came during the write
             self.store_job(key, written)
         phase = result.status.phase if result.status is not None else None
         if phase != job.status.phase and phase in ("Suspended", "Succeeded", "Failed"):

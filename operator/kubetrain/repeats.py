@@ -70,3 +70,7 @@ class Repeats:
 
     def forget(self, key: Hashable) -> None:
         self._troubles.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is in a failure now."""
+        return key in self._troubles
