@@ -153,8 +153,14 @@ class Reconciler(KueueSide):
     async def resync(self) -> None:
         while True:
             await asyncio.sleep(self.settings.resync_seconds)
+            self.forget_idle_nodes()
             for key in list(self.jobs):
                 self.enqueue(key)
+
+    def forget_idle_nodes(self) -> None:
+        """Missing nodes with no pod of ours left on them: when they went missing no longer matters to any job."""
+        for name in [n for n in self.missing_nodes if not self.pods_index.jobs_on(n)]:
+            del self.missing_nodes[name]
 
     async def stop(self) -> None:
         for timer in self._timers.values():
@@ -200,11 +206,14 @@ class Reconciler(KueueSide):
         """One node event: a change of readiness (or a deletion) wakes up the jobs with a pod
         on that node; a heartbeat (no change) does nothing."""
         self.nodes_indexed = True
-        if kind == "DELETED":
-            self.missing_nodes.setdefault(name, utcnow())
-        if self.node_ready.get(name) == ready and kind != "DELETED":
+        if kind == "DELETED":  # for good, often (a scale-down, a spot node): kept only while a pod of ours is on it
+            self.node_ready.pop(name, None)
+            if self.pods_index.jobs_on(name):
+                self.missing_nodes.setdefault(name, utcnow())
+        elif self.node_ready.get(name) == ready:
             return  # a heartbeat, not a change
-        self.node_ready[name] = ready
+        else:
+            self.node_ready[name] = ready
         for key in self.pods_index.jobs_on(name):  # by the node index: never a walk over every job's pods
             if key in self.jobs:
                 self.enqueue(key)

@@ -10,7 +10,8 @@ import datetime as dt
 
 from kubetrain import k8s
 from kubetrain.config import Settings
-from kubetrain.observe import NodeView
+from kubetrain.api import LABEL_JOB
+from kubetrain.observe import NodeView, PodView
 from kubetrain.reconciler import Reconciler
 
 NOW = dt.datetime(2026, 12, 5, tzinfo=dt.timezone.utc)
@@ -51,3 +52,22 @@ def test_a_deleted_jobs_workload_is_not_released_before_the_pod_list_is_in(monke
         assert released == ["wl"]  # listed, and none of the job's pods is left
 
     asyncio.run(main())
+
+
+def test_deleted_nodes_are_forgotten_once_no_pod_of_ours_is_on_them():
+    """Before: every node ever deleted (a scale-down, a spot node taken back) stayed in the reconciler's
+    `node_ready` and `missing_nodes` for the operator's lifetime: memory that grew with the cluster's node churn."""
+    rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - no API call here
+    rec.jobs[("ml", "train")] = {"metadata": {"name": "train", "namespace": "ml"}}
+    rec.enqueue = lambda key, delay=0.0: None  # type: ignore[method-assign]
+    rec.pods_index.put(("ml", "train"), "train-a1-n0", ("uid", PodView(name="train-a1-n0", attempt=1, rank=0, node_name="busy")))
+    for name in ("idle", "busy"):
+        rec.node_event("MODIFIED", name, True)
+        rec.node_event("DELETED", name, False)
+    assert rec.node_ready == {} and list(rec.missing_nodes) == ["busy"]  # its pod's loss counts from the deletion
+    rec.forget_idle_nodes()
+    assert list(rec.missing_nodes) == ["busy"]
+    rec.pod_event("DELETED", {"metadata": {"name": "train-a1-n0", "namespace": "ml",
+                                           "labels": {LABEL_JOB: "train"}}})
+    rec.forget_idle_nodes()
+    assert rec.missing_nodes == {}
