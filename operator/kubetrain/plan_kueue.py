@@ -82,6 +82,13 @@ def is_queued(job: Job) -> bool:
     return kueue.LABEL_QUEUE_NAME in job.labels
 
 
+def reads_workload(job: Job) -> bool:
+    """The job's reconcile reads its Workload (`plan_queued`): it asks for Kueue, or it is being deleted after it did
+    (its Queued condition): the Workload of a job whose queue label was removed is deactivated but keeps our
+    finalizer, and a foreground deletion waits for that Workload, so its finalizer must go (`plan_queued`)."""
+    return is_queued(job) or (job.deleting and job.status.condition(QUEUED) is not None)
+
+
 def plan_unqueued(job: Job, observed: Observed, now: dt.datetime) -> Plan:
     """A job without the queue label: `plan.plan`. One that had the label before (its Queued condition is set)
     runs without Kueue from now on (the chart's admission policy refuses the removal only while Kueue admits

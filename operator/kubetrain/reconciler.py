@@ -34,7 +34,7 @@ from kubetrain.informer import FINAL_STATE_UNKNOWN
 from kubetrain.actions import CreatePod, CreateWorkload, DeletePod, PatchWorkload, Plan
 from kubetrain.observe import GONE_SUCCEEDED, Expectations, NodeView, Observed, PodIndex, PodView
 from kubetrain.plan import fail_plan, rejected_plan
-from kubetrain.plan_kueue import is_queued, plan_queued, plan_unqueued
+from kubetrain.plan_kueue import plan_queued, plan_unqueued, reads_workload
 from kubetrain.progress import ProgressObservation
 from kubetrain.reconciler_kueue import KueueSide
 
@@ -276,7 +276,7 @@ class Reconciler(KueueSide):
             now = utcnow()
             job = self._parsed(key, body)
             observed = self.observe(job, now)
-            if is_queued(job):
+            if reads_workload(job):  # a deleting job that was queued too: its Workload holds it up
                 try:
                     kq = await self.observe_kueue(job, now)
                 except TemporaryError as exc:  # backs off as any temporary error (the reads' refusals are such)

@@ -102,3 +102,47 @@ def test_a_workload_owned_by_another_groups_training_job_is_not_ours_to_release(
 
     asyncio.run(main())
     assert released == ["ours"]
+
+
+def test_a_job_whose_queue_label_was_removed_deleted_in_the_foreground_lets_its_workload_go(monkeypatch):
+    """`kubectl delete --cascade=foreground` (Argo CD's prune) of a job that had been queued and then had its
+    kueue.x-k8s.io/queue-name label removed: its Workload (deactivated, our finalizer still on it, blockOwnerDeletion)
+    is deleted first and the job waits for it. Before: the reconcile of a job without the label never read its
+    Workload, so the finalizer never went and the job and its Workload stayed Terminating forever (no DELETED of the
+    job ever came to release it)."""
+    from kubetrain import k8s_kueue
+
+    name = kueue.workload_name("tj", "uid-1")
+    terminating = {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "9",
+                                "deletionTimestamp": "2026-12-03T14:00:00Z", "finalizers": [kueue.FINALIZER],
+                                "labels": {kueue.LABEL_JOB_UID: "uid-1"}},
+                   "spec": {"active": False, "queueName": "team", "podSets": []}, "status": {}}
+    released: list[tuple[str, bool]] = []
+
+    async def get_workload(api, namespace, wl_name):
+        return True, terminating if wl_name == name else None
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append((action.name, action.remove_finalizer))
+
+    monkeypatch.setattr(k8s_kueue, "get_workload", get_workload)
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+    label_removed = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
+                     "lastTransitionTime": "2026-12-03T13:00:00Z"}
+    job = {"apiVersion": "kubetrain.io/v1", "kind": "TrainingJob",
+           "metadata": {"namespace": "ns", "name": "tj", "uid": "uid-1", "resourceVersion": "12", "generation": 1,
+                        "creationTimestamp": "2026-12-03T12:00:00Z", "deletionTimestamp": "2026-12-03T14:00:00Z",
+                        "finalizers": ["foregroundDeletion"], "labels": {}},
+           "spec": {"image": "reg/trainer:0.1.0", "nodes": 2, "trainer": {"builtin": {"task": "regression"}},
+                    "strategy": {"type": "ddp"}},
+           "status": {"phase": "Running", "attempt": 1, "conditions": [label_removed]}}
+
+    async def main() -> None:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - the Kueue calls are replaced
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: None  # type: ignore[method-assign]
+        rec.jobs[("ns", "tj")] = job
+        await rec.reconcile(("ns", "tj"))
+
+    asyncio.run(main())
+    assert released == [(name, True)]
