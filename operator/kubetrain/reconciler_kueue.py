@@ -109,7 +109,7 @@ class KueueSide:
         if known is not None and (known.get("metadata") or {}).get("uid") == owner.get("uid"):
             self.enqueue(key)
         elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
-            self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""))
+            self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""), unless_listed=True)
 
     def job_deleted(self, key: tuple[str, str], body: dict[str, Any]) -> None:
         """A deleted job's Workload is deleted with it, held by the finalizer until the pods are gone: let go, that of
@@ -120,18 +120,20 @@ class KueueSide:
         if queued and meta.get("uid"):
             self._release_later(key, str(meta["uid"]), kueue.workload_name(key[1], str(meta["uid"])))
 
-    def _release_later(self, key: tuple[str, str], uid: str, name: str) -> None:
+    def _release_later(self, key: tuple[str, str], uid: str, name: str, *, unless_listed: bool = False) -> None:
         if (key[0], name) in self._releasing:
             return
         self._releasing.add((key[0], name))
-        task = asyncio.get_running_loop().create_task(self._release(key, uid, name))
+        task = asyncio.get_running_loop().create_task(self._release(key, uid, name, unless_listed=unless_listed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, key: tuple[str, str], uid: str, name: str) -> None:
+    async def _release(self, key: tuple[str, str], uid: str, name: str, *, unless_listed: bool = False) -> None:
         """Remove the finalizer of a deleted job's Workload once none of its pods is left (or after 5 min); a conflict
         (Kueue wrote meanwhile) or an error that can pass (a webhook down, RBAC) is tried again until it goes through:
-        no event of the job is left to wake it up, and a Workload not let go stays Terminating forever."""
+        no event of the job is left to wake it up, and a Workload not let go stays Terminating forever.
+        `unless_listed`: the job was only unknown (a Workload event before its namespace's jobs were listed): if it
+        is known by then, alive or deleting, its own reconcile decides about its Workload (`plan_queued`)."""
         try:
             await self.pods_synced.wait()  # after a restart, an empty index does not mean the pods are gone
             for _ in range(300):
@@ -139,6 +141,8 @@ class KueueSide:
                     break
                 await asyncio.sleep(1.0)
             for tries in itertools.count(1):
+                if unless_listed and ((self.jobs.get(key) or {}).get("metadata") or {}).get("uid") == uid:
+                    return
                 try:
                     await k8s.patch_workload(self.api, key[0], PatchWorkload(name=name, resource_version="",
                                                                              remove_finalizer=True))

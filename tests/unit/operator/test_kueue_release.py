@@ -146,3 +146,48 @@ def test_a_job_whose_queue_label_was_removed_deleted_in_the_foreground_lets_its_
 
     asyncio.run(main())
     assert released == [(name, True)]
+
+
+def test_a_workload_whose_job_is_listed_meanwhile_is_left_to_the_jobs_reconcile(monkeypatch):
+    """A Terminating Workload whose job is not known yet (the Workload watch, started by the first queued job's
+    reconcile in one namespace, listed another namespace before the TrainingJobs there were listed) waits for its
+    pods before it is let go. Before: once the pods were gone (or after 5 minutes, pods or not) its finalizer went
+    even when its job had been listed meanwhile, alive: the job's own reconcile, which decides about the Workload of
+    a live job (stop the gang, then let it go, then queue again), was bypassed and the quota freed early."""
+    from kubetrain.observe import PodView
+
+    released: list[str] = []
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append(action.name)
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    name = kueue.workload_name("tj", "uid-1")
+    terminating = {"metadata": {"name": name, "namespace": "ns", "deletionTimestamp": "2026-12-03T14:00:00Z",
+                                "finalizers": [kueue.FINALIZER],
+                                "ownerReferences": [{"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                                                     "name": "tj", "uid": "uid-1", "controller": True}]}}
+
+    async def main() -> None:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: None  # type: ignore[method-assign]
+        rec.pods_index.put(("ns", "tj"), "tj-a1-n0", ("uid-1", PodView(name="tj-a1-n0", attempt=1, rank=0)))
+        rec.workload_event("MODIFIED", terminating)  # the job is not known yet: released once its pods are gone
+        for _ in range(5):
+            await real_sleep(0)
+        rec.job_event("MODIFIED", ("ns", "tj"), {"metadata": {"namespace": "ns", "name": "tj", "uid": "uid-1",
+                                                              "resourceVersion": "3"}})  # listed: it lives
+        rec.pods_index.discard(("ns", "tj"), "tj-a1-n0")
+        for _ in range(20):
+            await real_sleep(0)
+        assert not rec._releasing  # the release task ended
+
+    asyncio.run(main())
+    assert released == []
