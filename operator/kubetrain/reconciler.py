@@ -196,8 +196,9 @@ class Reconciler(KueueSide):
     def job_event(self, kind: str, key: tuple[str, str], body: dict[str, Any]) -> None:
         """One TrainingJob event: keep its newest body and wake it up; forget a deleted one."""
         if kind == "DELETED":
+            last = self.jobs.get(key)  # a DELETED made up by a relist has no status: the last one known has
             self.forget(key)
-            self.job_deleted(key, body)
+            self.job_deleted(key, body, last)
             return
         self.store_job(key, body)
         self.enqueue(key)

@@ -111,12 +111,16 @@ class KueueSide:
         elif kind != "DELETED" and meta.get("deletionTimestamp") and kueue.FINALIZER in (meta.get("finalizers") or ()):
             self._release_later(key, str(owner.get("uid") or ""), str(meta.get("name") or ""), unless_listed=True)
 
-    def job_deleted(self, key: tuple[str, str], body: dict[str, Any]) -> None:
+    def job_deleted(self, key: tuple[str, str], body: dict[str, Any], last: dict[str, Any] | None = None) -> None:
         """A deleted job's Workload is deleted with it, held by the finalizer until the pods are gone: let go, that of
-        a queued job and that of a job whose queue label was removed (its Workload deactivated, still ours)."""
+        a queued job and that of a job whose queue label was removed (its Workload deactivated, still ours). `last`:
+        the job's body as last known, whose status counts too (a DELETED made up by a relist has none)."""
         meta = body.get("metadata") or {}
+        statuses = [body] + ([last] if last is not None and (last.get("metadata") or {}).get("uid") == meta.get("uid")
+                             else [])
         queued = kueue.LABEL_QUEUE_NAME in (meta.get("labels") or {}) or any(
-            isinstance(c, dict) and c.get("type") == QUEUED for c in (body.get("status") or {}).get("conditions") or ())
+            isinstance(c, dict) and c.get("type") == QUEUED
+            for b in statuses for c in (b.get("status") or {}).get("conditions") or ())
         if queued and meta.get("uid"):
             self._release_later(key, str(meta["uid"]), kueue.workload_name(key[1], str(meta["uid"])))
 

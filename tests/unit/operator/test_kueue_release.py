@@ -191,3 +191,34 @@ def test_a_workload_whose_job_is_listed_meanwhile_is_left_to_the_jobs_reconcile(
 
     asyncio.run(main())
     assert released == []
+
+
+def test_a_job_whose_label_was_removed_deleted_during_a_watch_gap_has_its_workload_released(monkeypatch):
+    """The TrainingJob watch was down when a job whose queue label had been removed was deleted: its relist makes up
+    a DELETED whose body has only the name, labels and uid (no status, so no Queued condition). Before: that job did
+    not count as queued, nothing let its Workload go, and the Workload stayed Terminating (its own event, come while
+    the job was still known, had only woken the job up). The job's last known status says it was queued."""
+    from kubetrain.informer import FINAL_STATE_UNKNOWN
+
+    released: list[str] = []
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append(action.name)
+
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+    label_removed = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
+                     "lastTransitionTime": "2026-12-03T13:00:00Z"}
+
+    async def main() -> None:
+        rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced
+        rec.pods_synced.set()
+        rec.enqueue = lambda key, delay=0.0: None  # type: ignore[method-assign]
+        rec.job_event("MODIFIED", ("ns", "tj"), {**_deleted_job({}, [label_removed]), "metadata": {
+            "namespace": "ns", "name": "tj", "uid": "uid-1", "labels": {}, "resourceVersion": "5"}})
+        rec.job_event("DELETED", ("ns", "tj"), {"metadata": {"namespace": "ns", "name": "tj", "uid": "uid-1",
+                                                             "labels": {}}, "status": {}, FINAL_STATE_UNKNOWN: True})
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert released == [kueue.workload_name("tj", "uid-1")]
