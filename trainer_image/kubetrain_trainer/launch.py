@@ -318,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     signalled_at = supervise(workers, stop, cfg, telemetry.grace_split)
     code = exit_code_for(first_failure=workers.first_failure, signalled=signalled_at is not None, all_ok=workers.all_ok)
-    verdict = unfinished_run(code, final_report(telemetry.progress_file), signalled=signalled_at is not None)
+    verdict = unfinished_run(code, final_report(telemetry.progress_file), signalled=signalled_at is not None,
+                             exited_ok={p.pid for p in workers.procs if p.returncode == EXIT_OK})
     if verdict.problem:  # a shell that went on after its training process crashed exits 0
         log.error("%s", verdict.problem)
     code = verdict.code

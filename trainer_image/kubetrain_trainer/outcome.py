@@ -7,12 +7,15 @@ succeed without a model. When the run the workers reported began and never ended
 instead (`unfinished_run`). A run that ended counts, whoever ran it: a shell that retries
 (`python train.py || python train.py`) succeeds by its last run, and a command whose processes
 do not report the end of their run (a custom loop without `train_begin(reports_end=True)`) is
-judged by its exit code alone.
+judged by its exit code alone. So is a training process that is itself the worker (no shell
+between: the launcher saw its exit): one that stops its run on purpose, catching an exception
+and keeping what it has, and exits 0 has chosen success.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 from kubetrain_trainer.contract import EXIT_INVALID_CONFIG, EXIT_OK, EXIT_PREEMPTED
 from kubetrain_trainer.progress import WorkerProgress
@@ -46,13 +49,18 @@ class Verdict:
     checkpoint folder may be partial, so it counts as written by a worker that died (readiness.py, rule 5)."""
 
 
-def unfinished_run(code: int, report: WorkerProgress | None, *, signalled: bool) -> Verdict:
+def unfinished_run(code: int, report: WorkerProgress | None, *, signalled: bool,
+                   exited_ok: Collection[int] = ()) -> Verdict:
     """`code`, unless the workers exited 0 while the run they reported never ended: then 83 when a SIGTERM
-    stopped it (or it stopped after its emergency checkpoint), else 1 (it crashed, and a shell went on)."""
+    stopped it (or it stopped after its emergency checkpoint), else 1 (it crashed, and a shell went on).
+    `exited_ok`: the pids of the workers that exited 0 themselves; a run of one of them was ended by its own
+    choice (no shell hid a crash), though its last folder may be partial all the same."""
     if code != EXIT_OK or report is None or report.run not in ("training", "preempted"):
         return Verdict(code)
     at = f"step {report.step}" + (f" of {report.max_steps}" if report.max_steps else "")
     unseen = report.run == "training"
+    if unseen and not signalled and report.pid is not None and report.pid in exited_ok:
+        return Verdict(code, writers_unseen=True)
     if signalled or report.run == "preempted":
         return Verdict(EXIT_PREEMPTED, f"the command exited 0, but its training run stopped at {at} for the "
                                        "SIGTERM: exiting as preempted (the next attempt resumes it)", unseen)

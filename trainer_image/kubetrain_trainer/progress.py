@@ -126,13 +126,16 @@ class WorkerProgress:
     run: RunState | None = None
     """training: a run began and has not ended; finished: it ended (not by a SIGTERM); preempted: it stopped
     after its emergency checkpoint; None: the writer does not report the end of its run."""
+    pid: int | None = None
+    """The process whose run `run` is (the launcher's own worker, or a process behind a shell)."""
 
     def for_file(self) -> str:
         body = {"format": FORMAT, "time": self.time, "step": self.step, "maxSteps": self.max_steps,
                 "epoch": self.epoch, "loss": self.loss, "learningRate": self.learning_rate,
                 "samplesPerSecond": self.samples_per_second, "tokensPerSecond": self.tokens_per_second,
                 "etaSeconds": self.eta_seconds, "stepSeconds": self.step_seconds.for_file(),
-                "saveSeconds": self.save_seconds.for_file(), "saves": [list(s) for s in self.saves], "run": self.run}
+                "saveSeconds": self.save_seconds.for_file(), "saves": [list(s) for s in self.saves], "run": self.run,
+                "pid": self.pid}
         return json.dumps({k: finite_or_none(v) for k, v in body.items()}, allow_nan=False)
 
     @classmethod
@@ -157,7 +160,8 @@ class WorkerProgress:
                    eta_seconds=number("etaSeconds"),
                    step_seconds=Histogram.from_file(STEP_BUCKETS, raw.get("stepSeconds")),
                    save_seconds=Histogram.from_file(SAVE_BUCKETS, raw.get("saveSeconds")), saves=saves,
-                   run=raw["run"] if raw.get("run") in RUN_STATES else None)
+                   run=raw["run"] if raw.get("run") in RUN_STATES else None,
+                   pid=raw["pid"] if isinstance(raw.get("pid"), int) and not isinstance(raw["pid"], bool) else None)
 
     def save_seconds_of(self, step: int) -> float | None:
         return next((seconds for s, seconds in reversed(self.saves) if s == step), None)
@@ -211,7 +215,7 @@ class ProgressTracker:
         self._last_event = now
         self._update(step=step, max_steps=max_steps or None)
         if reports_end:
-            self._update(run="training")
+            self._update(run="training", pid=os.getpid())
         self.flush(force=True)
 
     def step_begin(self) -> None:

@@ -44,6 +44,11 @@ tracker.step_end(step=3, max_steps=10, epoch=None, samples_per_step=1)
 tracker.saved(3)  # written at once
 if sys.argv[1] == "crash":
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
+if sys.argv[1] == "caught":  # the script stops its run on purpose (keeps what it has) and exits 0
+    try:
+        raise MemoryError("out of memory at step 4")
+    except MemoryError:
+        sys.exit(0)
 if sys.argv[1] != "custom":
     tracker.train_end()
 """
@@ -60,7 +65,9 @@ def launch_in_process(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(launch, "pod_environ", lambda: dict(env))
     monkeypatch.setattr(launch, "become_subreaper", lambda: True)  # not this test run: the shell waits for its child
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield lambda script: launch.main(["--", "bash", "-c", script.format(py=sys.executable, train=tmp_path / "train.py")])
+    yield lambda script, shell=True: launch.main(
+        ["--", "bash", "-c", script.format(py=sys.executable, train=tmp_path / "train.py")] if shell
+        else ["--", sys.executable, str(tmp_path / "train.py"), script])
     for s, h in handlers.items():
         signal.signal(s, h)
 
@@ -78,3 +85,22 @@ def test_a_shell_that_goes_on_after_its_training_process_crashed_fails_the_pod(l
 ])
 def test_shells_whose_run_ended_still_succeed(launch_in_process, script):
     assert launch_in_process(script) == EXIT_OK
+
+
+def test_a_training_process_that_is_the_worker_itself_is_judged_by_its_own_exit(launch_in_process, caplog):
+    """No shell between: the launcher sees the training process's own exit. One that stops its run on purpose (an
+    exception it catches, then keeps what it has) and exits 0 chose success, as before the run's end was reported.
+    Before: exit 1 with "its training process failed and the command went on (a shell without `set -e`)", backoffLimit
+    spent on every attempt until the job failed. A shell's child still fails the pod (above)."""
+    with caplog.at_level(logging.ERROR, logger="kubetrain_trainer.launch"):
+        assert launch_in_process("caught", shell=False) == EXIT_OK
+    assert "never ended" not in caplog.text
+    assert launch_in_process("{py} {train} caught; echo done") == EXIT_UNFINISHED  # behind a shell: unseen
+
+
+def test_a_direct_worker_that_exited_0_stands_unless_a_sigterm_came():
+    direct = WorkerProgress(time=0.0, step=3, max_steps=10, run="training", pid=42)
+    assert unfinished_run(EXIT_OK, direct, signalled=False, exited_ok={42}).code == EXIT_OK
+    assert unfinished_run(EXIT_OK, direct, signalled=False, exited_ok={42}).writers_unseen  # its last folder: unsure
+    assert unfinished_run(EXIT_OK, direct, signalled=True, exited_ok={42}).code == EXIT_PREEMPTED  # not finished
+    assert unfinished_run(EXIT_OK, direct, signalled=False, exited_ok={7}).code == EXIT_UNFINISHED  # a shell's child
