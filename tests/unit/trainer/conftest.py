@@ -6,6 +6,8 @@ fixtures only keep the sizes small enough for the tests to take seconds.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -43,3 +45,11 @@ def make_args(tmp_path):
         return TrainingArguments(**{**base, **overrides})
 
     return make
+
+
+@pytest.fixture
+def master_port() -> str:
+    """A free port for a test's two gloo processes: a fixed one fails when another run holds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])

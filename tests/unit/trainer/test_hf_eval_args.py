@@ -114,7 +114,7 @@ def test_batch_eval_metrics_needs_a_compute_metrics_taking_compute_result(tmp_pa
             _trainer(kind, tmp_path / kind, compute_metrics=lambda eval_pred: {}, batch_eval_metrics=True)
 
 
-def test_batch_eval_metrics_on_two_ranks_sees_each_sample_once_in_order(tmp_path):
+def test_batch_eval_metrics_on_two_ranks_sees_each_sample_once_in_order(tmp_path, master_port):
     """Two gloo processes, 5 rows (one padding row on rank 1), batches of 2 per rank: each call gets the batch of
     both ranks in the set's order, without the padding row, and both ranks get the same metrics."""
     import json
@@ -140,7 +140,7 @@ def test_batch_eval_metrics_on_two_ranks_sees_each_sample_once_in_order(tmp_path
         "trainer = Trainer(model=Echo(), args=args, train_dataset=rows, eval_dataset=rows, compute_metrics=metrics)\n"
         "out = trainer.evaluate()\n"
         f"open({str(tmp_path)!r} + '/rank' + os.environ['RANK'] + '.json', 'w').write(json.dumps([seen, out['eval_n']]))\n")
-    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547", "WORLD_SIZE": "2"}
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in (0, 1)]
     assert [p.wait(timeout=180) for p in procs] == [0, 0]

@@ -72,7 +72,7 @@ def test_evaluate_returns_the_epoch_and_the_step_rate_as_hf(tiny_gpt, tokens, ma
     assert seen["epoch"] == trainer.state.epoch
 
 
-def test_main_process_first_joins_the_process_group_before_the_trainer_exists(tmp_path):
+def test_main_process_first_joins_the_process_group_before_the_trainer_exists(tmp_path, master_port):
     """HF scripts call it before Trainer(...): without a process group it did nothing, and every rank ran the
     block (a dataset's map) at once. Two gloo processes: rank 1 enters only after rank 0 left."""
     import subprocess
@@ -87,7 +87,7 @@ def test_main_process_first_joins_the_process_group_before_the_trainer_exists(tm
         "    if args.process_index == 0:\n"
         "        time.sleep(1.0)\n"
         f"    open({str(tmp_path)!r} + '/order', 'a').write(str(args.process_index) + '\\n')\n")
-    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "WORLD_SIZE": "2"}
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in (1, 0)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]

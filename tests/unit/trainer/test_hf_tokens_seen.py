@@ -105,7 +105,7 @@ def test_a_command_line_flag_is_hfs_mapping_and_an_unknown_value_is_refused():
         TrainingArguments(include_num_input_tokens_seen="nonpadding")
 
 
-def test_every_rank_holds_the_count_of_all_ranks(tmp_path):
+def test_every_rank_holds_the_count_of_all_ranks(tmp_path, master_port):
     """Two gloo processes, each training its half of the rows: both states count the tokens of both (HF gathers)."""
     script = tmp_path / "count.py"
     script.write_text(
@@ -122,7 +122,7 @@ def test_every_rank_holds_the_count_of_all_ranks(tmp_path):
         "trainer.train()\n"
         f"open({str(tmp_path)!r} + f'/rank{{rank}}.json', 'w').write(json.dumps(\n"
         "    [trainer.state.num_input_tokens_seen, [e.get('num_input_tokens_seen') for e in trainer.state.log_history]]))\n")
-    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "WORLD_SIZE": "2"}
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in (0, 1)]
     assert [p.wait(timeout=180) for p in procs] == [0, 0]

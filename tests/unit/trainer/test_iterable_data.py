@@ -166,7 +166,7 @@ if torch.distributed.is_initialized():
 """
 
 
-def test_an_iterable_eval_set_is_dealt_to_the_ranks_each_row_once(tmp_path):
+def test_an_iterable_eval_set_is_dealt_to_the_ranks_each_row_once(tmp_path, master_port):
     """Before, every rank evaluated the whole stream and the gather interleaved the copies: on 2 ranks
     `predict` returned each row twice (10 predictions of 5 rows), and compute_metrics saw them so."""
     import json
@@ -176,7 +176,7 @@ def test_an_iterable_eval_set_is_dealt_to_the_ranks_each_row_once(tmp_path):
 
     script = tmp_path / "evaluate.py"
     script.write_text(EVAL_SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29537"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}
     alone = subprocess.run([sys.executable, str(script), str(tmp_path / "one")], env=env, capture_output=True,
                            text=True, timeout=120, check=True).stdout.splitlines()[-1]
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "two")], stdout=subprocess.PIPE, text=True,
