@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -47,11 +48,17 @@ torch.distributed.destroy_process_group()
 """
 
 
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_rank_0_reads_the_stream_and_each_rank_trains_its_batches(tmp_path, workers):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29541 + workers), "WORLD_SIZE": "2"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port(), "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(workers)],
                               stdout=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
