@@ -20,15 +20,24 @@ rest), ended by its next pod create that goes through (forgotten when the job
 is suspended, finishes or is deleted). RBAC's refusals are
 logged at DEBUG here: the API client reported the missing permission once, at
 ERROR (`permissions.py`).
+
+A reconcile that crashes (a bug, an exception no step expected) crashes the
+same way at every try: it is retried from `CRASH_FIRST_DELAY`, doubling up to
+`CRASH_MAX_DELAY`; its traceback is logged once at ERROR per job and kind of
+crash (the exception's type and message), the same crash again at DEBUG with a
+WARNING and their count every `CRASH_WARNING_EVERY` seconds, and the first
+reconcile that does not crash once at INFO (`crashed`, `reconciled`). Each
+crash is counted in the metrics all the same.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from kubetrain import metrics
 from kubetrain.errors import ApiError, DeniedError, RejectedError, TemporaryError, WorkloadRejectedError
-from kubetrain.repeats import Repeats
+from kubetrain.repeats import Repeats, without_addresses
 
 log = logging.getLogger("kubetrain.operator")
 
@@ -38,6 +47,12 @@ TEMPORARY_MAX_DELAY = 60.0
 """Longest wait after temporary errors in a row (each one doubles the error's own delay)."""
 REFUSED_DELAY = 5.0
 """First wait after an answer no step of the reconcile expected (`Backoff.refused`), doubling as a temporary error's."""
+CRASH_FIRST_DELAY = 10.0
+"""Wait after a job's first crash of its reconcile in a row (each one after it doubles it)."""
+CRASH_MAX_DELAY = 300.0
+"""Longest wait after a job's crashes in a row."""
+CRASH_WARNING_EVERY = 600.0
+"""Seconds between the WARNINGs of a job's same crash again (with how many there were meanwhile)."""
 
 Key = tuple[str, str]
 
@@ -50,6 +65,8 @@ class Backoff:
         self.rejections: dict[Key, int] = {}  # pod creates refused in a row
         self.repeats = Repeats(log)
         self.refusals = Repeats(log)  # of pod creates: their own trouble (a reconcile going through ends none)
+        self.crashes: dict[Key, collections.Counter[str]] = {}  # crashes in a row, by kind
+        self.crash_log = Repeats(log, every=CRASH_WARNING_EVERY, level=logging.ERROR)  # by (job, kind)
 
     def temporary(self, key: Key, exc: TemporaryError, doing: str = "") -> float:
         """Count and log one temporary error of the job's reconcile (`doing`: in which step, e.g. "reading Kueue"):
@@ -76,6 +93,29 @@ class Backoff:
         """One more error in a row of the job's reconcile: `base` doubled per error before it, up to the longest."""
         count = self.failures[key] = self.failures.get(key, 0) + 1
         return max(base, min(TEMPORARY_MAX_DELAY, base * 2 ** min(count - 1, 16)))
+
+    def crashed(self, key: Key, exc: Exception) -> float:
+        """Count and log one crash of the job's reconcile (`exc`, which escaped it): the seconds until it is tried
+        again. The traceback of each kind of crash (type and message) is logged once while the crashes last."""
+        metrics.ERRORS.labels("reconcile_crash").inc()
+        kinds = self.crashes.setdefault(key, collections.Counter())
+        crash = f"{type(exc).__name__}: {exc}"
+        kind = without_addresses(crash)
+        kinds[kind] += 1
+        count = sum(kinds.values())
+        delay = min(CRASH_MAX_DELAY, CRASH_FIRST_DELAY * 2 ** min(count - 1, 16))
+        self.crash_log.failed((key, kind), f"reconcile of {key[0]}/{key[1]} crashed: {crash}",
+                              f"; retrying in {delay:.0f}s", exc_info=exc)
+        return delay
+
+    def reconciled(self, key: Key) -> None:
+        """The job's reconcile ran to its end without crashing: after crashes, said once at INFO."""
+        kinds = self.crashes.pop(key, None)
+        if kinds is not None:
+            for kind in kinds:
+                self.crash_log.forget((key, kind))
+            log.info("reconcile of %s/%s no longer crashes (crashes in a row: %d)", key[0], key[1],
+                     sum(kinds.values()))
 
     def rejected(self, key: Key, exc: RejectedError) -> float:
         """Count and log one refused pod create (or Workload write): the seconds until the job tries again."""
@@ -111,3 +151,5 @@ class Backoff:
         self.repeats.forget(key)
         self.rejections.pop(key, None)
         self.refusals.forget(key)
+        for kind in self.crashes.pop(key, None) or ():
+            self.crash_log.forget((key, kind))

@@ -139,10 +139,9 @@ class Reconciler(KueueSide):
                     try:
                         with metrics.RECONCILE_SECONDS.time():
                             await self.reconcile(key)
-                    except Exception:  # a bug must not kill the loop of this job forever
-                        metrics.ERRORS.labels("reconcile_crash").inc()
-                        log.exception("reconcile of %s/%s crashed; retrying in 10s", *key)
-                        self.enqueue(key, 10.0)
+                        self.backoff.reconciled(key)
+                    except Exception as exc:  # noqa: BLE001 - a bug must not kill the loop of this job forever
+                        self.enqueue(key, self.backoff.crashed(key, exc))  # logs its traceback, once (backoff.py)
                     finally:
                         self.active -= 1
                 if key not in self._dirty:
@@ -155,7 +154,8 @@ class Reconciler(KueueSide):
             await asyncio.sleep(self.settings.resync_seconds)
             self.forget_idle_nodes()
             for key in list(self.jobs):
-                self.enqueue(key)
+                if key not in self.backoff.crashes:  # a crashing job waits for its retry (or an event), not for this
+                    self.enqueue(key)
 
     def forget_idle_nodes(self) -> None:
         """Missing nodes with no pod of ours left on them: when they went missing no longer matters to any job."""

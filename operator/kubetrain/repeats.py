@@ -11,6 +11,9 @@ warning, with how many there were meanwhile; a different failure at WARNING at
 once. The first success after repeats is logged at INFO, with their count, so
 the log says when the trouble ended; a single failure needs no such line (the
 next try worked). Only the logging changes: when to try again is the caller's.
+`level` raises the first line of a failure (a crash: ERROR, with its traceback
+as `exc_info`); `same` compares a coarser text than the one logged (an outage
+that refuses every job's event alike, whichever job it names).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """`text` as failures are compared: object addresses (` at 0x7f...`) left out."""
+    return _ADDRESS.sub("", text)
 
 
 @dataclass
@@ -36,14 +44,15 @@ class Repeats:
     """The failure each key is in, if any."""
 
     def __init__(self, log: logging.Logger, *, every: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.log, self.every, self.clock = log, every, clock
+                 clock: Callable[[], float] = time.monotonic, level: int = logging.WARNING) -> None:
+        self.log, self.every, self.clock, self.level = log, every, clock, level
         self._troubles: dict[Hashable, _Trouble] = {}
 
-    def failed(self, key: Hashable, failure: str, then: str = "") -> None:
-        """One failure of `key`: `failure` says what failed (compared with the last one), `then` what happens
-        next (`; retrying in 4s`: logged, not compared)."""
-        now, same = self.clock(), _ADDRESS.sub("", failure)
+    def failed(self, key: Hashable, failure: str, then: str = "", *, same: str | None = None,
+               exc_info: BaseException | None = None) -> None:
+        """One failure of `key`: `failure` says what failed (compared with the last one, or `same` instead), `then`
+        what happens next (`; retrying in 4s`: logged, not compared); `exc_info` goes with its first line only."""
+        now, same = self.clock(), without_addresses(failure if same is None else same)
         trouble = self._troubles.get(key)
         if trouble is None or trouble.failure != same:
             if trouble is not None:
@@ -51,7 +60,7 @@ class Repeats:
                 trouble.total += 1
             else:
                 self._troubles[key] = _Trouble(same, now)
-            self.log.warning("%s%s", failure, then)
+            self.log.log(self.level, "%s%s", failure, then, exc_info=exc_info)
             return
         trouble.total += 1
         if self.every is not None and now - trouble.warned_at >= self.every:
