@@ -34,6 +34,7 @@ from kubernetes.client.rest import ApiException
 from kubetrain import builders, kueue, kueue_admission
 from kubetrain.k8s_kueue import create_workload, patch_workload
 from kubetrain.permissions import Permissions
+from kubetrain.repeats import Repeats
 from kubetrain.transport import Transport
 from kubetrain.errors import (
     ApiError, ConflictError, ForbiddenError, InvalidError, NotFoundError, PermanentError, RefusedError, RejectedError,
@@ -48,6 +49,8 @@ from kubetrain.actions import (
 
 log = logging.getLogger("kubetrain.k8s")
 MERGE_PATCH = "application/merge-patch+json"
+EVENT_WARNING_EVERY = 300.0
+"""Seconds between the WARNINGs of events that still cannot be posted (with how many failed meanwhile)."""
 
 
 @dataclass
@@ -59,6 +62,8 @@ class Api:
     writes: collections.Counter[str] = field(default_factory=collections.Counter)
     instance: str = field(default_factory=socket.gethostname)
     permissions: Permissions = field(default_factory=Permissions)
+    event_failures: Repeats = field(default_factory=lambda: Repeats(log, every=EVENT_WARNING_EVERY))
+    """Events that could not be posted, as one trouble for all jobs (`post_event`)."""
 
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api_client)
@@ -350,12 +355,19 @@ async def _delete_job(api: Api, job: Job) -> None:
 
 
 async def post_event(api: Api, job: Job, event: Event) -> None:
-    """Post one Event on the TrainingJob. Losing one is not worth failing a reconcile over."""
+    """Post one Event on the TrainingJob. Losing one is not worth failing a reconcile over, nor a WARNING each: an
+    API server away fails every job's events, so the first failure is warned, the rest quietly, with their count
+    every `EVENT_WARNING_EVERY` seconds and once when events go through again (`repeats.py`)."""
     body = builders.get_event(job=job, type=event.type, reason=event.reason, message=event.message,
                               instance=api.instance, time=format_time(dt.datetime.now(dt.timezone.utc)))
     try:
         await api.call("create event", api.core.create_namespaced_event, job.namespace, body, namespace=job.namespace)
-    except ApiError as exc:  # a refusal by RBAC was reported once (permissions.py): not again for every event
-        log.log(logging.DEBUG if isinstance(exc, ForbiddenError) and exc.denial else logging.WARNING,
-                "could not post event %s for %s/%s: %s", event.reason, job.namespace, job.name, exc)
+    except ApiError as exc:
+        failure = f"could not post event {event.reason} for {job.namespace}/{job.name}: {exc}"
+        if isinstance(exc, ForbiddenError) and exc.denial:  # reported once by the API client (permissions.py)
+            log.debug("%s", failure)
+        else:  # an API server away or failing fails every job's events alike: one trouble, whichever job it names
+            api.event_failures.failed("events", failure, same=type(exc).__name__)
+        return
+    api.event_failures.succeeded("events", "events are posted again")
 
