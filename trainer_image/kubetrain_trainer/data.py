@@ -22,6 +22,7 @@ import inspect
 import itertools
 import logging
 import math
+import pickle
 import sys
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Sized
@@ -143,16 +144,36 @@ class DispatchedLoader(DataLoader):
             while True:
                 box: list = [None]
                 dist.scatter_object_list(box, None, src=0)
+                if isinstance(box[0], _DispatchFailed):
+                    raise RuntimeError(f"rank 0 could not read or send the training data's next batches "
+                                       f"({box[0].error}): see rank 0's log")
                 if box[0] is None:
                     return
                 yield box[0]
         batches = super().__iter__()
         while True:
-            parts = list(itertools.islice(batches, self.world))
-            dist.scatter_object_list([None], parts if len(parts) == self.world else [None] * self.world, src=0)
+            # Rank 0's error is sent, else the others wait for their batch until the group's timeout: one reading
+            # the stream, or pickling a batch (scatter_object_list pickles all before it sends a byte).
+            parts: list | None = None
+            try:
+                parts = list(itertools.islice(batches, self.world))
+                dist.scatter_object_list([None], parts if len(parts) == self.world else [None] * self.world, src=0)
+            except Exception as exc:
+                if parts is not None and not isinstance(exc, (pickle.PicklingError, TypeError, AttributeError)):
+                    raise  # the scatter itself failed (a rank gone, a timeout): nothing can be sent
+                failed = _DispatchFailed(f"{type(exc).__name__}: {exc}")
+                dist.scatter_object_list([None], [failed] * self.world, src=0)
+                raise
             if len(parts) < self.world:  # whole groups only: a short round is the end
                 return
             yield parts[0]
+
+
+class _DispatchFailed:
+    """What rank 0 scatters instead of batches when it could not read or send them: the others raise it."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
 
 
 class EpochRelay(IterableDataset):
