@@ -49,6 +49,10 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def _uid(body: dict[str, Any] | None) -> str | None:
+    return ((body or {}).get("metadata") or {}).get("uid")
+
+
 def _rv(body: dict[str, Any] | None) -> int:
     try:
         return int((body or {}).get("metadata", {}).get("resourceVersion") or 0)
@@ -263,11 +267,14 @@ class Reconciler(KueueSide):
         return hit[1]
 
     async def reconcile(self, key: tuple[str, str]) -> None:
+        uid = _uid(self.jobs.get(key))
         try:
             await self._reconcile(key)
         finally:
             if key not in self.jobs:  # deleted while it ran: what it noted since (errors in a row, expectations) goes
                 self.forget(key)
+            elif _uid(self.jobs[key]) != uid:  # deleted and re-created under its name: the new job is kept, the
+                self.backoff.forget(key)  # old one's errors in a row are not its (expectations go by uid)
 
     async def _reconcile(self, key: tuple[str, str]) -> None:
         for _ in range(CONFLICT_RETRIES):

@@ -87,3 +87,35 @@ def test_a_job_deleted_while_a_conflict_re_read_it_is_not_stored_again(monkeypat
         assert KEY not in rec.jobs and rec.expectations == {}
 
     asyncio.run(main())
+
+
+def test_a_job_re_created_while_the_deleted_ones_reconcile_ran_starts_with_no_errors_in_a_row(monkeypatch) -> None:
+    """Before: a job deleted and re-created under the same name (`kubectl delete` then `apply`) while its reconcile
+    met a full quota inherited that refusal: the new job's first refusal waited longer (its second in a row) and
+    was logged at DEBUG as a repeat of the deleted job's, never warned. The new job is kept, the old one's errors
+    in a row are not."""
+    delays: list[float] = []
+    new = {**copy.deepcopy(BODY), "metadata": {**BODY["metadata"], "uid": "uid-new", "resourceVersion": "20"}}
+
+    async def main() -> None:
+        api = Api(client.ApiClient(), threads=1)
+        rec = quiet_reconciler(api, delays)
+
+        async def apply(_api: Any, _job: Any, _rv: str, _plan: Any, said: Any = None) -> None:
+            if rec.jobs[KEY]["metadata"]["uid"] == "uid-now":  # once: the waiting plan is applied after it
+                rec.job_event("DELETED", KEY, copy.deepcopy(BODY))
+                rec.job_event("ADDED", KEY, copy.deepcopy(new))
+                raise RejectedError("QuotaExceeded", "create pod train-a1-n0: exceeded quota")
+
+        monkeypatch.setattr(k8s, "apply", apply)
+        monkeypatch.setattr(rec, "job_deleted", lambda *_: None)
+        monkeypatch.setattr(rec, "enqueue", lambda *_, **__: None)  # the new job's own reconcile: not this test's
+        rec.jobs[KEY] = copy.deepcopy(BODY)
+        try:
+            await rec.reconcile(KEY)
+        finally:
+            api.close()
+        assert rec.jobs[KEY]["metadata"]["uid"] == "uid-new"
+        assert rec.backoff.failures == {} and rec.backoff.rejections == {} and KEY not in rec.backoff.refusals
+
+    asyncio.run(main())
