@@ -273,8 +273,8 @@ class Reconciler(KueueSide):
         finally:
             if key not in self.jobs:  # deleted while it ran: what it noted since (errors in a row, expectations) goes
                 self.forget(key)
-            elif _uid(self.jobs[key]) != uid:  # deleted and re-created under its name: the new job is kept, the
-                self.backoff.forget(key)  # old one's errors in a row are not its (expectations go by uid)
+            elif uid is not None and _uid(self.jobs[key]) not in (uid, None):  # deleted and re-created under its
+                self.backoff.forget(key)  # name: the new job is kept, the old one's errors in a row are not its
 
     async def _reconcile(self, key: tuple[str, str]) -> None:
         for _ in range(CONFLICT_RETRIES):
