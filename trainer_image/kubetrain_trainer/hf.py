@@ -41,6 +41,7 @@ import torch
 from transformers import TrainerCallback
 
 from kubetrain_trainer.contract import TEST_HF_HOLD, TEST_HOLD_SECONDS
+from kubetrain_trainer.distributed import settle_gloo_at_exit
 from kubetrain_trainer.progress import ProgressTracker
 from kubetrain_trainer.readiness import mark_ready
 from kubetrain_trainer.workerenv import WorkerEnv
@@ -81,6 +82,9 @@ class KubetrainCheckpointCallback(TrainerCallback):
         self.progress = ProgressTracker.from_env()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_backend() == "gloo":
+            settle_gloo_at_exit()  # the script's group: torch's gloo may abort a finished run as it exits
         if state.is_local_process_zero:
             self.progress.train_begin(step=state.global_step, max_steps=state.max_steps,
                                       tokens_seen=getattr(state, "num_input_tokens_seen", None) or None,
