@@ -140,10 +140,10 @@ def test_the_operator_sets_only_documented_variables_and_the_trainer_knows_the_t
 
 
 def test_spec_env_cannot_move_the_store_off_spec_checkpoint_endpoint() -> None:
-    # botocore takes the S3 endpoint from AWS_ENDPOINT_URL_S3 before the AWS_ENDPOINT_URL the operator sets from
-    # spec.checkpoint.endpoint, and from neither with AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true, and so does the
-    # trainer (storage_config.endpoint_variable). The CRD refused only AWS_ENDPOINT_URL in spec.env: either of the
-    # others sent a job's checkpoints to another store (or AWS) than its spec.checkpoint.endpoint said.
+    # botocore takes the S3 endpoint from AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, and from neither with
+    # AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true. The trainer puts the operator's AWS_ENDPOINT_URL first
+    # (storage_config.endpoint_variable), but with no spec.checkpoint.endpoint either of the others would send a
+    # job's checkpoints off AWS S3 (or, in user code, its other S3 calls elsewhere): spec.env may set none of them.
     from kubetrain_trainer.storage_config import ENDPOINT_ENV, IGNORE_ENDPOINTS_ENV
 
     crd = yaml.safe_load((ROOT / "crds" / "trainingjob.yaml").read_text())
@@ -153,6 +153,9 @@ def test_spec_env_cannot_move_the_store_off_spec_checkpoint_endpoint() -> None:
         assert f"'{name}'" in rule["rule"] and name in rule["message"], name
     env = {"KUBETRAIN_CHECKPOINT_URI": "s3://b/p", "AWS_ENDPOINT_URL": "http://minio:9000"}
     assert StorageConfig.from_env(env).endpoint_url == "http://minio:9000"  # what the operator sets is the store
+    # ... also beside an AWS_ENDPOINT_URL_S3 of a job stored before the rule (or from envFrom): its checkpoints stay
+    for extra in ({"AWS_ENDPOINT_URL_S3": "http://data:9000"}, {IGNORE_ENDPOINTS_ENV: "true"}):
+        assert StorageConfig.from_env({**env, **extra}).endpoint_url == "http://minio:9000"
 
 
 def _pod(code: int | None, *, rank: int, disruption: bool = False, phase: str | None = None) -> PodView:

