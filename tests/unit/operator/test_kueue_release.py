@@ -45,6 +45,21 @@ def test_a_release_refused_for_a_while_is_tried_until_it_goes_through(monkeypatc
     assert max(sleeps) <= 60.0 and sleeps[:4] == [0.5, 1.0, 2.0, 4.0]  # backs off, at most a minute apart
 
 
+LABEL_REMOVED = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
+                 "lastTransitionTime": "2026-12-03T13:00:00Z"}
+
+
+def _recording_releases(monkeypatch) -> list[str]:
+    """The names of the Workloads let go (k8s.patch_workload replaced), in order."""
+    released: list[str] = []
+
+    async def patch_workload(api, namespace, action) -> None:
+        released.append(action.name)
+
+    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
+    return released
+
+
 def _deleted_job(labels: dict, conditions: list) -> dict:
     return {"metadata": {"namespace": "ns", "name": "tj", "uid": "uid-1", "labels": labels},
             "status": {"conditions": conditions}}
@@ -54,14 +69,8 @@ def test_the_workload_of_a_job_whose_queue_label_was_removed_is_released_when_th
     """Before: only a job still labelled kueue.x-k8s.io/queue-name had its Workload let go on deletion. One whose
     label was removed keeps its Workload (deactivated, our finalizer on it): deleted with the job, it stayed
     Terminating whenever its Workload event came before the job's DELETED (the job still known: only woken up)."""
-    released: list[str] = []
-
-    async def patch_workload(api, namespace, action) -> None:
-        released.append(action.name)
-
-    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
-    label_removed = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
-                     "lastTransitionTime": "2026-12-03T13:00:00Z"}
+    released = _recording_releases(monkeypatch)
+    label_removed = LABEL_REMOVED
 
     async def main() -> None:
         rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced
@@ -200,14 +209,8 @@ def test_a_job_whose_label_was_removed_deleted_during_a_watch_gap_has_its_worklo
     the job was still known, had only woken the job up). The job's last known status says it was queued."""
     from kubetrain.informer import FINAL_STATE_UNKNOWN
 
-    released: list[str] = []
-
-    async def patch_workload(api, namespace, action) -> None:
-        released.append(action.name)
-
-    monkeypatch.setattr(k8s, "patch_workload", patch_workload)
-    label_removed = {"type": "Queued", "status": "False", "reason": "QueueLabelRemoved", "message": "...",
-                     "lastTransitionTime": "2026-12-03T13:00:00Z"}
+    released = _recording_releases(monkeypatch)
+    label_removed = LABEL_REMOVED
 
     async def main() -> None:
         rec = Reconciler(api=None, settings=Settings())  # type: ignore[arg-type] - patch_workload is replaced

@@ -4,25 +4,13 @@ Trainer on the same tiny GPT-2: what each logs and what `compute_metrics` is giv
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from kubetrain_trainer import ConfigError, Trainer, TrainingArguments
 
-SEQ = 8
+from hf_tiny import tiny_gpt2 as _gpt2, token_rows as _rows
 KINDS = {"hf": (HFTrainingArguments, HFTrainer), "kt": (TrainingArguments, Trainer)}
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=SEQ))
-
-
-def _rows(n=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (n, SEQ), generator=g)]
 
 
 def _trainer(kind, out, *, compute_metrics=None, **kw):

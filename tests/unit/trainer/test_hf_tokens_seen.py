@@ -10,19 +10,13 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from kubetrain_trainer import Trainer, TrainingArguments
 
-SEQ = 8
+from hf_tiny import SEQ, tiny_gpt2 as _gpt2
 KINDS = {"hf": (HFTrainingArguments, HFTrainer), "kt": (TrainingArguments, Trainer)}
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=SEQ))
 
 
 def _rows(n=12, padded=False):

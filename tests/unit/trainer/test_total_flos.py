@@ -9,23 +9,12 @@ import types
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
 from transformers import Trainer as HFTrainer
 from transformers import TrainingArguments as HFTrainingArguments
 
 from kubetrain_trainer import Trainer, TrainerCallback, TrainingArguments
 
-SEQ = 8
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=SEQ))
-
-
-def _rows(n=12):
-    g = torch.Generator().manual_seed(1)
-    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (n, SEQ), generator=g)]
+from hf_tiny import SEQ, tiny_gpt2 as _gpt2, token_rows as _rows
 
 
 def _run(args_class, trainer_class, out, model, callbacks=(), resume=None, **kw):
