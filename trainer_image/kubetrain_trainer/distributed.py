@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import time
 from typing import Any
 
@@ -70,19 +71,17 @@ def init_process_group(*, use_cpu: bool, timeout_s: int) -> None:
 
 GLOO_EXIT_PAUSE_S = 0.1
 """How long a process that joined a gloo group waits at exit, once the group is destroyed, before finalizing."""
-_settling: list[bool] = []
 
 
+@functools.cache  # once per process
 def settle_gloo_at_exit() -> None:
     """Once per process, for a gloo group joined here or by the script (an HF script's): at exit, destroy it while
-    the interpreter is whole, then pause `GLOO_EXIT_PAUSE_S`. Without both, torch 2.13's gloo aborted about one
+    the interpreter is whole, then pause `GLOO_EXIT_PAUSE_S`. Without the pause, torch 2.13's gloo aborted about one
     2-rank run in three as it finalized (SIGABRT, "terminate called without an active exception"; a plain
     all_reduce script too, with or without destroy_process_group), which the launcher counts as a failed run;
     measured here: 8 of 30 runs aborted, 0 of 30 with the pause. NCCL's teardown needs the peers (it can hang),
     so an NCCL group is left to the script, as in HF."""
-    if not _settling:
-        _settling.append(True)
-        atexit.register(_destroy_gloo_group)
+    atexit.register(_destroy_gloo_group)
 
 
 def _destroy_gloo_group() -> None:

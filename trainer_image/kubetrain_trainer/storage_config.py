@@ -126,11 +126,12 @@ def endpoint_variable(env: Mapping[str, str]) -> str | None:
     job brings for its own data (a job stored before the CRD refused it in spec.env, or through envFrom) never moves
     its checkpoints, as before it was read. Else AWS_ENDPOINT_URL_S3 (botocore's variable: a pod that sets only it
     talks to that store, and is treated as one), unless `IGNORE_ENDPOINTS_ENV` is true, as botocore reads it."""
-    if env.get("AWS_ENDPOINT_URL"):
-        return "AWS_ENDPOINT_URL"
+    operators, s3 = ENDPOINT_ENV
+    if env.get(operators):
+        return operators
     if env.get(IGNORE_ENDPOINTS_ENV, "").lower() == "true":  # as botocore's ensure_boolean reads it
         return None
-    return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else None
+    return s3 if env.get(s3) else None
 
 
 def endpoint_from_env(env: Mapping[str, str]) -> str | None:
