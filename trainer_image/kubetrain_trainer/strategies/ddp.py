@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
 from .. import distributed as dist_util
+from ..adam_step import DirectAdamStep
 from ..optim import step_groups_at_once
 from .base import CpuStager, OptimizerFactory, Prepared, SchedulerFactory, StateDictMismatch, Strategy, reading
 
@@ -57,6 +58,7 @@ class DDPStrategy(Strategy):
         self._safetensors = True
         self.device = torch.device("cpu")
         self._stage = CpuStager()
+        self._direct = DirectAdamStep()
 
     def prepare(self, model: nn.Module, *, args: Any, num_training_steps: int, create_optimizer: OptimizerFactory,
                 create_scheduler: SchedulerFactory) -> Prepared:
@@ -97,6 +99,8 @@ class DDPStrategy(Strategy):
         if self._scaler:
             self._scaler.step(self._optimizer)
             self._scaler.update()
+        elif self._direct.step(self._optimizer):  # a fused Adam/AdamW: its kernel called straight, same bits
+            pass
         elif (merged := step_groups_at_once(self._optimizer)) is not None:
             groups, self._optimizer.param_groups = self._optimizer.param_groups, merged
             try:

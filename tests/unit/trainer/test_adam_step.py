@@ -1,0 +1,236 @@
+"""`DirectAdamStep` gives torch's own fused Adam/AdamW step bit for bit, and hands every other case back.
+
+Each test drives two copies of one optimizer through the same gradients: the reference with
+`optimizer.step()` only, the other as the DDP strategy does (`DirectAdamStep.step`, and
+`optimizer.step()` where it returns False). Parameters and every state tensor must end equal, and the
+test counts how often the direct call was made, so a check that never lets it step fails too.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from kubetrain_trainer import Trainer
+from kubetrain_trainer.adam_step import DirectAdamStep
+from kubetrain_trainer.optim import _SCHEDULES, SharedLambdaLR
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((5, 3), (7,), (3,), (2, 2))]
+
+
+def _optimizer(kind=torch.optim.AdamW, groups: tuple[dict, dict] | None = None, **kwargs) -> torch.optim.Optimizer:
+    params = _params()
+    if groups is None:
+        return kind(params, lr=1e-2, fused=True, **kwargs)
+    first, second = groups
+    return kind([{"params": params[:2], **first}, {"params": params[2:], **second}], lr=1e-2, fused=True, **kwargs)
+
+
+def _grads(opt: torch.optim.Optimizer, step: int, skip: int | None = None) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(q for group in opt.param_groups for q in group["params"]):
+        p.grad = None if i == skip else torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+class _Driven:
+    """An optimizer stepped as the DDP strategy steps it; `direct` counts the steps made straight."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt, self.stepper, self.direct = opt, DirectAdamStep(), 0
+
+    def step(self) -> None:
+        if self.stepper.step(self.opt):
+            self.direct += 1
+        else:
+            self.opt.step()
+
+
+def _assert_same(reference: torch.optim.Optimizer, other: torch.optim.Optimizer) -> None:
+    for a, b in zip(reference.param_groups, other.param_groups):
+        for p, q in zip(a["params"], b["params"]):
+            assert torch.equal(p, q)
+    sa, sb = reference.state_dict(), other.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for key, state in sa["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, sb["state"][key][name]), (key, name)
+
+
+def _run(make, steps: int = 8, between=None, skip_at: dict | None = None) -> int:
+    """`steps` steps of a reference and a driven copy of `make()`; `between(step, reference, driven)` may edit
+    both the same way before each step. Returns how many steps were made straight."""
+    reference, opt = make(), make()
+    driven = _Driven(opt)
+    for step in range(steps):
+        if between is not None:
+            between(step, reference, opt)
+        skip = (skip_at or {}).get(step)
+        _grads(reference, step, skip)
+        _grads(opt, step, skip)
+        reference.step()
+        driven.step()
+        _assert_same(reference, opt)
+    return driven.direct
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam"])
+@pytest.mark.parametrize("case", ["one group", "two alike", "weight decay differs", "lr differs", "maximize",
+                                  "weight decay"])
+def test_the_direct_step_updates_bit_for_bit_like_the_optimizers_own(kind, case):
+    groups = {"one group": None, "two alike": ({}, {}), "weight decay differs": ({"weight_decay": 0.1}, {}),
+              "lr differs": ({}, {"lr": 3e-3}), "maximize": None, "weight decay": None}[case]
+    kwargs = {"maximize": True} if case == "maximize" else {"weight_decay": 0.05} if case == "weight decay" else {}
+    direct = _run(partial(_optimizer, kind, groups, **kwargs))
+    assert direct == 6  # the first two steps are the optimizer's own (its state is made in the first)
+
+
+def test_a_schedule_changing_the_rate_every_step_is_followed():
+    def make():
+        opt = _optimizer(groups=({}, {}))
+        opt.scheduler = SharedLambdaLR(opt, partial(_SCHEDULES["linear"], warmup=3, total=12))  # wraps opt.step
+        return opt
+
+    reference, opt = make(), make()
+    driven = _Driven(opt)
+    for step in range(12):
+        _grads(reference, step)
+        _grads(opt, step)
+        reference.step()
+        driven.step()
+        reference.scheduler.step()
+        opt.scheduler.step()
+        _assert_same(reference, opt)
+    assert driven.direct == 10
+
+
+def test_a_step_with_a_parameter_without_gradient_is_the_optimizers_own():
+    # torch skips that parameter (its step count stays behind); only its own step does the same.
+    assert _run(partial(_optimizer, groups=({}, {})), steps=8, skip_at={4: 1, 5: 3}) == 4
+
+
+@pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared"])
+def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
+    extra = torch.nn.Parameter(torch.ones(4))
+
+    def between(step, reference, opt):
+        if step != 4:
+            return
+        for o in (reference, opt):
+            if edit == "betas":
+                o.param_groups[0]["betas"] = (0.8, 0.99)
+            elif edit == "new group":
+                o.add_param_group({"params": [copy.deepcopy(extra)]})
+            elif edit == "load_state_dict":
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
+            elif edit == "lr as a tensor":
+                o.param_groups[1]["lr"] = torch.tensor(5e-3)
+            else:
+                o.state.clear()
+
+    direct = _run(partial(_optimizer, groups=({}, {})), steps=10, between=between)
+    # Steps 2-3 straight, step 4 the optimizer's own; then straight again from step 5 where the state is there
+    # to rebuild from, from step 6 where step 4 had to make it (a new group's, a cleared state), never with a
+    # tensor rate.
+    assert direct == {"betas": 7, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2}[edit]
+
+
+@pytest.mark.parametrize("case", ["step hook", "global pre hook", "global post hook", "profiler", "grad scaler"])
+def test_hooks_the_profiler_and_a_scaler_get_the_optimizers_own_step(case):
+    opt = _optimizer()
+    driven = _Driven(opt)
+    for step in range(3):
+        _grads(opt, step)
+        driven.step()
+    assert driven.direct == 1
+    _grads(opt, 3)
+    if case == "step hook":
+        calls = []
+        handle = opt.register_step_post_hook(lambda *a: calls.append(1))
+        driven.step()
+        handle.remove()
+        assert calls == [1]
+    elif case in ("global pre hook", "global post hook"):
+        calls = []
+        register = register_optimizer_step_pre_hook if "pre" in case else register_optimizer_step_post_hook
+        handle = register(lambda *a: calls.append(1))
+        try:
+            driven.step()
+        finally:
+            handle.remove()
+        assert calls == [1]
+    elif case == "profiler":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            driven.step()
+        assert any("Optimizer.step#AdamW.step" in e.name for e in prof.events())
+    else:
+        opt.grad_scale = torch.tensor(1.0)  # what GradScaler lends a fused optimizer during its step
+        try:
+            assert driven.stepper.step(opt) is False
+        finally:
+            del opt.grad_scale
+        driven.step()
+    assert driven.direct == 1 + (case == "grad scaler")
+    _grads(opt, 4)
+    driven.step()  # nothing left in the way: straight again
+    assert driven.direct == 2 + (case == "grad scaler")
+
+
+@pytest.mark.parametrize("case", ["not fused", "amsgrad", "a subclass", "step replaced", "sgd", "two dtypes"])
+def test_optimizers_it_cannot_step_alike_are_always_stepped_by_their_own_step(case):
+    def make():
+        if case == "not fused":
+            return torch.optim.AdamW(_params(), lr=1e-2)
+        if case == "amsgrad":
+            return _optimizer(amsgrad=True)
+        if case == "a subclass":
+            return type("MyAdamW", (torch.optim.AdamW,), {})(_params(), lr=1e-2, fused=True)
+        if case == "step replaced":
+            opt = _optimizer()
+            own = opt.step
+            opt.step = lambda *a, **k: own(*a, **k)
+            return opt
+        if case == "sgd":
+            return torch.optim.SGD(_params(), lr=1e-2)
+        params = _params()
+        return torch.optim.AdamW([{"params": params[:2]}, {"params": [torch.nn.Parameter(p.detach().double()) for p in params[2:]]}],
+                                 lr=1e-2, fused=True)
+
+    assert _run(make, steps=5) == 0
+
+
+def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch):
+    """A whole run (two groups, a linear schedule, clipping, a checkpoint) ends with the same weights and
+    optimizer state either way, and the direct step made all but the first two steps."""
+    made = []
+    real = DirectAdamStep.step
+
+    def counting(self, optimizer):
+        stepped = real(self, optimizer)
+        made.append(stepped)
+        return stepped
+
+    def train(direct: bool, out: str):
+        monkeypatch.setattr(DirectAdamStep, "step", counting if direct else lambda self, optimizer: False)
+        trainer = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(output_dir=out, max_steps=8, weight_decay=0.1,
+                                                                      save_steps=4),
+                          train_dataset=tokens(64))
+        assert trainer.args.optim == "adamw_torch_fused"
+        trainer.train()
+        return trainer
+
+    straight, own = train(True, "straight"), train(False, "own")
+    assert made == [False, False] + [True] * 6
+    assert len(straight.optimizer.param_groups) == 2
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), own.model.named_parameters()):
+        assert torch.equal(p, q), name
+    _assert_same(own.optimizer, straight.optimizer)
+    assert isinstance(straight.lr_scheduler, LambdaLR)
