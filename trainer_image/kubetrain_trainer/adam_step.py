@@ -40,8 +40,9 @@ _PLAIN = frozenset((float, int, bool, str, tuple, type(None)))
 
 
 def _settings(group: dict) -> dict:
-    """What must not change between steps for the lists to stay right: every setting but `lr` and `params`."""
-    return {**group, "params": None, "lr": None}
+    """What must not change between steps for the lists to stay right: every setting but `lr`, `params` and
+    the names torch keeps beside them for `named_parameters()` groups (which the step does not read)."""
+    return {**group, "params": None, "lr": None, "param_names": None}
 
 
 class _Lists:

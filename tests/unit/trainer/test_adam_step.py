@@ -207,7 +207,8 @@ def test_optimizers_it_cannot_step_alike_are_always_stepped_by_their_own_step(ca
     assert _run(make, steps=5) == 0
 
 
-def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch):
+def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch,
+                                                                   tmp_path):
     """A whole run (two groups, a linear schedule, clipping, a checkpoint) ends with the same weights and
     optimizer state either way, and the direct step made all but the first two steps."""
     made = []
@@ -219,6 +220,7 @@ def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, to
         return stepped
 
     def train(direct: bool, out: str):
+        out = str(tmp_path / out)
         monkeypatch.setattr(DirectAdamStep, "step", counting if direct else lambda self, optimizer: False)
         trainer = Trainer(model=tiny_gpt(dropout=0.0), args=make_args(output_dir=out, max_steps=8, weight_decay=0.1,
                                                                       save_steps=4),
@@ -234,3 +236,11 @@ def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, to
         assert torch.equal(p, q), name
     _assert_same(own.optimizer, straight.optimizer)
     assert isinstance(straight.lr_scheduler, LambdaLR)
+
+
+def test_an_optimizer_of_named_parameters_is_stepped_straight_too():
+    def make():
+        return torch.optim.AdamW([(f"p{i}", p) for i, p in enumerate(_params())], lr=1e-2, fused=True)
+
+    assert "param_names" in make().param_groups[0]
+    assert _run(make) == 6
