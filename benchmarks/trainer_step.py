@@ -600,6 +600,7 @@ def count(a) -> None:
         fewer = -sum(v for v in aten.values() if v < 0)
         ccalls = t["ccalls_total"] - w["ccalls_total"]
         est = max(0.0, ops) * u["opcode_s"] + max(0.0, ccalls) * u["ccall_s"] + sum(extra.values()) * u["aten_op_s"]
+        net = ops * u["opcode_s"] + ccalls * u["ccall_s"] + sum(aten.values()) * u["aten_op_s"]
         print(f"  {model}: Python opcodes {t['opcodes']:.0f} vs {w['opcodes']:.0f} per step ({ops:+.0f}); aten ops "
               f"{sum(t['aten'].values()):.1f} vs {sum(w['aten'].values()):.1f} (extra: "
               f"{', '.join(f'{k} {v:+.1f}' for k, v in sorted(extra.items())) or 'none'}; {fewer:.1f} fewer); "
@@ -613,12 +614,13 @@ def count(a) -> None:
         print(f"    priced at {u['opcode_s'] * 1e9:.1f} ns per opcode of call-heavy code, {u['ccall_s'] * 1e9:.0f} ns per "
               f"call into C and {u['aten_op_s'] * 1e6:.2f} µs per cheap aten op (measured now): overhead "
               f"~{est * 1000:.3f} ms/step, not counting what it saves: a lower bound (hot-cache prices; inside a "
-              "step the forward and backward evict the caches, and the same lines cost several times more)",
-              flush=True)
+              "step the forward and backward evict the caches, and the same lines cost several times more); "
+              f"net of what it executes less than the raw step: ~{net * 1000:+.3f} ms/step", flush=True)
         in_step = u["in_step_opcode_s"]
         print(f"    priced inside a step: {in_step * 1e9:.1f} ns per opcode ({u['in_step_opcodes']} opcodes of loop "
               f"bookkeeping added to raw steps, paired, net of a control; measured now, noisier): the extra opcodes "
-              f"~{max(0.0, ops) * in_step * 1000:.3f} ms/step", flush=True)
+              f"~{max(0.0, ops) * in_step * 1000:.3f} ms/step; all opcodes, net: ~{ops * in_step * 1000:+.3f} ms/step",
+              flush=True)
 
 
 if __name__ == "__main__":
