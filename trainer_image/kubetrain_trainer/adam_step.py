@@ -127,8 +127,9 @@ class DirectAdamStep:
                 start = 0
                 for i, group in enumerate(groups):
                     end = start + lists.lengths[i]
-                    self._call(lists, group, lists.params[i], grads[start:end], lists.exp_avgs[i],
-                               lists.exp_avg_sqs[i], lists.steps[i])
+                    if end > start:  # torch's `_fused_adam` returns at once for an empty group (foreach ops refuse it)
+                        self._call(lists, group, lists.params[i], grads[start:end], lists.exp_avgs[i],
+                                   lists.exp_avg_sqs[i], lists.steps[i])
                     start = end
         finally:
             torch._C._set_grad_enabled(prev)

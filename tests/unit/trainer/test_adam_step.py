@@ -117,6 +117,15 @@ def test_a_step_with_a_parameter_without_gradient_is_the_optimizers_own():
     assert _run(partial(_optimizer, groups=({}, {})), steps=8, skip_at={4: 1, 5: 3}) == 4
 
 
+def test_an_empty_group_beside_one_with_other_settings_is_skipped_as_torch_skips_it():
+    # HF-style decay / no-decay groups, unfiltered: a model without biases or norms (or LoRA) leaves one empty.
+    def make():
+        return torch.optim.AdamW([{"params": _params(), "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}],
+                                 lr=1e-2, fused=True)
+
+    assert _run(make) == 6
+
+
 @pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared"])
 def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
     extra = torch.nn.Parameter(torch.ones(4))
