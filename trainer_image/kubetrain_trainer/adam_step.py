@@ -19,16 +19,17 @@ calls `optimizer.step()`, which is always right:
 - every parameter has a gradient this step (torch skips one without, and leaves its step count behind) and
   state from an earlier step; one device and dtype; no complex parameter;
 - no amsgrad, capturable or differentiable; plain-number settings; and nothing changed since the lists were
-  built: the same `param_groups` and `state` objects, the same parameter lists and lengths, the same settings
-  but `lr` (checked each step as one dict comparison per group). A `load_state_dict`, a new group or an edited
-  setting rebuilds the lists from the next step of the optimizer's own.
+  built: the same `param_groups` and `state` objects, the same parameters in the same lists, the same state
+  dict and tensors per parameter (identity checks at C speed), the same settings but `lr` (one dict
+  comparison per group). A `load_state_dict`, a new group, a reset state or an edited setting rebuilds the
+  lists from the next step of the optimizer's own.
 Groups whose settings (`lr` included) are all equal are updated in one call (elementwise: the same bits).
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_not
+from itertools import chain, repeat
+from operator import is_, is_not
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ class _Lists:
         self.all_exp_avgs = [t for ts in self.exp_avgs for t in ts]
         self.all_exp_avg_sqs = [t for ts in self.exp_avg_sqs for t in ts]
         self.all_steps = [t for ts in self.steps for t in ts]
+        self.state_dicts = [optimizer.state[p] for p in self.all_params]
         self.kernel = (torch._fused_adamw_ if self.settings[0].get("decoupled_weight_decay",
                                                                     type(optimizer) is torch.optim.AdamW)
                        else torch._fused_adam_)
@@ -90,7 +92,7 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
             return False
         for p in group["params"]:
             state = optimizer.state.get(p)
-            if (p.grad is None or not state or "exp_avg" not in state or "step" not in state
+            if (p.grad is None or not isinstance(state, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
                     or type(p) not in (torch.nn.Parameter, torch.Tensor) or p.is_complex()):
                 return False
             places.add((p.device, p.dtype))
@@ -157,5 +159,12 @@ class DirectAdamStep:
             if (group["params"] is not params or len(params) != length or type(group["lr"]) not in _NUMBER
                     or _settings(group) != settings):
                 return False
-        return True
+        # One parameter's entry or state replaced (a layer's moments or step count reset, a parameter swapped
+        # in its list): the lists would step tensors the optimizer no longer holds. Identity, at C speed.
+        dicts = lists.state_dicts
+        return (all(map(is_, chain.from_iterable(lists.params), lists.all_params))
+                and all(map(is_, map(lists.state.get, lists.all_params), dicts))
+                and all(map(is_, map(dict.get, dicts, repeat("step")), lists.all_steps))
+                and all(map(is_, map(dict.get, dicts, repeat("exp_avg")), lists.all_exp_avgs))
+                and all(map(is_, map(dict.get, dicts, repeat("exp_avg_sq")), lists.all_exp_avg_sqs)))
 

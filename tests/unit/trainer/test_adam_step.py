@@ -152,6 +152,34 @@ def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
     assert direct == {"betas": 7, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2}[edit]
 
 
+@pytest.mark.parametrize("edit", ["moments reset", "step count reset", "state replaced", "state cleared",
+                                  "parameter swapped"])
+def test_an_edit_of_one_parameters_state_or_list_entry_is_followed(edit):
+    # What resetting one layer's Adam state (or replacing a parameter) does: the lists hold other tensors now.
+    def between(step, reference, opt):
+        if step != 4:
+            return
+        for o in (reference, opt):
+            group = o.param_groups[1]
+            p = group["params"][0]
+            state = o.state[p]
+            if edit == "moments reset":
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            elif edit == "step count reset":
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            elif edit == "state replaced":
+                o.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            elif edit == "state cleared":
+                state.clear()
+            else:
+                group["params"][0] = torch.nn.Parameter(p.detach() + 1)
+                o.state[group["params"][0]] = o.state.pop(p)
+                p.grad = torch.ones_like(p)  # the parameter left behind keeps a gradient: it must not be stepped
+
+    direct = _run(partial(_optimizer, groups=({}, {})), steps=10, between=between)
+    assert direct == (6 if edit == "state cleared" else 7)  # the optimizer's own step where the lists change
+
+
 @pytest.mark.parametrize("case", ["step hook", "global pre hook", "global post hook", "profiler", "grad scaler"])
 def test_hooks_the_profiler_and_a_scaler_get_the_optimizers_own_step(case):
     opt = _optimizer()
