@@ -12,8 +12,8 @@ The same kernel on the same tensors with the same arguments: the same bits (test
 
 It steps only where the result is certainly the optimizer's own; otherwise `step` returns False and the caller
 calls `optimizer.step()`, which is always right:
-- the plain torch `Adam`/`AdamW` class with `fused=True`, its `step` not replaced (the LR scheduler's
-  step-tracking wrapper is torch's own and allowed);
+- the plain torch `Adam`/`AdamW` class with `fused=True`, its `step` replaced neither on the instance nor on
+  the class (the LR scheduler's step-tracking wrapper is torch's own and allowed);
 - no optimizer hook (per optimizer or global), no gradient scaler's `grad_scale`/`found_inf`, no profiler
   recording (its trace keeps the `Optimizer.step` range);
 - every parameter has a gradient this step (torch skips one without, and leaves its step count behind) and
@@ -28,6 +28,7 @@ Groups whose settings (`lr` included) are all equal are updated in one call (ele
 
 from __future__ import annotations
 
+import inspect
 from itertools import chain, repeat
 from operator import is_, is_not
 from typing import Any
@@ -38,6 +39,30 @@ from torch.optim import optimizer as torch_optimizer
 _CLASSES = (torch.optim.AdamW, torch.optim.Adam)
 _NUMBER = (float, int)
 _PLAIN = frozenset((float, int, bool, str, tuple, type(None)))
+
+
+def _torch_wrapper_codes() -> tuple:
+    probe = torch.optim.Optimizer.profile_hook_step(torch_optimizer._use_grad_for_differentiable(lambda self: None))
+    return probe.__code__, probe.__wrapped__.__code__
+
+
+_HOOK_CODE, _USE_GRAD_CODE = _torch_wrapper_codes()  # torch's profiler/hook wrapper and its no_grad wrapper
+_ADAM_STEP_CODE = inspect.unwrap(torch.optim.Adam.step).__code__
+
+
+def _runs_torch_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` runs torch's own `Adam.step` in torch's own wrappers, through the class or the
+    LR scheduler's step counter (which calls the function it wrapped): no step patched on the instance or class."""
+    own = vars(optimizer).get("step")
+    if own is None:
+        step = type(optimizer).step
+    elif getattr(own, "_wrapped_by_lr_sched", False):
+        step = getattr(own, "__wrapped__", None)
+    else:
+        return False
+    inner = getattr(step, "__wrapped__", None)
+    return (getattr(step, "__code__", None) is _HOOK_CODE and getattr(inner, "__code__", None) is _USE_GRAD_CODE
+            and getattr(getattr(inner, "__wrapped__", None), "__code__", None) is _ADAM_STEP_CODE)
 
 
 def _settings(group: dict) -> dict:
@@ -54,6 +79,7 @@ class _Lists:
         self.state = optimizer.state
         self.n_state = len(optimizer.state)
         self.step_attr = vars(optimizer).get("step")
+        self.class_step = type(optimizer).step
         self.params = [group["params"] for group in self.groups]
         self.lengths = [len(params) for params in self.params]
         self.settings = [_settings(group) for group in self.groups]
@@ -74,11 +100,7 @@ class _Lists:
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer`, as it stands after one step of its own, can be stepped straight (see the module)."""
-    if type(optimizer) not in _CLASSES or not optimizer.param_groups:
-        return False
-    own = vars(optimizer).get("step")
-    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
-                                and getattr(own, "__wrapped__", None) is type(optimizer).step):
+    if type(optimizer) not in _CLASSES or not optimizer.param_groups or not _runs_torch_step(optimizer):
         return False
     decoupled = {group.get("decoupled_weight_decay") for group in optimizer.param_groups}
     if len(decoupled) != 1:
@@ -150,6 +172,7 @@ class DirectAdamStep:
         own = vars(optimizer)
         if (optimizer.param_groups is not lists.groups or optimizer.state is not lists.state
                 or len(lists.state) != lists.n_state or own.get("step") is not lists.step_attr
+                or type(optimizer).step is not lists.class_step
                 or "grad_scale" in own or "found_inf" in own or optimizer._optimizer_step_pre_hooks
                 or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
                 or torch_optimizer._global_optimizer_post_hooks or torch._C._autograd._profiler_enabled()

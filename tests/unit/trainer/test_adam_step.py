@@ -9,7 +9,7 @@ test counts how often the direct call was made, so a check that never lets it st
 from __future__ import annotations
 
 import copy
-from functools import partial
+from functools import partial, wraps
 
 import pytest
 import torch
@@ -242,6 +242,30 @@ def test_optimizers_it_cannot_step_alike_are_always_stepped_by_their_own_step(ca
                                  lr=1e-2, fused=True)
 
     assert _run(make, steps=5) == 0
+
+
+@pytest.mark.parametrize("when", ["before", "after its first steps"])
+def test_a_step_replaced_on_the_class_is_always_called(when, monkeypatch):
+    # Instrumentation patching `AdamW.step` for every instance: torch's `opt.step()` runs it, so must we.
+    calls = []
+    own = torch.optim.AdamW.step
+
+    @wraps(own)
+    def patched(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    if when == "before":
+        monkeypatch.setattr(torch.optim.AdamW, "step", patched)
+    opt = _optimizer()
+    driven = _Driven(opt)
+    for step in range(6):
+        if step == 3 and when != "before":
+            monkeypatch.setattr(torch.optim.AdamW, "step", patched)
+        _grads(opt, step)
+        driven.step()
+    assert len(calls) == (6 if when == "before" else 3)
+    assert driven.direct == (0 if when == "before" else 1)
 
 
 def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch,
