@@ -132,7 +132,7 @@ class DirectAdamStep:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         lists = self._lists
         if lists is None or self._of is not optimizer or not self._unchanged(optimizer, lists):
-            self._lists = None
+            self.forget()
             if _eligible(optimizer):  # after the optimizer's own step: its state exists
                 self._lists, self._of = _Lists(optimizer), optimizer
             return False
@@ -158,6 +158,11 @@ class DirectAdamStep:
         finally:
             torch._C._set_grad_enabled(prev)
         return True
+
+    def forget(self) -> None:
+        """Hold no tensor of the optimizer's any more: after its `load_state_dict` the lists hold the state it
+        replaced (twice the model's size), alive until the next step rebuilds them, or for good if none follows."""
+        self._lists = self._of = None
 
     @staticmethod
     def _call(lists: _Lists, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:

@@ -9,6 +9,8 @@ test counts how often the direct call was made, so a check that never lets it st
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from functools import partial, wraps
 
 import pytest
@@ -18,7 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from kubetrain_trainer import Trainer
 from kubetrain_trainer.adam_step import DirectAdamStep
-from kubetrain_trainer.optim import _SCHEDULES, SharedLambdaLR
+from kubetrain_trainer.optim import _SCHEDULES, SharedLambdaLR, create_optimizer
+from kubetrain_trainer.strategies.ddp import DDPStrategy
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -266,6 +269,25 @@ def test_a_step_replaced_on_the_class_is_always_called(when, monkeypatch):
         driven.step()
     assert len(calls) == (6 if when == "before" else 3)
     assert driven.direct == (0 if when == "before" else 1)
+
+
+def test_loading_a_checkpoint_frees_the_state_it_replaces(tiny_gpt, tokens, make_args, tmp_path):
+    """`load_best_model_at_end` loads the optimizer state last: nothing steps after it, so lists still holding
+    the replaced moments would keep a second copy of them (twice the model's size) alive with the Trainer."""
+    args = make_args()
+    strategy = DDPStrategy()
+    strategy.prepare(tiny_gpt(dropout=0.0), args=args, num_training_steps=4,
+                     create_optimizer=partial(create_optimizer, args=args), create_scheduler=lambda optimizer: None)
+    batch = {k: v.unsqueeze(0) for k, v in tokens(4)[0].items()}
+    for _ in range(3):
+        strategy.backward(strategy.unwrap()(**batch)["loss"])
+        strategy.optimizer_step()
+    assert strategy._direct._lists is not None  # the third step was made straight
+    strategy.save_checkpoint(tmp_path)
+    old = [weakref.ref(t) for state in strategy._optimizer.state.values() for t in state.values()]
+    strategy.load_checkpoint(tmp_path)
+    gc.collect()
+    assert [t for t in old if t() is not None] == []
 
 
 def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch,

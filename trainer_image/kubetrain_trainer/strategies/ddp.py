@@ -143,6 +143,7 @@ class DDPStrategy(Strategy):
         directory = Path(directory)
         load_weights(self._module, self._read_weights(directory))
         if (directory / OPTIMIZER_NAME).is_file():
+            self._direct.forget()  # it holds the state this load replaces (load_best_model_at_end: no step follows)
             with reading(directory / OPTIMIZER_NAME):
                 self._optimizer.load_state_dict(torch.load(directory / OPTIMIZER_NAME, map_location=self.device,
                                                            weights_only=True))
