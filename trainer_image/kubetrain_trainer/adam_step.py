@@ -20,8 +20,8 @@ calls `optimizer.step()`, which is always right:
   state from an earlier step; one device and dtype; no complex parameter;
 - no amsgrad, capturable or differentiable; plain-number settings; and nothing changed since the lists were
   built: the same `param_groups` and `state` objects, the same parameters in the same lists, the same state
-  dict and tensors per parameter (identity checks at C speed), the same settings but `lr` (one dict
-  comparison per group). A `load_state_dict`, a new group, a reset state or an edited setting rebuilds the
+  dict and tensors per parameter (identity checks at C speed), the same settings but `lr`, of plain types
+  (one dict comparison per group). A `load_state_dict`, a new group, a reset state or an edited setting rebuilds the
   lists from the next step of the optimizer's own.
 Groups whose settings (`lr` included) are all equal are updated in one call (elementwise: the same bits).
 """
@@ -38,6 +38,7 @@ from torch.optim import optimizer as torch_optimizer
 
 _CLASSES = (torch.optim.AdamW, torch.optim.Adam)
 _NUMBER = (float, int)
+_NUMBERS = frozenset(_NUMBER)
 _PLAIN = frozenset((float, int, bool, str, tuple, type(None)))
 
 
@@ -184,8 +185,10 @@ class DirectAdamStep:
                 or len(lists.groups) != len(lists.params)):
             return False
         for group, params, length, settings in zip(lists.groups, lists.params, lists.lengths, lists.settings):
+            current = _settings(group)  # a tensor equal to the number it replaced compares equal: types too
             if (group["params"] is not params or len(params) != length or type(group["lr"]) not in _NUMBER
-                    or _settings(group) != settings):
+                    or current != settings or not _PLAIN.issuperset(map(type, current.values()))
+                    or not _NUMBERS.issuperset(map(type, group["betas"]))):
                 return False
         # One parameter's entry or state replaced (a layer's moments or step count reset, a parameter swapped
         # in its list): the lists would step tensors the optimizer no longer holds. Identity, at C speed.

@@ -129,7 +129,8 @@ def test_an_empty_group_beside_one_with_other_settings_is_skipped_as_torch_skips
     assert _run(make) == 6
 
 
-@pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared"])
+@pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared",
+                                  "betas as tensors", "weight decay as a tensor"])
 def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
     extra = torch.nn.Parameter(torch.ones(4))
 
@@ -145,14 +146,19 @@ def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
                 o.load_state_dict(copy.deepcopy(o.state_dict()))
             elif edit == "lr as a tensor":
                 o.param_groups[1]["lr"] = torch.tensor(5e-3)
+            elif edit == "betas as tensors":  # equal to the floats they replace (compared in float32)
+                o.param_groups[1]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+            elif edit == "weight decay as a tensor":
+                o.param_groups[1]["weight_decay"] = torch.tensor(1e-2)
             else:
                 o.state.clear()
 
     direct = _run(partial(_optimizer, groups=({}, {})), steps=10, between=between)
     # Steps 2-3 straight, step 4 the optimizer's own; then straight again from step 5 where the state is there
     # to rebuild from, from step 6 where step 4 had to make it (a new group's, a cleared state), never with a
-    # tensor rate.
-    assert direct == {"betas": 7, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2}[edit]
+    # tensor setting.
+    assert direct == {"betas": 7, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2,
+                      "betas as tensors": 2, "weight decay as a tensor": 2}[edit]
 
 
 @pytest.mark.parametrize("edit", ["moments reset", "step count reset", "state replaced", "state cleared",
