@@ -18,19 +18,21 @@ calls `optimizer.step()`, which is always right:
   recording (its trace keeps the `Optimizer.step` range);
 - every parameter has a gradient this step (torch skips one without, and leaves its step count behind) and
   state from an earlier step; one device and dtype; no complex parameter;
-- no amsgrad, capturable or differentiable; plain-number settings; and nothing changed since the lists were
-  built: the same `param_groups` and `state` objects, the same parameters in the same lists, the same state
-  dict and tensors per parameter (identity checks at C speed), the same settings but `lr`, of plain types
-  (one dict comparison per group). A `load_state_dict`, a new group, a reset state or an edited setting rebuilds the
-  lists from the next step of the optimizer's own.
-Groups whose settings (`lr` included) are all equal are updated in one call (elementwise: the same bits).
+- no amsgrad, capturable or differentiable; settings of plain types (checked each step: a tensor equal to
+  the number it replaced compares equal); and nothing changed since the lists were built: the same
+  `param_groups` and `state` objects, the same parameters in the same lists, the same state dict and tensors
+  per parameter (identity checks at C speed), the same kernel-choosing settings (`_STRUCTURE`). `lr`, `betas`,
+  `eps`, `weight_decay` and `maximize` are read each step, as torch reads them (schedules change them every
+  step: OneCycleLR sets `betas`). A `load_state_dict`, a new group or a reset state rebuilds the lists from
+  the next step of the optimizer's own.
+Groups whose settings are all equal this step are updated in one call (elementwise: the same bits).
 """
 
 from __future__ import annotations
 
 import inspect
 from itertools import chain, repeat
-from operator import is_, is_not
+from operator import eq, is_, is_not, itemgetter
 from typing import Any
 
 import torch
@@ -67,9 +69,16 @@ def _runs_torch_step(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _settings(group: dict) -> dict:
-    """What must not change between steps for the lists to stay right: every setting but `lr`, `params` and
-    the names torch keeps beside them for `named_parameters()` groups (which the step does not read)."""
-    return {**group, "params": None, "lr": None, "param_names": None}
+    """A group's settings (all but `params`, and the names torch keeps beside them for `named_parameters()`
+    groups, which the step does not read): groups whose settings are equal are updated in one call."""
+    return {**group, "params": None, "param_names": None}
+
+
+_STRUCTURE = itemgetter("fused", "amsgrad", "capturable", "differentiable", "decoupled_weight_decay")
+"""The settings that choose the kernel and its lists: they must not change. The others (`lr`, `betas`, `eps`,
+`weight_decay`, `maximize`) are read each step, as torch's step reads them (schedules change them every step)."""
+_KEYS = frozenset(("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused", "amsgrad", "capturable",
+                   "differentiable", "decoupled_weight_decay"))
 
 
 class _Lists:
@@ -83,8 +92,7 @@ class _Lists:
         self.class_step = type(optimizer).step
         self.params = [group["params"] for group in self.groups]
         self.lengths = [len(params) for params in self.params]
-        self.settings = [_settings(group) for group in self.groups]
-        self.same_settings = all(s == self.settings[0] for s in self.settings[1:])  # all but `lr`
+        self.structure = [_STRUCTURE(group) for group in self.groups]
         per_group = [[optimizer.state[p] for p in params] for params in self.params]
         self.exp_avgs = [[s["exp_avg"] for s in states] for states in per_group]
         self.exp_avg_sqs = [[s["exp_avg_sq"] for s in states] for states in per_group]
@@ -94,24 +102,17 @@ class _Lists:
         self.all_exp_avg_sqs = [t for ts in self.exp_avg_sqs for t in ts]
         self.all_steps = [t for ts in self.steps for t in ts]
         self.state_dicts = [optimizer.state[p] for p in self.all_params]
-        self.kernel = (torch._fused_adamw_ if self.settings[0].get("decoupled_weight_decay",
-                                                                    type(optimizer) is torch.optim.AdamW)
-                       else torch._fused_adam_)
+        self.kernel = torch._fused_adamw_ if self.groups[0]["decoupled_weight_decay"] else torch._fused_adam_
 
 
 def _eligible(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer`, as it stands after one step of its own, can be stepped straight (see the module)."""
     if type(optimizer) not in _CLASSES or not optimizer.param_groups or not _runs_torch_step(optimizer):
         return False
-    decoupled = {group.get("decoupled_weight_decay") for group in optimizer.param_groups}
-    if len(decoupled) != 1:
-        return False
     places: set = set()
     for group in optimizer.param_groups:
-        if (group.get("fused") is not True or group.get("amsgrad") or group.get("capturable")
-                or group.get("differentiable") or type(group.get("lr")) not in _NUMBER
-                or not _PLAIN.issuperset(map(type, _settings(group).values()))
-                or not all(type(b) in _NUMBER for b in group.get("betas", ()))):
+        if (not _KEYS <= group.keys() or group["fused"] is not True or group["amsgrad"] or group["capturable"]
+                or group["differentiable"] or not _usable(_settings(group))):
             return False
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -119,7 +120,13 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
                     or type(p) not in (torch.nn.Parameter, torch.Tensor) or p.is_complex()):
                 return False
             places.add((p.device, p.dtype))
-    return len(places) == 1
+    return len(places) == 1 and len({bool(group["decoupled_weight_decay"]) for group in optimizer.param_groups}) == 1
+
+
+def _usable(settings: dict) -> bool:
+    """Settings of plain types (a tensor equal to the number it replaced compares equal: types are checked)."""
+    return (type(settings["lr"]) in _NUMBER and _PLAIN.issuperset(map(type, settings.values()))
+            and type(settings["betas"]) is tuple and _NUMBERS.issuperset(map(type, settings["betas"])))
 
 
 class DirectAdamStep:
@@ -132,7 +139,8 @@ class DirectAdamStep:
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         lists = self._lists
-        if lists is None or self._of is not optimizer or not self._unchanged(optimizer, lists):
+        alike = None if lists is None or self._of is not optimizer else self._check(optimizer, lists)
+        if alike is None:
             self.forget()
             if _eligible(optimizer):  # after the optimizer's own step: its state exists
                 self._lists, self._of = _Lists(optimizer), optimizer
@@ -144,9 +152,8 @@ class DirectAdamStep:
         torch._C._set_grad_enabled(False)
         try:
             groups = lists.groups
-            first = groups[0]
-            if len(groups) == 1 or lists.same_settings and all(g["lr"] == first["lr"] for g in groups):
-                self._call(lists, first, lists.all_params, grads, lists.all_exp_avgs, lists.all_exp_avg_sqs,
+            if alike:
+                self._call(lists, groups[0], lists.all_params, grads, lists.all_exp_avgs, lists.all_exp_avg_sqs,
                            lists.all_steps)
             else:
                 start = 0
@@ -174,7 +181,8 @@ class DirectAdamStep:
                      grad_scale=None, found_inf=None)
 
     @staticmethod
-    def _unchanged(optimizer: torch.optim.Optimizer, lists: _Lists) -> bool:
+    def _check(optimizer: torch.optim.Optimizer, lists: _Lists) -> bool | None:
+        """None where the lists may no longer be right; else whether all groups have equal settings (one call)."""
         own = vars(optimizer)
         if (optimizer.param_groups is not lists.groups or optimizer.state is not lists.state
                 or len(lists.state) != lists.n_state or own.get("step") is not lists.step_attr
@@ -183,19 +191,25 @@ class DirectAdamStep:
                 or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
                 or torch_optimizer._global_optimizer_post_hooks or torch._C._autograd._profiler_enabled()
                 or len(lists.groups) != len(lists.params)):
-            return False
-        for group, params, length, settings in zip(lists.groups, lists.params, lists.lengths, lists.settings):
-            current = _settings(group)  # a tensor equal to the number it replaced compares equal: types too
-            if (group["params"] is not params or len(params) != length or type(group["lr"]) not in _NUMBER
-                    or current != settings or not _PLAIN.issuperset(map(type, current.values()))
-                    or not _NUMBERS.issuperset(map(type, group["betas"]))):
-                return False
+            return None
+        settings = []
+        for group, params, length, structure in zip(lists.groups, lists.params, lists.lengths, lists.structure):
+            current = _settings(group)
+            try:
+                if (group["params"] is not params or len(params) != length or _STRUCTURE(group) != structure
+                        or not _usable(current)):
+                    return None
+            except KeyError:  # a setting deleted: torch's step says what is wrong
+                return None
+            settings.append(current)
         # One parameter's entry or state replaced (a layer's moments or step count reset, a parameter swapped
         # in its list): the lists would step tensors the optimizer no longer holds. Identity, at C speed.
         dicts = lists.state_dicts
-        return (all(map(is_, chain.from_iterable(lists.params), lists.all_params))
+        if not (all(map(is_, chain.from_iterable(lists.params), lists.all_params))
                 and all(map(is_, map(lists.state.get, lists.all_params), dicts))
                 and all(map(is_, map(dict.get, dicts, repeat("step")), lists.all_steps))
                 and all(map(is_, map(dict.get, dicts, repeat("exp_avg")), lists.all_exp_avgs))
-                and all(map(is_, map(dict.get, dicts, repeat("exp_avg_sq")), lists.all_exp_avg_sqs)))
+                and all(map(is_, map(dict.get, dicts, repeat("exp_avg_sq")), lists.all_exp_avg_sqs))):
+            return None
+        return all(map(eq, settings[1:], repeat(settings[0])))
 

@@ -15,7 +15,7 @@ from functools import partial, wraps
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from kubetrain_trainer import Trainer
@@ -96,10 +96,13 @@ def test_the_direct_step_updates_bit_for_bit_like_the_optimizers_own(kind, case)
     assert direct == 6  # the first two steps are the optimizer's own (its state is made in the first)
 
 
-def test_a_schedule_changing_the_rate_every_step_is_followed():
+@pytest.mark.parametrize("schedule", ["linear", "one cycle"])
+def test_a_schedule_changing_the_rate_every_step_is_followed(schedule):
+    # OneCycleLR (cycle_momentum, its default) sets each group's betas every step too.
     def make():
         opt = _optimizer(groups=({}, {}))
-        opt.scheduler = SharedLambdaLR(opt, partial(_SCHEDULES["linear"], warmup=3, total=12))  # wraps opt.step
+        opt.scheduler = (SharedLambdaLR(opt, partial(_SCHEDULES["linear"], warmup=3, total=12))  # wraps opt.step
+                         if schedule == "linear" else OneCycleLR(opt, max_lr=1e-2, total_steps=12))
         return opt
 
     reference, opt = make(), make()
@@ -113,6 +116,18 @@ def test_a_schedule_changing_the_rate_every_step_is_followed():
         opt.scheduler.step()
         _assert_same(reference, opt)
     assert driven.direct == 10
+
+
+def test_betas_and_weight_decay_changed_every_step_are_followed():
+    # A weight decay schedule (DINO's), a momentum schedule: the lists stay, the settings are read each step,
+    # and groups are merged only while they are alike.
+    def between(step, reference, opt):
+        for o in (reference, opt):
+            o.param_groups[0]["betas"] = (0.95 - 0.01 * step, 0.999)
+            o.param_groups[1]["betas"] = (0.95 - 0.01 * (step % 3), 0.999)
+            o.param_groups[1]["weight_decay"] = 0.01 * step
+
+    assert _run(partial(_optimizer, groups=({}, {})), steps=8, between=between) == 6
 
 
 def test_a_step_with_a_parameter_without_gradient_is_the_optimizers_own():
@@ -154,10 +169,10 @@ def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
                 o.state.clear()
 
     direct = _run(partial(_optimizer, groups=({}, {})), steps=10, between=between)
-    # Steps 2-3 straight, step 4 the optimizer's own; then straight again from step 5 where the state is there
-    # to rebuild from, from step 6 where step 4 had to make it (a new group's, a cleared state), never with a
-    # tensor setting.
-    assert direct == {"betas": 7, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2,
+    # Steps 2-3 straight, step 4 the optimizer's own (straight for new betas: read each step); then straight
+    # again from step 5 where the state is there to rebuild from, from step 6 where step 4 had to make it (a new
+    # group's, a cleared state), never with a tensor setting.
+    assert direct == {"betas": 8, "load_state_dict": 7, "new group": 6, "state cleared": 6, "lr as a tensor": 2,
                       "betas as tensors": 2, "weight decay as a tensor": 2}[edit]
 
 
