@@ -138,6 +138,14 @@ class DirectAdamStep:
         self._of: Any = None
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if type(optimizer) not in _CLASSES:  # before any attribute: an engine's wrapper may have none of them
+            self.forget()
+            return False
+        own = vars(optimizer)
+        if ("grad_scale" in own or "found_inf" in own or optimizer._optimizer_step_pre_hooks
+                or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
+                or torch_optimizer._global_optimizer_post_hooks or torch._C._autograd._profiler_enabled()):
+            return False  # torch's step for as long as they are there; the lists stay right (none rebuilt)
         lists = self._lists
         alike = None if lists is None or self._of is not optimizer else self._check(optimizer, lists)
         if alike is None:
@@ -186,11 +194,7 @@ class DirectAdamStep:
         own = vars(optimizer)
         if (optimizer.param_groups is not lists.groups or optimizer.state is not lists.state
                 or len(lists.state) != lists.n_state or own.get("step") is not lists.step_attr
-                or type(optimizer).step is not lists.class_step
-                or "grad_scale" in own or "found_inf" in own or optimizer._optimizer_step_pre_hooks
-                or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
-                or torch_optimizer._global_optimizer_post_hooks or torch._C._autograd._profiler_enabled()
-                or len(lists.groups) != len(lists.params)):
+                or type(optimizer).step is not lists.class_step or len(lists.groups) != len(lists.params)):
             return None
         settings = []
         for group, params, length, structure in zip(lists.groups, lists.params, lists.lengths, lists.structure):

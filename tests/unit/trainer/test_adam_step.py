@@ -8,6 +8,7 @@ test counts how often the direct call was made, so a check that never lets it st
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -245,6 +246,31 @@ def test_hooks_the_profiler_and_a_scaler_get_the_optimizers_own_step(case):
     assert driven.direct == 2 + (case == "grad scaler")
 
 
+@pytest.mark.parametrize("case", ["step hook", "global post hook", "profiler"])
+def test_a_hook_or_profiler_kept_for_many_steps_costs_no_rebuild(case):
+    # A hook a library keeps registered: every step is torch's, with nothing built and dropped on top of it.
+    opt = _optimizer(groups=({}, {}))
+    driven = _Driven(opt)
+    for step in range(3):
+        _grads(opt, step)
+        driven.step()
+    lists, calls = driven.stepper._lists, []
+    with contextlib.ExitStack() as stack:
+        if case == "profiler":
+            stack.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
+        else:
+            register = opt.register_step_post_hook if case == "step hook" else register_optimizer_step_post_hook
+            stack.callback(register(lambda *a: calls.append(1)).remove)
+        for step in range(3, 7):
+            _grads(opt, step)
+            driven.step()
+            assert driven.stepper._lists is lists
+    assert calls == ([] if case == "profiler" else [1] * 4)
+    _grads(opt, 7)
+    driven.step()
+    assert driven.direct == 2
+
+
 @pytest.mark.parametrize("case", ["not fused", "amsgrad", "a subclass", "step replaced", "sgd", "two dtypes"])
 def test_optimizers_it_cannot_step_alike_are_always_stepped_by_their_own_step(case):
     def make():
@@ -309,6 +335,13 @@ def test_loading_a_checkpoint_frees_the_state_it_replaces(tiny_gpt, tokens, make
     strategy.load_checkpoint(tmp_path)
     gc.collect()
     assert [t for t in old if t() is not None] == []
+
+
+def test_an_object_that_is_no_torch_optimizer_is_handed_back():
+    class Wrapped:  # a ready-made optimizer wrapper without torch's attributes (nor a __dict__)
+        __slots__ = ("optimizer",)
+
+    assert DirectAdamStep().step(Wrapped()) is False
 
 
 def test_a_trainer_run_is_the_same_with_and_without_the_direct_step(tiny_gpt, tokens, make_args, monkeypatch,
