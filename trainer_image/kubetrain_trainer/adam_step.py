@@ -105,8 +105,17 @@ class _Lists:
         self.kernel = torch._fused_adamw_ if self.groups[0]["decoupled_weight_decay"] else torch._fused_adam_
 
 
-def _eligible(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer`, as it stands after one step of its own, can be stepped straight (see the module)."""
+def _blocks(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Whether parameter `p` keeps `optimizer` from a direct step: no gradient this step (torch skips it), no
+    state yet, or a kind the kernel call is not certain for."""
+    state = optimizer.state.get(p)
+    return (p.grad is None or not isinstance(state, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
+            or type(p) not in (torch.nn.Parameter, torch.Tensor) or p.is_complex())
+
+
+def _eligible(optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+    """True where `optimizer`, as it stands after one step of its own, can be stepped straight (see the module);
+    else False, or the first parameter that `_blocks` it (a frozen one in the optimizer blocks it for good)."""
     if type(optimizer) not in _CLASSES or not optimizer.param_groups or not _runs_torch_step(optimizer):
         return False
     places: set = set()
@@ -115,10 +124,8 @@ def _eligible(optimizer: torch.optim.Optimizer) -> bool:
                 or group["differentiable"] or not _usable(_settings(group))):
             return False
         for p in group["params"]:
-            state = optimizer.state.get(p)
-            if (p.grad is None or not isinstance(state, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
-                    or type(p) not in (torch.nn.Parameter, torch.Tensor) or p.is_complex()):
-                return False
+            if _blocks(optimizer, p):
+                return p
             places.add((p.device, p.dtype))
     return len(places) == 1 and len({bool(group["decoupled_weight_decay"]) for group in optimizer.param_groups}) == 1
 
@@ -136,6 +143,7 @@ class DirectAdamStep:
     def __init__(self) -> None:
         self._lists: _Lists | None = None
         self._of: Any = None
+        self._blocked: tuple | None = None  # (optimizer, the parameter that blocked it)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         if type(optimizer) not in _CLASSES:  # before any attribute: an engine's wrapper may have none of them
@@ -149,9 +157,15 @@ class DirectAdamStep:
         lists = self._lists
         alike = None if lists is None or self._of is not optimizer else self._check(optimizer, lists)
         if alike is None:
+            blocked = self._blocked
+            if blocked is not None and blocked[0] is optimizer and _blocks(optimizer, blocked[1]):
+                return False  # still blocked (frozen): no walk of every parameter every step
             self.forget()
-            if _eligible(optimizer):  # after the optimizer's own step: its state exists
+            found = _eligible(optimizer)
+            if found is True:  # after the optimizer's own step: its state exists
                 self._lists, self._of = _Lists(optimizer), optimizer
+            elif found is not False:
+                self._blocked = (optimizer, found)
             return False
         grads = [p.grad for p in lists.all_params]
         if not all(map(is_not, grads, repeat(None))):
@@ -178,7 +192,7 @@ class DirectAdamStep:
     def forget(self) -> None:
         """Hold no tensor of the optimizer's any more: after its `load_state_dict` the lists hold the state it
         replaced (twice the model's size), alive until the next step rebuilds them, or for good if none follows."""
-        self._lists = self._of = None
+        self._lists = self._of = self._blocked = None
 
     @staticmethod
     def _call(lists: _Lists, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, OneCycleLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from kubetrain_trainer import Trainer
+from kubetrain_trainer import Trainer, adam_step
 from kubetrain_trainer.adam_step import DirectAdamStep
 from kubetrain_trainer.optim import _SCHEDULES, SharedLambdaLR, create_optimizer
 from kubetrain_trainer.strategies.ddp import DDPStrategy
@@ -143,6 +143,17 @@ def test_an_empty_group_beside_one_with_other_settings_is_skipped_as_torch_skips
                                  lr=1e-2, fused=True)
 
     assert _run(make) == 6
+
+
+def test_a_frozen_parameter_in_the_optimizer_is_looked_at_alone(monkeypatch):
+    # AdamW(model.parameters()) with a frozen layer: torch's step every time, without a walk of every parameter
+    # every step to find that out again; the direct step once it is unfrozen.
+    walks = []
+    real = adam_step._eligible
+    monkeypatch.setattr(adam_step, "_eligible", lambda optimizer: walks.append(1) or real(optimizer))
+    assert _run(partial(_optimizer, groups=({}, {})), steps=11, skip_at=dict.fromkeys(range(8), 2)) == 1
+    # Step 0 (no state yet) and step 1 (the frozen one found) walk; step 8 makes its state, step 9 builds.
+    assert len(walks) == 3
 
 
 @pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared",
