@@ -24,7 +24,7 @@ import os
 import stat
 import threading
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Protocol, cast
+from typing import Any, BinaryIO, Callable, Iterable, Protocol, cast
 
 import xxhash
 
@@ -52,6 +52,41 @@ def landing_file(fh: BinaryIO, algorithm: str) -> LandingFile:
     if algorithm == SHA256:
         return HashingFile(fh)
     raise ValueError(f"unknown digest {algorithm!r}")
+
+
+def fetch_whole(get_body: Callable[[], Any], target: Path, algorithm: str, check: Callable[[], None], *,
+                attempts: int = 5, chunk: int = 1 << 20) -> tuple[int, str]:
+    """(bytes, `algorithm` digest) of an object read whole by one GET into `target`, hashed as it lands.
+
+    For objects below the multipart threshold: s3transfer's download first sends a HEAD for the size, then
+    runs the one GET through thread pools of its own, which cost more than the GET of a 16 MiB file on a
+    fast link (`benchmarks/s3_throughput.py`, many files: 0.78-0.95x of a TransferManager before, 1.4-1.6x
+    with this). `get_body()` sends the GET and returns its streaming body; `check()` runs before each chunk
+    is written (it raises to stop). A read that breaks off mid-body (s3transfer's retryable download
+    errors) starts again from the first byte, up to `attempts` times, as s3transfer retries it.
+    """
+    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
+
+    for attempt in range(1, attempts + 1):
+        with open(target, "w+b") as fh:  # truncated: a retry starts the file and its digest again
+            written = landing_file(fh, algorithm)
+            try:
+                body = get_body()
+                try:
+                    for data in body.iter_chunks(chunk):
+                        check()
+                        written.write(data)
+                finally:
+                    body.close()
+                return written.size, written.hexdigest()
+            except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
+                if attempt == attempts:
+                    raise
+                logger.debug("%s: the read broke off (%s); reading it again (%d of %d)", target.name, e,
+                             attempt + 1, attempts)
+            finally:
+                written.close()
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

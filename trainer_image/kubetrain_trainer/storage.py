@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
 from kubetrain_trainer.hashing import HashCancelled
-from kubetrain_trainer.landing import keep_verified, landing_file, verified
+from kubetrain_trainer.landing import fetch_whole, keep_verified, landing_file, verified
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -212,21 +212,25 @@ class CheckpointStore:
             target = staging / f.path
             key = self.location.key(checkpoint_dirname(step), f.path)
             size, digest = self._call("download", key, lambda: self._download(key, target, step, parts, f.algorithm,
-                                                                                   cancelled))
+                                                                                   cancelled, f.size))
             if size != f.size or digest != f.digest:
                 raise DigestMismatchError(f"checkpoint-{step}/{f.path}: downloaded bytes do not match the manifest")
 
         self._each(missing, fetch)
 
     def _download(self, key: str, target: Path, step: int, parts: int, algorithm: str,
-                  cancelled: Callable[[], bool] = lambda: False) -> tuple[int, str]:
-        """(bytes, `algorithm` digest) of the object `key` written to `target`; up to `parts` ranged GETs in flight."""
+                  cancelled: Callable[[], bool] = lambda: False, size: int | None = None) -> tuple[int, str]:
+        """(bytes, `algorithm` digest) of the object `key` written to `target`; up to `parts` ranged GETs in flight
+        (one plain GET below the multipart threshold: `landing.fetch_whole`)."""
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=self.config.multipart_threshold,
                                 multipart_chunksize=self.config.download_chunksize, max_concurrency=parts,
                                 use_threads=parts > 1)
         try:
+            if size is not None and size < self.config.multipart_threshold:
+                return fetch_whole(lambda: self._client.get_object(Bucket=self.location.bucket, Key=key)["Body"],
+                                   target, algorithm, lambda: _stop_if(cancelled, key))
             with open(target, "w+b") as fh:
                 written = landing_file(fh, algorithm)
                 try:

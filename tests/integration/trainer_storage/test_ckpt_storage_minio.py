@@ -108,15 +108,15 @@ class _CutOnce(CheckpointStore):
         super().__init__(config)
         self.cut, self.fetched = cut, []
 
-    def _download(self, key, target, step, parts, algorithm, cancelled=lambda: False):
+    def _download(self, key, target, step, parts, algorithm, cancelled=lambda: False, size=None):
         self.fetched.append(key.rsplit("/", 1)[1])
         if not key.endswith(self.cut):
-            return super()._download(key, target, step, parts, algorithm, cancelled)
+            return super()._download(key, target, step, parts, algorithm, cancelled, size)
         self.cut = "\0"  # once
 
         def drop() -> bool:
             raise StorageTemporaryError(f"{key}: connection reset by peer")
-        return super()._download(key, target, step, parts, algorithm, drop)
+        return super()._download(key, target, step, parts, algorithm, drop, size)
 
 
 def test_a_restore_retried_after_a_storage_error_fetches_only_what_it_had_not_verified(ckpt_env, tmp_path: Path):

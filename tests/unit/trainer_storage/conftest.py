@@ -4,9 +4,11 @@ against it without MinIO. `mem_store(uri)` builds such a store."""
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pytest
+from botocore.response import StreamingBody
 
 
 def _not_found(op: str):
@@ -45,7 +47,7 @@ class MemS3:
         if Key not in self.objects:
             raise _not_found("GetObject")
         data = self.objects[Key]
-        return {"Body": type("Body", (), {"read": lambda _self: data})()}
+        return {"Body": StreamingBody(io.BytesIO(data), len(data))}  # botocore's own body class
 
     def put_object(self, Bucket, Key, Body, **kw):
         self.objects[Key] = bytes(Body)

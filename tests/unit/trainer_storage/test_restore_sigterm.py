@@ -22,10 +22,26 @@ MANIFEST = Manifest(step=40, attempt=1, world_size=1, strategy="ddp",
 
 
 class Client:
-    """`download_fileobj` writes the object chunk by chunk, calling the transfer's callback after each."""
+    """`download_fileobj` writes the object chunk by chunk, calling the transfer's callback after each;
+    `get_object`'s body (an object below the multipart threshold, read whole) gives it chunk by chunk."""
 
     def __init__(self, on_chunk=lambda n: None) -> None:
         self.chunks, self.on_chunk = 0, on_chunk
+
+    def get_object(self, Bucket, Key):
+        client = self
+
+        class Body:
+            def iter_chunks(self, chunk_size):
+                for _ in range(64):
+                    client.chunks += 1
+                    client.on_chunk(client.chunks)
+                    yield b"x" * CHUNK
+
+            def close(self):
+                pass
+
+        return {"Body": Body()}
 
     def download_fileobj(self, bucket, key, fileobj, Config=None, Callback=None):
         for _ in range(64):
@@ -37,10 +53,12 @@ class Client:
                 Callback(CHUNK)
 
 
-def test_a_download_stops_at_the_next_chunk_once_cancelled_and_nothing_lands_under_the_final_name(tmp_path: Path):
+@pytest.mark.parametrize("threshold", [CHUNK, 64 << 20], ids=["in parts", "read whole"])
+def test_a_download_stops_at_the_next_chunk_once_cancelled_and_nothing_lands_under_the_final_name(tmp_path: Path,
+                                                                                                   threshold):
     stop = threading.Event()
     client = Client(on_chunk=lambda n: n == 3 and stop.set())
-    store = CheckpointStore(StorageConfig(uri="s3://b/jobs/ml/j"), client=client)
+    store = CheckpointStore(StorageConfig(uri="s3://b/jobs/ml/j", multipart_threshold=threshold), client=client)
     with pytest.raises(TransferStopped):
         store.download_checkpoint(MANIFEST, tmp_path, cancelled=stop.is_set)
     assert client.chunks == 3  # not the 64 of the whole object
