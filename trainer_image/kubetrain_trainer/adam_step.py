@@ -113,21 +113,40 @@ def _blocks(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
             or type(p) not in (torch.nn.Parameter, torch.Tensor) or p.is_complex())
 
 
-def _eligible(optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+def _eligible(optimizer: torch.optim.Optimizer) -> bool | tuple:
     """True where `optimizer`, as it stands after one step of its own, can be stepped straight (see the module);
-    else False, or the first parameter that `_blocks` it (a frozen one in the optimizer blocks it for good)."""
-    if type(optimizer) not in _CLASSES or not optimizer.param_groups or not _runs_torch_step(optimizer):
+    else False, or what keeps it from that as long as `_still_blocks` says so, looked at alone instead of by a walk
+    of every parameter every step: the first parameter that `_blocks` it (a frozen one in the optimizer, for good),
+    or two of different devices or dtypes (a bf16 model with fp32 norms: torch's step groups its lists by them)."""
+    groups = optimizer.param_groups
+    if (type(optimizer) not in _CLASSES or not groups or not _runs_torch_step(optimizer)
+            or not all(map(_fits, groups)) or len({bool(group["decoupled_weight_decay"]) for group in groups}) != 1):
         return False
-    places: set = set()
-    for group in optimizer.param_groups:
-        if (not _KEYS <= group.keys() or group["fused"] is not True or group["amsgrad"] or group["capturable"]
-                or group["differentiable"] or not _usable(_settings(group))):
-            return False
+    first = place = None
+    for group in groups:
         for p in group["params"]:
             if _blocks(optimizer, p):
-                return p
-            places.add((p.device, p.dtype))
-    return len(places) == 1 and len({bool(group["decoupled_weight_decay"]) for group in optimizer.param_groups}) == 1
+                return (p,)
+            if first is None:
+                first, place = p, (p.device, p.dtype)
+            elif (p.device, p.dtype) != place:
+                return (first, p)
+    return first is not None
+
+
+def _fits(group: dict) -> bool:
+    """A group's settings allow the direct step (`_usable`, and the kernel's flags as the lists are built)."""
+    return (_KEYS <= group.keys() and group["fused"] is True and not group["amsgrad"] and not group["capturable"]
+            and not group["differentiable"] and _usable(_settings(group)))
+
+
+def _still_blocks(optimizer: torch.optim.Optimizer, found: tuple) -> bool:
+    """Whether what `_eligible` found still keeps `optimizer` from a direct step. Where it no longer could (a
+    parameter left the optimizer) it may answer True: then only torch's own step is made, which is always right."""
+    if len(found) == 1:
+        return _blocks(optimizer, found[0])
+    a, b = found
+    return a.device != b.device or a.dtype != b.dtype
 
 
 def _usable(settings: dict) -> bool:
@@ -143,7 +162,7 @@ class DirectAdamStep:
     def __init__(self) -> None:
         self._lists: _Lists | None = None
         self._of: Any = None
-        self._blocked: tuple | None = None  # (optimizer, the parameter that blocked it)
+        self._blocked: tuple | None = None  # (optimizer, what `_eligible` found in the way)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         if type(optimizer) not in _CLASSES:  # before any attribute: an engine's wrapper may have none of them
@@ -158,8 +177,8 @@ class DirectAdamStep:
         alike = None if lists is None or self._of is not optimizer else self._check(optimizer, lists)
         if alike is None:
             blocked = self._blocked
-            if blocked is not None and blocked[0] is optimizer and _blocks(optimizer, blocked[1]):
-                return False  # still blocked (frozen): no walk of every parameter every step
+            if blocked is not None and blocked[0] is optimizer and _still_blocks(optimizer, blocked[1]):
+                return False  # still blocked (frozen, two dtypes): no walk of every parameter every step
             self.forget()
             found = _eligible(optimizer)
             if found is True:  # after the optimizer's own step: its state exists

@@ -156,6 +156,22 @@ def test_a_frozen_parameter_in_the_optimizer_is_looked_at_alone(monkeypatch):
     assert len(walks) == 3
 
 
+def test_a_model_of_two_dtypes_is_looked_at_alone(monkeypatch):
+    # A bf16 model with fp32 norms (HF's `_keep_in_fp32_modules`): torch's step every time (its lists are grouped
+    # by dtype), without a walk of every parameter every step on top of it to find that out again.
+    def make():
+        params = _params()
+        return torch.optim.AdamW([{"params": params[:2]},
+                                  {"params": [torch.nn.Parameter(p.detach().bfloat16()) for p in params[2:]]}],
+                                 lr=1e-2, fused=True)
+
+    walks = []
+    real = adam_step._eligible
+    monkeypatch.setattr(adam_step, "_eligible", lambda optimizer: walks.append(1) or real(optimizer))
+    assert _run(make, steps=8) == 0
+    assert len(walks) == 2  # step 0 (no state yet), step 1 (the two dtypes found); then the two alone
+
+
 @pytest.mark.parametrize("edit", ["betas", "new group", "load_state_dict", "lr as a tensor", "state cleared",
                                   "betas as tensors", "weight decay as a tensor"])
 def test_an_edit_between_steps_hands_the_step_back_then_resumes(edit):
