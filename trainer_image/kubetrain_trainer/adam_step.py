@@ -31,7 +31,7 @@ Groups whose settings are all equal this step are updated in one call (elementwi
 from __future__ import annotations
 
 import inspect
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import eq, is_, is_not, itemgetter
 from typing import Any
 
@@ -173,12 +173,14 @@ class DirectAdamStep:
                 or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
                 or torch_optimizer._global_optimizer_post_hooks or torch._C._autograd._profiler_enabled()):
             return False  # torch's step for as long as they are there; the lists stay right (none rebuilt)
+        blocked = self._blocked
+        if blocked is not None:
+            if blocked[0] is optimizer and _still_blocks(optimizer, blocked[1]):
+                return False  # still blocked (frozen, two dtypes): no walk or check of every parameter every step
+            self._blocked = None
         lists = self._lists
         alike = None if lists is None or self._of is not optimizer else self._check(optimizer, lists)
         if alike is None:
-            blocked = self._blocked
-            if blocked is not None and blocked[0] is optimizer and _still_blocks(optimizer, blocked[1]):
-                return False  # still blocked (frozen, two dtypes): no walk of every parameter every step
             self.forget()
             found = _eligible(optimizer)
             if found is True:  # after the optimizer's own step: its state exists
@@ -188,7 +190,10 @@ class DirectAdamStep:
             return False
         grads = [p.grad for p in lists.all_params]
         if not all(map(is_not, grads, repeat(None))):
-            return False  # torch skips a parameter without a gradient: only its own step does the same
+            # torch skips a parameter without a gradient: only its own step does the same. One frozen after its
+            # state was made is looked at alone from now on (the lists are checked again once it has one).
+            self._blocked = (optimizer, (next(compress(lists.all_params, map(is_, grads, repeat(None)))),))
+            return False
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:

@@ -156,6 +156,16 @@ def test_a_frozen_parameter_in_the_optimizer_is_looked_at_alone(monkeypatch):
     assert len(walks) == 3
 
 
+def test_a_parameter_frozen_after_its_state_was_made_is_looked_at_alone(monkeypatch):
+    # A layer frozen mid-training (its Adam state stays in the optimizer): torch's step every time, without the
+    # checks of every parameter's lists every step on top of it; the direct step once it is unfrozen.
+    checks = []
+    real = DirectAdamStep._check
+    monkeypatch.setattr(DirectAdamStep, "_check", staticmethod(lambda o, lists: checks.append(1) or real(o, lists)))
+    assert _run(partial(_optimizer, groups=({}, {})), steps=12, skip_at=dict.fromkeys(range(4, 10), 2)) == 4
+    assert len(checks) == 5  # steps 2-3 (straight), 4 (the gradient found missing), 10-11 (straight again)
+
+
 def test_a_model_of_two_dtypes_is_looked_at_alone(monkeypatch):
     # A bf16 model with fp32 norms (HF's `_keep_in_fp32_modules`): torch's step every time (its lists are grouped
     # by dtype), without a walk of every parameter every step on top of it to find that out again.
