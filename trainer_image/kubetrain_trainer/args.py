@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
+from . import args_accelerator
+from .args_accelerator import AcceleratorConfig
 from .args_help import print_help_and_exit, wants_help
 from .args_values import (ConfigError, _coerce, _refusing_unknown_names, load_mapping_file, parse_cli,
                           unknown_choices, unknown_name_message)
@@ -117,6 +119,9 @@ class TrainingArguments(ProcessArguments):
     """Seconds a collective may wait before the process group gives up."""
     ddp_find_unused_parameters: bool | None = None
     """Passed to DistributedDataParallel (default: False)."""
+    accelerator_config: dict | str | AcceleratorConfig | None = None
+    """HF's settings for accelerate (a dict, a JSON string, a JSON file's path or an AcceleratorConfig), e.g.
+    `dispatch_batches: false`: every rank reads an iterable training set itself (args_accelerator.py)."""
 
     # --- data ---------------------------------------------------------------------
     dataloader_num_workers: int = 0
@@ -210,7 +215,7 @@ class TrainingArguments(ProcessArguments):
             except ConfigError as exc:
                 errors.append(str(exc))
         if not errors:
-            errors = self._reporters()
+            errors = self._reporters() + args_accelerator.apply(self)
         if not errors:
             errors = self._incompatibilities()
         if errors:

@@ -9,7 +9,8 @@ remaining order is `perm[n:]` dealt out the same way, so the sampler starts
 there directly — no batch is loaded to be thrown away, and the world size
 may even change between runs. Iterable datasets have no random access; they
 fall back to skipping batches (logged). On several ranks one is read by rank 0
-alone, which deals the batches (`DispatchedLoader`).
+alone, which deals the batches (`DispatchedLoader`), or with
+`accelerator_config.dispatch_batches: false` by every rank, each keeping its part (`IterableShard`).
 
 Without a `data_collator`, batches are made as HF's `default_data_collator`
 makes them (`default_data_collator` here; transformers is not needed).
@@ -237,8 +238,9 @@ def make_loader(dataset: Dataset, *, batch_size: int, sampler: Sampler | None, c
     g = torch.Generator()
     g.manual_seed(generator_seed)
     dispatch = dict(world=dispatch_to, rank=rank) if dispatch_to > 1 else {}
-    if sampler is None:  # a stream is read whole, by rank 0 (`DispatchedLoader`) or by every rank (`_dealt`): its
-        rank = 0  # workers must draw alike on every rank (HF seeds per rank only the sets a sampler shards)
+    if sampler is None:  # a stream is read whole, by rank 0 (`DispatchedLoader`) or by every rank (`_dealt`, a
+        rank = 0  # rank's `IterableShard`): its workers must draw alike on every rank (HF seeds per rank only the
+        # sets a sampler shards)
     return (DispatchedLoader if dispatch else DataLoader)(
         dataset,
         batch_size=batch_size,

@@ -48,6 +48,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed as dist_util
 from . import optim
+from .args_accelerator import AcceleratorConfig
+from .args_values import ConfigError
 from .data import (EpochRelay, IterableShard, ResumableDistributedSampler, has_length, make_loader, remove_unused_columns,
                    to_device)
 from .evaluation import call_model, count_items, extract_loss
@@ -127,7 +129,11 @@ class OverridableMixin:
             raise ValueError("training needs a train_dataset")
         args = self.args
         sampler, dataset, world, dispatch = None, self.train_dataset, dist_util.world_size(), 0
-        drop_last = args.dataloader_drop_last
+        drop_last, dispatch_batches = args.dataloader_drop_last, self._accelerator().dispatch_batches
+        if dispatch_batches and world > 1 and not isinstance(dataset, IterableDataset):
+            raise ConfigError("accelerator_config.dispatch_batches: true applies to an IterableDataset only: each rank "
+                              "loads its own rows of a map-style training set (kubetrain's sampler shards it by "
+                              "index, resumably); leave dispatch_batches out or set it false")
         if has_length(dataset):
             sampler = self._train_sampler(dataset, world)
         else:
@@ -140,9 +146,10 @@ class OverridableMixin:
                                    "short last batch of each pass over it is trained")
                 drop_last = False
             if isinstance(dataset, IterableDataset) and world > 1:  # each rank its batches, as HF (not all of them),
-                dispatch = world  # read by rank 0 only, which deals them (HF's default, `dispatch_batches`)
+                # read by rank 0 only, which deals them (HF's default, `dispatch_batches`), or by every rank (false)
+                dispatch = 0 if dispatch_batches is False else world
                 dataset = IterableShard(dataset, batch_size=args.per_device_train_batch_size, num_replicas=world,
-                                        rank=None, drop_last=drop_last)
+                                        rank=None if dispatch else dist_util.rank(), drop_last=drop_last)
             if (args.dataloader_persistent_workers and args.dataloader_num_workers
                     and isinstance(dataset, IterableDataset) and hasattr(dataset, "set_epoch")):
                 dataset = EpochRelay(dataset)  # kept workers hold copies made at the first epoch
@@ -152,6 +159,10 @@ class OverridableMixin:
                            generator_seed=args.data_seed, rank=dist_util.rank(),
                            persistent_workers=args.dataloader_persistent_workers,
                            prefetch_factor=args.dataloader_prefetch_factor, dispatch_to=dispatch)
+
+    def _accelerator(self) -> AcceleratorConfig:
+        """`args.accelerator_config` as an AcceleratorConfig (also when a script assigned a dict to it later)."""
+        return AcceleratorConfig.parse(self.args.accelerator_config)
 
     def _train_sampler(self, dataset: Any, world: int) -> ResumableDistributedSampler:
         """The training data's order (`train_sampling_strategy`): shuffled per epoch, as it is, or grouped by
