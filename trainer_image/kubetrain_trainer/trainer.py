@@ -169,7 +169,7 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, Tok
         world = self._world = dist_util.world_size()
         saves = self._saves
         samples_per_batch = args.per_device_train_batch_size * world
-        ga = args.gradient_accumulation_steps
+        ga, sync_each = args.gradient_accumulation_steps, self._accelerator().sync_each_batch
         start_time, start_step = time.perf_counter(), state.global_step
         step_fn = self._training_step_caller(self._wants_item_counts())  # signatures inspected once, not per step
         counted_fn = self._counted_step_caller()  # for a model normalising its loss by the step's tokens (HF)
@@ -203,8 +203,8 @@ class Trainer(OverridableMixin, EvaluationMixin, SavingMixin, ResumingMixin, Tok
                 step_loss, items = None, self._step_items(micro)
                 run = step_fn if items is None else functools.partial(counted_fn, items=items)
                 for i, batch in enumerate(micro):
-                    if i < last:  # gradients are synchronised on the last micro-batch only
-                        with strategy.no_sync(True):
+                    if i < last:  # gradients are synchronised on the last micro-batch only (or each: sync_each)
+                        with strategy.no_sync(not sync_each):
                             loss = run(model, batch)
                     else:
                         loss = run(model, batch)

@@ -207,3 +207,18 @@ def test_two_ranks_each_read_the_stream_and_rank_0_may_iterate_it_alone(tmp_path
     assert rank0["alone"] == [0, 1, 4, 5, 8, 9] and rank1["alone"] == []
     assert rank0["reads"] == 2 and rank1["reads"] == 1  # rank 1 read the stream itself
 
+
+@pytest.mark.parametrize("sync_each_batch, asked", [(False, [True, True]), (True, [False, False])])
+def test_sync_each_batch_synchronises_the_gradients_of_every_micro_batch(make_args, monkeypatch, sync_each_batch,
+                                                                        asked):
+    """HF's `gradient_accumulation_kwargs.sync_each_batch` (less memory under FSDP): no micro-batch skips the
+    synchronisation. Before, the setting was not there."""
+    from kubetrain_trainer.strategies.ddp import DDPStrategy
+
+    calls = []
+    no_sync = DDPStrategy.no_sync
+    monkeypatch.setattr(DDPStrategy, "no_sync", lambda self, enabled: calls.append(enabled) or no_sync(self, enabled))
+    accumulate = {"gradient_accumulation_kwargs": {"num_steps": 2, "sync_each_batch": sync_each_batch}}
+    args = make_args(per_device_train_batch_size=2, max_steps=2, save_strategy="no", accelerator_config=accumulate)
+    Trainer(model=Recorder(), args=args, train_dataset=[{"x": torch.tensor(float(i))} for i in range(8)]).train()
+    assert calls == asked  # the first of each step's 2 micro-batches
