@@ -118,3 +118,24 @@ def test_a_job_stored_before_the_endpoint_rule_stays_editable(kube_api, api_name
             if exc.status != 404:
                 raise
 
+
+
+def test_a_job_without_checkpoint_that_adds_one_cannot_keep_the_endpoint_variables(submit, kube_api, api_namespace):
+    """Without spec.checkpoint, AWS_ENDPOINT_URL_S3 is the job's own S3 endpoint (allowed); adding a checkpoint
+    without spec.checkpoint.endpoint would send the checkpoints there: only a job that had both may keep it."""
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(kube_api)
+    job = _job("adds-checkpoint", [{"name": "AWS_ENDPOINT_URL_S3", "value": "http://data:9000"}])
+    job["apiVersion"] = "kubetrain.io/v1alpha1"
+    checkpoint = job["spec"].pop("checkpoint")
+    submit(job, dry_run=False)
+    try:
+        with pytest.raises(client.ApiException) as err:
+            custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs",
+                                                  "adds-checkpoint", {"spec": {"checkpoint": checkpoint}})
+        assert err.value.status == 422
+        assert "must not set AWS_ENDPOINT_URL_S3 or AWS_IGNORE_CONFIGURED_ENDPOINT_URLS" in err.value.body
+    finally:
+        custom.delete_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs",
+                                               "adds-checkpoint")
