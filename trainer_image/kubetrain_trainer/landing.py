@@ -1,9 +1,11 @@
 """The file a restore downloads into, its digest computed as the bytes land, so a restore needs no second pass.
 
-`landing_file(fh, algorithm)` wraps the open file for s3transfer, which writes each chunk at its offset
-(`seek` + `write`), one writer at a time: its one IO thread for a ranged download with many parts in
-flight (chunks in the order they arrive, in order within each ranged GET), a request thread for a small
-object. Written bytes go straight to the file; nothing is held in memory.
+`landing_file(fh, algorithm)` wraps the open file for one writer at a time, which writes each chunk at its
+offset (`seek` + `write`): `fetch_whole`, which reads an object below the multipart threshold by one GET,
+in order; or s3transfer, for a large object of a `sha256` record (its one IO thread, chunks in the order
+they arrive, in order within each ranged GET). A large object of an `xxh128` record is fetched by
+`ranged.fetch_ranges`, which hashes each range in its own thread. Written bytes go straight to the file;
+nothing is held in memory.
 
 - `xxh128` (every record written now): `PartHashingFile` keeps one hash state per `DIGEST_PART` of the
   file and feeds each chunk to its part's state on the writing thread (XXH3 costs ~0.05 s a GiB).
@@ -89,7 +91,7 @@ def fetch_whole(get_body: Callable[[], Any], target: Path, algorithm: str, check
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -133,7 +135,7 @@ class PartHashingFile(_DownloadFile):
 
     def write(self, data: bytes) -> int:
         start = self._pos
-        _write_all(self._fd, data, start)  # never hash bytes the file did not get
+        write_all(self._fd, data, start)  # never hash bytes the file did not get
         self._pos = start + len(data)
         self.size = max(self.size, self._pos)
         view, offset = memoryview(data), start
@@ -196,7 +198,7 @@ class HashingFile(_DownloadFile):
 
     def write(self, data: bytes) -> int:
         start = self._pos
-        _write_all(self._fd, data, start)  # never hash bytes the file did not get
+        write_all(self._fd, data, start)  # never hash bytes the file did not get
         self._pos = end = start + len(data)
         with self._cond:
             self.size = max(self.size, end)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
-from kubetrain_trainer.hashing import HashCancelled
+from kubetrain_trainer.hashing import DIGEST_PART, HashCancelled
 from kubetrain_trainer.landing import fetch_whole, keep_verified, landing_file, verified
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
@@ -33,9 +33,10 @@ from kubetrain_trainer.layout import (
     parse_checkpoint_dirname,
     parse_claim_name,
 )
-from kubetrain_trainer.manifest import AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
+from kubetrain_trainer.manifest import XXH128, AttemptClaim, FileEntry, Manifest, ManifestError, NodePart
 from kubetrain_trainer.storage_config import (UPLOAD_RATE_ENV, S3Location, StorageConfig, content_md5_instead_of_crc32,
                                               s3_compatible)
+from kubetrain_trainer.ranged import fetch_ranges
 from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_trainer.storage_errors import (
     PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, TransferStopped, classify, error_code,
@@ -220,28 +221,31 @@ class CheckpointStore:
 
     def _download(self, key: str, target: Path, step: int, parts: int, algorithm: str,
                   cancelled: Callable[[], bool] = lambda: False, size: int | None = None) -> tuple[int, str]:
-        """(bytes, `algorithm` digest) of the object `key` written to `target`; up to `parts` ranged GETs in flight
-        (one plain GET below the multipart threshold: `landing.fetch_whole`)."""
+        """(bytes, `algorithm` digest) of the object `key` written to `target`: one plain GET below the multipart
+        threshold (`landing.fetch_whole`), else up to `parts` ranged GETs in flight (`ranged.fetch_ranges` for
+        an xxh128 record of known size, s3transfer for a sha256 one)."""
         from boto3.s3.transfer import TransferConfig
 
-        config = TransferConfig(multipart_threshold=self.config.multipart_threshold,
-                                multipart_chunksize=self.config.download_chunksize, max_concurrency=parts,
-                                use_threads=parts > 1)
+        bucket, check = self.location.bucket, lambda: _stop_if(cancelled, key)
         try:
             if size is not None and size < self.config.multipart_threshold:
-                return fetch_whole(lambda: self._client.get_object(Bucket=self.location.bucket, Key=key)["Body"],
-                                   target, algorithm, lambda: _stop_if(cancelled, key))
+                return fetch_whole(lambda: self._client.get_object(Bucket=bucket, Key=key)["Body"], target, algorithm,
+                                   check)
+            if size is not None and algorithm == XXH128 and self.config.download_chunksize % DIGEST_PART == 0:
+                return fetch_ranges(lambda r: self._client.get_object(Bucket=bucket, Key=key, Range=r)["Body"],
+                                    target, size, range_size=self.config.download_chunksize, workers=parts, check=check)
+            config = TransferConfig(multipart_threshold=self.config.multipart_threshold, use_threads=parts > 1,
+                                    multipart_chunksize=self.config.download_chunksize, max_concurrency=parts)
             with open(target, "w+b") as fh:
                 written = landing_file(fh, algorithm)
                 try:
-                    self._client.download_fileobj(self.location.bucket, key, written, Config=config,
-                                                  Callback=lambda _n: _stop_if(cancelled, key))
+                    self._client.download_fileobj(bucket, key, written, Config=config, Callback=lambda _n: check())
                     return written.size, written.hexdigest()
                 finally:
                     written.close()  # a sha256 one's thread reads `fh`: stopped before the file is closed
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
-                raise ChecksumError(f"checkpoint-{step}: s3://{self.location.bucket}/{key} is gone") from None
+                raise ChecksumError(f"checkpoint-{step}: s3://{bucket}/{key} is gone") from None
             raise
 
     # ------------------------------------------------------------ writing

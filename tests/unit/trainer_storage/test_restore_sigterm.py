@@ -5,13 +5,14 @@ its boundary (its transfer calls back after every chunk, as s3transfer's does)."
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
 import pytest
 
 from kubetrain_trainer.decisions import RemoteCheckpoint
-from kubetrain_trainer.manifest import FileEntry, Manifest
+from kubetrain_trainer.manifest import SHA256, XXH128, FileEntry, Manifest
 from kubetrain_trainer.restore import RestoreAgreementError, restore_newest
 from kubetrain_trainer.storage import CheckpointStore, StorageConfig
 from kubetrain_trainer.storage_errors import TransferStopped
@@ -28,7 +29,7 @@ class Client:
     def __init__(self, on_chunk=lambda n: None) -> None:
         self.chunks, self.on_chunk = 0, on_chunk
 
-    def get_object(self, Bucket, Key):
+    def get_object(self, Bucket, Key, Range=None):
         client = self
 
         class Body:
@@ -53,14 +54,18 @@ class Client:
                 Callback(CHUNK)
 
 
-@pytest.mark.parametrize("threshold", [CHUNK, 64 << 20], ids=["in parts", "read whole"])
+@pytest.mark.parametrize("threshold, algorithm", [(CHUNK, XXH128), (CHUNK, SHA256), (64 << 20, XXH128)],
+                         ids=["in ranges", "in parts by s3transfer (a sha256 record)", "read whole"])
 def test_a_download_stops_at_the_next_chunk_once_cancelled_and_nothing_lands_under_the_final_name(tmp_path: Path,
-                                                                                                   threshold):
+                                                                                                   threshold,
+                                                                                                   algorithm):
     stop = threading.Event()
     client = Client(on_chunk=lambda n: n == 3 and stop.set())
     store = CheckpointStore(StorageConfig(uri="s3://b/jobs/ml/j", multipart_threshold=threshold), client=client)
+    (entry,) = MANIFEST.files
+    manifest = dataclasses.replace(MANIFEST, files=(dataclasses.replace(entry, algorithm=algorithm),))
     with pytest.raises(TransferStopped):
-        store.download_checkpoint(MANIFEST, tmp_path, cancelled=stop.is_set)
+        store.download_checkpoint(manifest, tmp_path, cancelled=stop.is_set)
     assert client.chunks == 3  # not the 64 of the whole object
     assert not (tmp_path / "checkpoint-40").exists()
 

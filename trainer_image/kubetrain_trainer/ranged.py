@@ -1,0 +1,104 @@
+"""A large object fetched by ranged GETs in threads of its own, each range written and hashed where it lands.
+
+s3transfer's download of a large object sends a HEAD for its size, then its ranged GETs hand every chunk
+to one IO thread, which writes them all (and, with `landing.PartHashingFile`, hashes them all): every byte
+of the object passes through that one thread. Here the size comes from the manifest and each range's
+thread writes its own bytes at their offsets (`os.pwrite`) and hashes them into the `DIGEST_PART` parts
+the range holds (its size is a multiple of a part), so writing and hashing run in as many threads as there
+are ranges in flight. The `xxh128` of the file is the tree of those parts' digests, as `hashing.py` defines
+it. A range whose read breaks off (s3transfer's retryable download errors) is read again from its start,
+its parts hashed again, up to `attempts` times, as s3transfer retries a ranged GET. The first other error
+stops every range at its next chunk and is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable
+
+import xxhash
+
+from kubetrain_trainer.hashing import DIGEST_PART, tree_hexdigest
+from kubetrain_trainer.landing import write_all
+from kubetrain_trainer.storage_errors import StorageTemporaryError
+
+logger = logging.getLogger(__name__)
+
+
+class _Abandoned(Exception):
+    """Another range failed: this one stops at its next chunk (never retried, never raised to the caller)."""
+
+
+def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, range_size: int, workers: int,
+                 check: Callable[[], None], attempts: int = 5, chunk: int = 1 << 20) -> tuple[int, str]:
+    """(bytes, xxh128) of an object of `size` bytes fetched into `target` by ranged GETs of `range_size`
+    bytes (a multiple of `DIGEST_PART`), up to `workers` at once. `get_range("bytes=a-b")` sends one GET and
+    returns its streaming body; `check()` runs before each chunk is written (it raises to stop)."""
+    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
+
+    if range_size <= 0 or range_size % DIGEST_PART:
+        raise ValueError(f"range_size {range_size} is no multiple of the digest part ({DIGEST_PART})")
+    failed = threading.Event()
+    digests: dict[int, bytes] = {}
+    with open(target, "w+b") as fh:
+        fd = fh.fileno()
+
+        def one(start: int) -> dict[int, bytes]:
+            end = min(start + range_size, size)
+            for attempt in range(1, attempts + 1):
+                try:
+                    return _read_range(get_range, fd, start, end, failed, check, chunk)
+                except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
+                    if attempt == attempts or failed.is_set():
+                        raise
+                    logger.debug("%s bytes %d-%d: the read broke off (%s); reading them again (%d of %d)",
+                                 target.name, start, end - 1, e, attempt + 1, attempts)
+            raise AssertionError("unreachable")  # the last attempt returns or raises
+
+        with ThreadPoolExecutor(max(1, min(workers, -(-size // range_size))),
+                                thread_name_prefix="kubetrain-range") as pool:
+            futures = [pool.submit(one, start) for start in range(0, size, range_size)]
+            try:
+                for future in as_completed(futures):
+                    digests.update(future.result())
+            except BaseException:
+                failed.set()  # the others stop at their next chunk; the pool's exit waits for them
+                for future in futures:
+                    future.cancel()
+                raise
+    return size, tree_hexdigest(digests[i] for i in range(-(-size // DIGEST_PART)))
+
+
+def _read_range(get_range: Callable[[str], Any], fd: int, start: int, end: int, failed: threading.Event,
+                check: Callable[[], None], chunk: int) -> dict[int, bytes]:
+    """Bytes `start` to `end` (exclusive) written at their offsets; the digests of the parts they hold."""
+    states: dict[int, Any] = {}
+    offset = start
+    body = get_range(f"bytes={start}-{end - 1}")
+    try:
+        for data in body.iter_chunks(chunk):
+            if failed.is_set():
+                raise _Abandoned()
+            check()
+            if offset + len(data) > end:  # a server that ignored the Range: never write over another range
+                raise StorageTemporaryError(f"bytes {start}-{end - 1}: the answer is longer than the range")
+            write_all(fd, data, offset)
+            view = memoryview(data)
+            while view:
+                index, within = divmod(offset, DIGEST_PART)
+                n = min(len(view), DIGEST_PART - within)
+                state = states.get(index)
+                if state is None:
+                    state = states[index] = xxhash.xxh3_128()
+                state.update(view[:n])
+                view, offset = view[n:], offset + n
+    finally:
+        body.close()
+    if offset != end:
+        from botocore.exceptions import IncompleteReadError  # one of s3transfer's retryable download errors
+
+        raise IncompleteReadError(actual_bytes=offset - start, expected_bytes=end - start)
+    return {index: state.digest() for index, state in states.items()}
