@@ -15,7 +15,8 @@ nothing is held in memory.
 Anything irregular (a chunk landing where its part's hash does not stand, bytes already hashed written
 again) is not trusted: `hexdigest` then hashes the whole file from disk.
 
-`keep_verified` is what a retried restore keeps of the staging folder an earlier try filled.
+`keep_verified` is what a retried restore keeps of the staging folder an earlier try filled; `link_or_copy`
+places a file already verified under the final name into it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -284,6 +286,19 @@ def verified(path: Path, f: FileEntry, *, cancelled: Callable[[], bool] = lambda
         return False
     return (stat.S_ISREG(st.st_mode) and st.st_size == f.size
             and file_digest(path, f.algorithm, cancelled=cast(threading.Event, _Polled(cancelled))) == f.digest)
+
+
+def link_or_copy(existing: Path, target: Path) -> None:
+    """A verified local file `existing` placed at `target` for a restore: hard-linked on the same file system
+    (no bytes copied), else copied."""
+    try:
+        same = existing.stat().st_dev == target.parent.stat().st_dev
+    except OSError:
+        same = False
+    if same:
+        os.link(existing, target)
+    else:
+        shutil.copyfile(existing, target)
 
 
 def keep_verified(staging: Path, files: Iterable[FileEntry], *, cancelled: Callable[[], bool] = lambda: False) -> set[str]:

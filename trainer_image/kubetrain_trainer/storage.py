@@ -14,7 +14,6 @@ messages that never carry credentials; when to retry is `retry.py`'s business.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from kubetrain_trainer.decisions import MultipartUpload, RemoteCheckpoint
 from kubetrain_trainer.hashing import DIGEST_PART, HashCancelled
-from kubetrain_trainer.landing import fetch_whole, keep_verified, landing_file, verified
+from kubetrain_trainer.landing import fetch_whole, keep_verified, landing_file, link_or_copy, verified
 from kubetrain_trainer.layout import (
     CLAIMS_FOLDER,
     MANIFEST_NAME,
@@ -174,10 +173,7 @@ class CheckpointStore:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 existing = final / f.path
                 if f.path not in staged and verified(existing, f, cancelled=cancelled):
-                    if _same_fs(existing, staging):
-                        os.link(existing, target)
-                    else:
-                        shutil.copyfile(existing, target)
+                    link_or_copy(existing, target)
         except HashCancelled:
             raise TransferStopped(f"checkpoint-{manifest.step}: stopped (SIGTERM) checking local files") from None
         try:
@@ -445,10 +441,3 @@ def _make_client(config: StorageConfig) -> Any:
     if s3_compatible(config.endpoint_url):  # DeleteObjects with Content-MD5, as before botocore 1.36
         client.meta.events.register("before-call.s3.DeleteObjects", content_md5_instead_of_crc32)
     return client
-
-
-def _same_fs(a: Path, b: Path) -> bool:
-    try:
-        return a.stat().st_dev == b.stat().st_dev
-    except OSError:
-        return False
