@@ -8,12 +8,15 @@ the range holds (its size is a multiple of a part), so writing and hashing run i
 are ranges in flight. The `xxh128` of the file is the tree of those parts' digests, as `hashing.py` defines
 it. A range whose read breaks off (s3transfer's retryable download errors) is read again from its start,
 its parts hashed again, up to `attempts` times, as s3transfer retries a ranged GET. The first other error
-stops every range at its next chunk and is raised.
+stops every range at its next chunk and is raised. With no HEAD, the answers tell the object's size: one that
+differs from the record's (`Content-Range: bytes a-b/<size>`, or InvalidRange for a range past its end) is a
+`DigestMismatchError`, as the size check after s3transfer's download found it, never a read to retry.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -23,7 +26,7 @@ import xxhash
 
 from kubetrain_trainer.hashing import DIGEST_PART, tree_hexdigest
 from kubetrain_trainer.landing import write_all
-from kubetrain_trainer.storage_errors import StorageTemporaryError
+from kubetrain_trainer.storage_errors import DigestMismatchError, StorageTemporaryError, error_code
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,8 @@ def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, ra
                  check: Callable[[], None], attempts: int = 5, chunk: int = 1 << 20) -> tuple[int, str]:
     """(bytes, xxh128) of an object of `size` bytes fetched into `target` by ranged GETs of `range_size`
     bytes (a multiple of `DIGEST_PART`), up to `workers` at once. `get_range("bytes=a-b")` sends one GET and
-    returns its streaming body; `check()` runs before each chunk is written (it raises to stop)."""
+    returns its answer (botocore's: `Body`, `ContentRange`); `check()` runs before each chunk is written (it
+    raises to stop)."""
     from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
     if range_size <= 0 or range_size % DIGEST_PART:
@@ -50,7 +54,7 @@ def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, ra
             end = min(start + range_size, size)
             for attempt in range(1, attempts + 1):
                 try:
-                    return _read_range(get_range, fd, start, end, failed, check, chunk)
+                    return _read_range(get_range, fd, start, end, size, failed, check, chunk)
                 except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
                     if attempt == attempts or failed.is_set():
                         raise
@@ -72,12 +76,13 @@ def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, ra
     return size, tree_hexdigest(digests[i] for i in range(-(-size // DIGEST_PART)))
 
 
-def _read_range(get_range: Callable[[str], Any], fd: int, start: int, end: int, failed: threading.Event,
-                check: Callable[[], None], chunk: int) -> dict[int, bytes]:
-    """Bytes `start` to `end` (exclusive) written at their offsets; the digests of the parts they hold."""
+def _read_range(get_range: Callable[[str], Any], fd: int, start: int, end: int, size: int,
+                failed: threading.Event, check: Callable[[], None], chunk: int) -> dict[int, bytes]:
+    """Bytes `start` to `end` (exclusive) of an object of `size` written at their offsets; the digests of the
+    parts they hold."""
     states: dict[int, Any] = {}
     offset = start
-    body = get_range(f"bytes={start}-{end - 1}")
+    body = _answer(get_range, start, end, size)["Body"]
     try:
         for data in body.iter_chunks(chunk):
             if failed.is_set():
@@ -102,3 +107,30 @@ def _read_range(get_range: Callable[[str], Any], fd: int, start: int, end: int, 
 
         raise IncompleteReadError(actual_bytes=offset - start, expected_bytes=end - start)
     return {index: state.digest() for index, state in states.items()}
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _answer(get_range: Callable[[str], Any], start: int, end: int, size: int) -> Any:
+    """The answer to the GET of bytes `start` to `end` (exclusive) of an object whose record says `size` bytes:
+    DigestMismatchError when storage holds another size, StorageTemporaryError when it answers another range.
+    An answer without `Content-Range` (a server that ignored the Range) is left to the length check as it lands."""
+    what = f"bytes {start}-{end - 1}"
+    try:
+        response = get_range(f"bytes={start}-{end - 1}")
+    except Exception as e:
+        if error_code(e) == "InvalidRange":  # 416: the object ends before `start`
+            raise DigestMismatchError(f"{what}: the object in storage ends before them; its record has {size} "
+                                      "bytes") from None
+        raise
+    match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange") or ""))
+    if match is None:
+        return response
+    if match[3] != "*" and int(match[3]) != size:
+        response["Body"].close()
+        raise DigestMismatchError(f"{what}: the object in storage has {match[3]} bytes; its record {size}")
+    if (int(match[1]), int(match[2])) != (start, end - 1):
+        response["Body"].close()
+        raise StorageTemporaryError(f"{what}: the answer is bytes {match[1]}-{match[2]}")
+    return response

@@ -228,8 +228,8 @@ class CheckpointStore:
                 return fetch_whole(lambda: self._client.get_object(Bucket=bucket, Key=key)["Body"], target, algorithm,
                                    check)
             if size is not None and algorithm == XXH128 and self.config.download_chunksize % DIGEST_PART == 0:
-                return fetch_ranges(lambda r: self._client.get_object(Bucket=bucket, Key=key, Range=r)["Body"],
-                                    target, size, range_size=self.config.download_chunksize, workers=parts, check=check)
+                return fetch_ranges(lambda r: self._client.get_object(Bucket=bucket, Key=key, Range=r), target, size,
+                                    range_size=self.config.download_chunksize, workers=parts, check=check)
             config = TransferConfig(multipart_threshold=self.config.multipart_threshold, use_threads=parts > 1,
                                     multipart_chunksize=self.config.download_chunksize, max_concurrency=parts)
             with open(target, "w+b") as fh:
@@ -239,6 +239,8 @@ class CheckpointStore:
                     return written.size, written.hexdigest()
                 finally:
                     written.close()  # a sha256 one's thread reads `fh`: stopped before the file is closed
+        except DigestMismatchError as e:  # the object's size in storage is not its record's (`fetch_ranges`)
+            raise DigestMismatchError(f"checkpoint-{step}: s3://{bucket}/{key}: {e}") from None
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{bucket}/{key} is gone") from None

@@ -5,17 +5,18 @@ against it without MinIO. `mem_store(uri)` builds such a store."""
 from __future__ import annotations
 
 import io
+import re
 import threading
 
 import pytest
 from botocore.response import StreamingBody
 
 
-def _not_found(op: str):
+def _s3_error(op: str, code: str = "NoSuchKey", status: int = 404, message: str = "not found"):
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": "NoSuchKey", "Message": "not found"},
-                        "ResponseMetadata": {"HTTPStatusCode": 404}}, op)
+    return ClientError({"Error": {"Code": code, "Message": message},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, op)
 
 
 class _Paginator:
@@ -43,11 +44,20 @@ class MemS3:
     def get_paginator(self, name):
         return _Paginator(self, name)
 
-    def get_object(self, Bucket, Key):
+    def get_object(self, Bucket, Key, Range=None):
+        """As S3 answers: the whole object, or for `Range="bytes=a-b"` its bytes a to b (cut at its end) with
+        `ContentRange` naming the object's size, or InvalidRange (416) when it ends before byte a."""
         if Key not in self.objects:
-            raise _not_found("GetObject")
+            raise _s3_error("GetObject")
         data = self.objects[Key]
-        return {"Body": StreamingBody(io.BytesIO(data), len(data))}  # botocore's own body class
+        if Range is None:
+            return {"Body": StreamingBody(io.BytesIO(data), len(data)), "ContentLength": len(data)}  # botocore's body
+        first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())
+        if first >= len(data):
+            raise _s3_error("GetObject", "InvalidRange", 416, "The requested range is not satisfiable")
+        part = data[first:last + 1]
+        return {"Body": StreamingBody(io.BytesIO(part), len(part)), "ContentLength": len(part),
+                "ContentRange": f"bytes {first}-{first + len(part) - 1}/{len(data)}"}
 
     def put_object(self, Bucket, Key, Body, **kw):
         self.objects[Key] = bytes(Body)
@@ -69,7 +79,7 @@ class MemS3:
 
     def download_fileobj(self, Bucket, Key, Fileobj, Config=None, Callback=None):
         if Key not in self.objects:
-            raise _not_found("GetObject")
+            raise _s3_error("GetObject")
         Fileobj.seek(0)
         Fileobj.write(self.objects[Key])
         if Callback:

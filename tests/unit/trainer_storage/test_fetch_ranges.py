@@ -19,8 +19,10 @@ from botocore.response import StreamingBody
 
 from kubetrain_digest import xxh128_of
 from kubetrain_trainer.hashing import DIGEST_PART
+from kubetrain_trainer.manifest import FileEntry, Manifest
 from kubetrain_trainer.ranged import fetch_ranges
-from kubetrain_trainer.storage_errors import StorageTemporaryError
+from kubetrain_trainer.storage import CheckpointStore, StorageConfig
+from kubetrain_trainer.storage_errors import DigestMismatchError, StorageTemporaryError
 
 CONTENT = os.urandom(3 * DIGEST_PART + DIGEST_PART // 2 + 777)  # 4 ranges of one part, the last one short
 
@@ -41,7 +43,8 @@ class _Body(StreamingBody):
 
 
 class _Source:
-    """Answers `get_range("bytes=a-b")` from `CONTENT`; `faults[start]` lists what each GET of that range does."""
+    """Answers `get_range("bytes=a-b")` from `CONTENT` as S3 does (`Body`, `ContentRange`); `faults[start]` lists
+    what each GET of that range does."""
 
     def __init__(self, faults: dict[int, list] | None = None) -> None:
         self.faults, self.gets, self.lock = faults or {}, [], threading.Lock()
@@ -51,13 +54,16 @@ class _Source:
         with self.lock:
             self.gets.append(start)
             fault = self.faults.get(start, []).pop(0) if self.faults.get(start) else None
-        if fault == "whole object":
-            return _Body(CONTENT)
-        if fault == "short":
-            return _Body(CONTENT[start:end])  # one byte missing
+        if fault == "whole object":  # a server that ignored the Range: 200, no Content-Range
+            return {"Body": _Body(CONTENT)}
         if isinstance(fault, Exception):
             raise fault
-        return _Body(CONTENT[start:end + 1], break_after=fault)
+        answer = {"ContentRange": f"bytes {start}-{end}/{len(CONTENT)}"}
+        if fault == "short":
+            return {**answer, "Body": _Body(CONTENT[start:end])}  # one byte missing
+        if fault == "other range":  # the bytes from the object's start, as such
+            return {"ContentRange": f"bytes 0-{end - start}/{len(CONTENT)}", "Body": _Body(CONTENT[:end - start + 1])}
+        return {**answer, "Body": _Body(CONTENT[start:end + 1], break_after=fault)}
 
 
 def _fetch(tmp_path, source, **kw):
@@ -110,6 +116,38 @@ def test_a_server_that_ignores_the_range_is_not_written_over_other_ranges(tmp_pa
         _fetch(tmp_path, _Source({0: ["whole object"]}))
 
 
+def test_an_answer_of_another_range_is_not_written_as_this_one(tmp_path):
+    """s3transfer checked a ranged answer's Content-Range (S3ValidationError): without it these bytes landed at
+    the wrong offset, and the digest mismatch that followed had the checkpoint marked corrupt in storage."""
+    with pytest.raises(StorageTemporaryError, match=f"bytes {DIGEST_PART}-{2 * DIGEST_PART - 1}: the answer is bytes 0-"):
+        _fetch(tmp_path, _Source({DIGEST_PART: ["other range"]}))
+
+
 def test_a_range_size_that_cuts_digest_parts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="multiple of the digest part"):
         _fetch(tmp_path, _Source(), range_size=DIGEST_PART + 1)
+
+
+@pytest.mark.parametrize("stored", [CONTENT[:3 * DIGEST_PART], CONTENT[:-1], CONTENT + b"\0"],
+                         ids=["it ends before the last range", "one byte short", "one byte longer"])
+def test_an_object_of_another_size_than_its_record_is_a_digest_mismatch(tmp_path, mem_s3, stored):
+    """No HEAD tells the object's size any more: the ranged answers must. A mismatch is the checkpoint's
+    (the restore falls back to an older one and marks it), not a temporary error retried until the restore's
+    deadline, on every attempt; and an object longer than its record is no more taken for it than before."""
+    mem_s3.objects["j/checkpoint-7/model.safetensors"] = stored
+    store = CheckpointStore(StorageConfig(uri="s3://b/j", multipart_threshold=DIGEST_PART,
+                                          download_chunksize=DIGEST_PART), client=mem_s3)
+    manifest = Manifest(step=7, attempt=1, world_size=1, strategy="ddp", created="2026-12-06T00:00:00Z",
+                        files=(FileEntry("model.safetensors", len(CONTENT), xxh128_of(CONTENT)),))
+    with pytest.raises(DigestMismatchError, match="checkpoint-7"):
+        store.download_checkpoint(manifest, tmp_path)
+    assert not (tmp_path / "checkpoint-7").exists() and not (tmp_path / ".checkpoint-7.restoring").exists()
+
+
+def test_a_large_file_lands_through_the_store_by_ranges(tmp_path, mem_s3):
+    mem_s3.objects["j/checkpoint-7/model.safetensors"] = CONTENT
+    store = CheckpointStore(StorageConfig(uri="s3://b/j", multipart_threshold=DIGEST_PART,
+                                          download_chunksize=DIGEST_PART), client=mem_s3)
+    manifest = Manifest(step=7, attempt=1, world_size=1, strategy="ddp", created="2026-12-06T00:00:00Z",
+                        files=(FileEntry("model.safetensors", len(CONTENT), xxh128_of(CONTENT)),))
+    assert (store.download_checkpoint(manifest, tmp_path) / "model.safetensors").read_bytes() == CONTENT
