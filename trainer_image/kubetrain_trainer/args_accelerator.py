@@ -133,6 +133,14 @@ def _gradient_kwargs(given: dict, errors: list[str]) -> dict:
     """A copy of `gradient_accumulation_kwargs` with its values coerced; its problems appended to `errors`."""
     where, out = f"{NAME}.gradient_accumulation_kwargs", {}
     for key, value in given.items():
+        if key == "adjust_scheduler":  # accelerate's plugin: true (its default) is what the Trainer does anyway
+            try:
+                if not _coerce(value, bool, f"{where}.adjust_scheduler"):
+                    errors.append(f"{where}.adjust_scheduler: only true: the Trainer steps the learning-rate "
+                                  "schedule once per optimizer step")
+            except ConfigError as exc:
+                errors.append(str(exc))
+            continue
         if key not in GRADIENT_ACCUMULATION_KEYS:
             errors.append(_unknown(key, list(GRADIENT_ACCUMULATION_KEYS), where))
             continue

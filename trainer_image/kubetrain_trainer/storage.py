@@ -38,7 +38,8 @@ from kubetrain_trainer.storage_config import (UPLOAD_RATE_ENV, S3Location, Stora
 from kubetrain_trainer.ranged import fetch_ranges
 from kubetrain_trainer.rank_files import NodeRanks, is_rank_files_record
 from kubetrain_trainer.storage_errors import (
-    PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, TransferStopped, classify, error_code,
+    PROGRAMMING_ERRORS, ChecksumError, DigestMismatchError, StorageError, StorageTemporaryError, TransferStopped, classify,
+    error_code,
 )
 
 log = logging.getLogger(__name__)
@@ -239,8 +240,8 @@ class CheckpointStore:
                     return written.size, written.hexdigest()
                 finally:
                     written.close()  # a sha256 one's thread reads `fh`: stopped before the file is closed
-        except DigestMismatchError as e:  # the object's size in storage is not its record's (`fetch_ranges`)
-            raise DigestMismatchError(f"checkpoint-{step}: s3://{bucket}/{key}: {e}") from None
+        except (DigestMismatchError, StorageTemporaryError) as e:  # `fetch_ranges`: another size, another range
+            raise type(e)(f"checkpoint-{step}: s3://{bucket}/{key}: {e}") from None
         except Exception as e:  # a vanished object is data (this checkpoint is gone), not access
             if error_code(e) in ("NoSuchKey", "404", "NotFound"):
                 raise ChecksumError(f"checkpoint-{step}: s3://{bucket}/{key} is gone") from None

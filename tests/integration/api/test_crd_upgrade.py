@@ -2,7 +2,8 @@
 
 spec.env may not set AWS_ENDPOINT_URL_S3 or AWS_IGNORE_CONFIGURED_ENDPOINT_URLS beside spec.checkpoint
 (since 2026-12-06). A job stored earlier with one of them must stay editable, suspend included; once its env
-has none, the rule holds for it too. The test serves a copy of the CRD under a
+has none, the rule holds for it too. The rules need no `optionalOldSelf` (Kubernetes 1.30): a new job is
+checked at the root while it has no status, an edit by a transition rule on spec. The test serves a copy of the CRD under a
 group of its own (the shared kubetrain.io CRD stays as it is for the other tests): first without the rule, as
 the CRD was, then as it is now.
 """
@@ -28,11 +29,12 @@ def _crd(*, before: bool) -> dict:
     crd = yaml.safe_load(CRD_FILE.read_text())
     crd["metadata"] = {"name": f"{PLURAL}.{GROUP}"}
     crd["spec"]["group"] = GROUP
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    rules = spec["x-kubernetes-validations"]
-    assert any(all(n in r["rule"] for n in NEW_NAMES) for r in rules), "the rule this test is about is gone"
-    if before:  # the CRD as it was: the rule not there yet
-        spec["x-kubernetes-validations"] = [r for r in rules if not all(n in r["rule"] for n in NEW_NAMES)]
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for schema in (root, root["properties"]["spec"]):  # the create rule at the root, the edit rule on spec
+        rules = schema["x-kubernetes-validations"]
+        assert any(all(n in r["rule"] for n in NEW_NAMES) for r in rules), "a rule this test is about is gone"
+        if before:  # the CRD as it was: the rules not there yet
+            schema["x-kubernetes-validations"] = [r for r in rules if not all(n in r["rule"] for n in NEW_NAMES)]
     return crd
 
 
@@ -90,6 +92,9 @@ def test_a_job_stored_before_the_endpoint_rule_stays_editable(kube_api, api_name
     try:
         _serve(ext, custom, api_namespace, _crd(before=True), refuses_new_jobs=False)
         custom.create_namespaced_custom_object(GROUP, VERSION, api_namespace, PLURAL, _job("stored", env))
+        # As the operator does at once: a stored job has a status (a new one has none, and is checked as new).
+        custom.patch_namespaced_custom_object_status(GROUP, VERSION, api_namespace, PLURAL, "stored",
+                                                     {"status": {"phase": "Running"}})
         _serve(ext, custom, api_namespace, _crd(before=False), refuses_new_jobs=True)
 
         # Suspend, resume and other edits go through; so does an edit of the env that keeps the variable.
@@ -130,6 +135,8 @@ def test_a_job_without_checkpoint_that_adds_one_cannot_keep_the_endpoint_variabl
     job["apiVersion"] = "kubetrain.io/v1alpha1"
     checkpoint = job["spec"].pop("checkpoint")
     submit(job, dry_run=False)
+    custom.patch_namespaced_custom_object_status("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs",
+                                                 "adds-checkpoint", {"status": {"phase": "Running"}})
     try:
         with pytest.raises(client.ApiException) as err:
             custom.patch_namespaced_custom_object("kubetrain.io", "v1alpha1", api_namespace, "trainingjobs",

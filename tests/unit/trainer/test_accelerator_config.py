@@ -92,8 +92,9 @@ def test_the_arguments_round_trip_through_training_args_json():
     ({"use_seedable_sampler": "false"}, r"accelerator_config.use_seedable_sampler: only true: .*data_seed"),
     ({"use_configured_state": True}, r"accelerator_config.use_configured_state: only false"),
     ({"gradient_accumulation_kwargs": {"adjust_scheduler": False}},
-     r"accelerator_config.gradient_accumulation_kwargs: unknown key 'adjust_scheduler' \(the keys are num_steps, "
-     r"sync_each_batch\)"),
+     r"accelerator_config.gradient_accumulation_kwargs.adjust_scheduler: only true: .*once per optimizer step"),
+    ({"gradient_accumulation_kwargs": {"adjust_sheduler": True}},
+     r"accelerator_config.gradient_accumulation_kwargs: unknown key 'adjust_sheduler'"),
     ({"gradient_accumulation_kwargs": {"num_steps": 0}},
      r"accelerator_config.gradient_accumulation_kwargs.num_steps must be >= 1, got 0"),
     ({"gradient_accumulation_kwargs": {"num_steps": 3}, "split_batches": True},
@@ -222,3 +223,11 @@ def test_sync_each_batch_synchronises_the_gradients_of_every_micro_batch(make_ar
     args = make_args(per_device_train_batch_size=2, max_steps=2, save_strategy="no", accelerator_config=accumulate)
     Trainer(model=Recorder(), args=args, train_dataset=[{"x": torch.tensor(float(i))} for i in range(8)]).train()
     assert calls == asked  # the first of each step's 2 micro-batches
+
+
+def test_adjust_scheduler_true_is_what_the_trainer_does_and_is_taken():
+    """accelerate's default (the schedule follows the optimizer steps, not the micro-batches): nothing to change."""
+    from kubetrain_trainer.args_accelerator import AcceleratorConfig
+
+    config = AcceleratorConfig.parse({"gradient_accumulation_kwargs": {"adjust_scheduler": True, "num_steps": 2}})
+    assert config.gradient_accumulation_kwargs == {"num_steps": 2}

@@ -151,3 +151,23 @@ def test_a_large_file_lands_through_the_store_by_ranges(tmp_path, mem_s3):
     manifest = Manifest(step=7, attempt=1, world_size=1, strategy="ddp", created="2026-12-06T00:00:00Z",
                         files=(FileEntry("model.safetensors", len(CONTENT), xxh128_of(CONTENT)),))
     assert (store.download_checkpoint(manifest, tmp_path) / "model.safetensors").read_bytes() == CONTENT
+
+
+def test_an_answer_of_another_range_through_the_store_names_the_object(tmp_path, mem_s3, monkeypatch):
+    """A temporary error of a range (here: another range answered) says which object, as every storage error does."""
+    mem_s3.objects["j/checkpoint-7/model.safetensors"] = CONTENT
+    real = mem_s3.get_object
+
+    def shifted(Bucket, Key, Range=None):
+        answer = real(Bucket, Key, Range=Range)
+        if Range and not Range.startswith("bytes=0-"):
+            answer["ContentRange"] = f"bytes 0-{DIGEST_PART - 1}/{len(CONTENT)}"
+        return answer
+
+    monkeypatch.setattr(mem_s3, "get_object", shifted)
+    store = CheckpointStore(StorageConfig(uri="s3://b/j", multipart_threshold=DIGEST_PART,
+                                          download_chunksize=DIGEST_PART), client=mem_s3)
+    manifest = Manifest(step=7, attempt=1, world_size=1, strategy="ddp", created="2026-12-06T00:00:00Z",
+                        files=(FileEntry("model.safetensors", len(CONTENT), xxh128_of(CONTENT)),))
+    with pytest.raises(StorageTemporaryError, match=r"checkpoint-7: s3://b/j/checkpoint-7/model.safetensors: bytes"):
+        store.download_checkpoint(manifest, tmp_path)
