@@ -18,14 +18,13 @@ not implement, never ignoring it:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .args_values import ConfigError, _coerce
+from .args_values import ConfigError, _coerce, did_you_mean
 
 NAME = "accelerator_config"
 GRADIENT_ACCUMULATION_KEYS = {"num_steps": int, "sync_each_batch": bool}
@@ -154,9 +153,7 @@ def _gradient_kwargs(given: dict, errors: list[str]) -> dict:
 
 
 def _unknown(key: Any, known: list[str], where: str = NAME) -> str:
-    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    return f"{where}: unknown key {key!r}{hint} (the keys are {', '.join(known)})"
+    return f"{where}: unknown key {key!r}{did_you_mean(str(key), known)} (the keys are {', '.join(known)})"
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

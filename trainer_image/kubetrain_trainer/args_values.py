@@ -30,10 +30,14 @@ class MetricNotFound(ConfigError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def unknown_name_message(name: str, valid: Sequence[str]) -> str:
+def did_you_mean(name: str, valid: Sequence[str]) -> str:
+    """"; did you mean 'x'?" for the valid name nearest `name`, or "" when none is near."""
     near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    return f"unknown argument {name!r}{hint}"
+    return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def unknown_name_message(name: str, valid: Sequence[str]) -> str:
+    return f"unknown argument {name!r}{did_you_mean(name, valid)}"
 
 
 def unknown_choices(name: str, values: Sequence[str], known: Sequence[str]) -> list[str]:

@@ -28,7 +28,7 @@ import shutil
 import stat
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Protocol, cast
+from typing import Any, BinaryIO, Callable, Iterable, Protocol, TypeVar, cast
 
 import xxhash
 
@@ -36,6 +36,7 @@ from kubetrain_trainer.hashing import DIGEST_PART, fd_digest, file_digest, tree_
 from kubetrain_trainer.manifest import SHA256, XXH128, FileEntry
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LandingFile(Protocol):
@@ -66,34 +67,48 @@ def fetch_whole(get_body: Callable[[], Any], target: Path, algorithm: str, check
     runs the one GET through thread pools of its own, which cost more than the GET of a 16 MiB file on a
     fast link (`benchmarks/s3_throughput.py`, many files: 0.78-0.95x of a TransferManager before, 1.4-1.6x
     with this). `get_body()` sends the GET and returns its streaming body; `check()` runs before each chunk
-    is written (it raises to stop). A read that breaks off mid-body (s3transfer's retryable download
-    errors) starts again from the first byte, up to `attempts` times, as s3transfer retries it.
+    is written (it raises to stop). A read that breaks off mid-body starts again from the first byte
+    (`read_again_if_broken`).
     """
-    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
-
-    for attempt in range(1, attempts + 1):
+    def read() -> tuple[int, str]:
         with open(target, "w+b") as fh:  # truncated: a retry starts the file and its digest again
             written = landing_file(fh, algorithm)
             try:
-                body = get_body()
-                try:
-                    for data in body.iter_chunks(chunk):
-                        check()
-                        written.write(data)
-                finally:
-                    body.close()
+                stream_into(get_body(), written, check, chunk)
                 return written.size, written.hexdigest()
-            except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
-                if attempt == attempts:
-                    raise
-                logger.debug("%s: the read broke off (%s); reading it again (%d of %d)", target.name, e,
-                             attempt + 1, attempts)
             finally:
                 written.close()
+
+    return read_again_if_broken(read, target.name, attempts=attempts)
+
+
+def stream_into(body: Any, written: Any, check: Callable[[], None], chunk: int) -> None:
+    """A GET's streaming `body` written chunk by chunk into `written`, `check()` before each; the body closed."""
+    try:
+        for data in body.iter_chunks(chunk):
+            check()
+            written.write(data)
+    finally:
+        body.close()
+
+
+def read_again_if_broken(read: Callable[[], T], what: str, *, attempts: int,
+                         given_up: Callable[[], bool] = lambda: False) -> T:
+    """`read()`, started again when it breaks off mid-body (s3transfer's retryable download errors), up to
+    `attempts` times in all, as s3transfer retries a GET; not once `given_up()`."""
+    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return read()
+        except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
+            if attempt == attempts or given_up():
+                raise
+            logger.debug("%s: the read broke off (%s); reading it again (%d of %d)", what, e, attempt + 1, attempts)
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
-def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -137,7 +152,7 @@ class PartHashingFile(_DownloadFile):
 
     def write(self, data: bytes) -> int:
         start = self._pos
-        write_all(self._fd, data, start)  # never hash bytes the file did not get
+        _write_all(self._fd, data, start)  # never hash bytes the file did not get
         self._pos = start + len(data)
         self.size = max(self.size, self._pos)
         view, offset = memoryview(data), start
@@ -164,6 +179,11 @@ class PartHashingFile(_DownloadFile):
             return tree_hexdigest(self._parts[i][0].digest() for i in range(count))
         logger.debug("a download's parts did not land in order; hashing the file again")
         return fd_digest(self._fd, XXH128, name="download")
+
+    def part_digests(self) -> dict[int, bytes]:
+        """Each hashed part's digest by its index: what a range written in order from a part's start
+        (`ranged.fetch_ranges`) contributes to the file's tree digest."""
+        return {index: state.digest() for index, (state, _) in self._parts.items()}
 
     def close(self) -> None:
         self._parts.clear()
@@ -200,7 +220,7 @@ class HashingFile(_DownloadFile):
 
     def write(self, data: bytes) -> int:
         start = self._pos
-        write_all(self._fd, data, start)  # never hash bytes the file did not get
+        _write_all(self._fd, data, start)  # never hash bytes the file did not get
         self._pos = end = start + len(data)
         with self._cond:
             self.size = max(self.size, end)

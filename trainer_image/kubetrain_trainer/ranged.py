@@ -15,20 +15,15 @@ differs from the record's (`Content-Range: bytes a-b/<size>`, or InvalidRange fo
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Callable
-
-import xxhash
+from typing import Any, BinaryIO, Callable
 
 from kubetrain_trainer.hashing import DIGEST_PART, tree_hexdigest
-from kubetrain_trainer.landing import write_all
+from kubetrain_trainer.landing import PartHashingFile, read_again_if_broken, stream_into
 from kubetrain_trainer.storage_errors import DigestMismatchError, StorageTemporaryError, error_code
-
-logger = logging.getLogger(__name__)
 
 
 class _Abandoned(Exception):
@@ -41,26 +36,23 @@ def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, ra
     bytes (a multiple of `DIGEST_PART`), up to `workers` at once. `get_range("bytes=a-b")` sends one GET and
     returns its answer (botocore's: `Body`, `ContentRange`); `check()` runs before each chunk is written (it
     raises to stop)."""
-    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
-
     if range_size <= 0 or range_size % DIGEST_PART:
         raise ValueError(f"range_size {range_size} is no multiple of the digest part ({DIGEST_PART})")
     failed = threading.Event()
     digests: dict[int, bytes] = {}
+
+    def go_on() -> None:  # before each chunk of every range
+        if failed.is_set():
+            raise _Abandoned()
+        check()
+
     with open(target, "w+b") as fh:
-        fd = fh.fileno()
 
         def one(start: int) -> dict[int, bytes]:
             end = min(start + range_size, size)
-            for attempt in range(1, attempts + 1):
-                try:
-                    return _read_range(get_range, fd, start, end, size, failed, check, chunk)
-                except S3_RETRYABLE_DOWNLOAD_ERRORS as e:
-                    if attempt == attempts or failed.is_set():
-                        raise
-                    logger.debug("%s bytes %d-%d: the read broke off (%s); reading them again (%d of %d)",
-                                 target.name, start, end - 1, e, attempt + 1, attempts)
-            raise AssertionError("unreachable")  # the last attempt returns or raises
+            return read_again_if_broken(lambda: _read_range(get_range, fh, start, end, size, go_on, chunk),
+                                        f"{target.name} bytes {start}-{end - 1}", attempts=attempts,
+                                        given_up=failed.is_set)
 
         with ThreadPoolExecutor(max(1, min(workers, -(-size // range_size))),
                                 thread_name_prefix="kubetrain-range") as pool:
@@ -76,37 +68,31 @@ def fetch_ranges(get_range: Callable[[str], Any], target: Path, size: int, *, ra
     return size, tree_hexdigest(digests[i] for i in range(-(-size // DIGEST_PART)))
 
 
-def _read_range(get_range: Callable[[str], Any], fd: int, start: int, end: int, size: int,
-                failed: threading.Event, check: Callable[[], None], chunk: int) -> dict[int, bytes]:
+class _Range(PartHashingFile):
+    """Bytes `start` to `end` (exclusive) of the file, written in order at their offsets and hashed per part."""
+
+    def __init__(self, fh: BinaryIO, start: int, end: int) -> None:
+        super().__init__(fh)
+        self.start, self.end = start, end
+        self.seek(start)
+
+    def write(self, data: bytes) -> int:
+        if self._pos + len(data) > self.end:  # a server that ignored the Range: never write over another range
+            raise StorageTemporaryError(f"bytes {self.start}-{self.end - 1}: the answer is longer than the range")
+        return super().write(data)
+
+
+def _read_range(get_range: Callable[[str], Any], fh: BinaryIO, start: int, end: int, size: int,
+                go_on: Callable[[], None], chunk: int) -> dict[int, bytes]:
     """Bytes `start` to `end` (exclusive) of an object of `size` written at their offsets; the digests of the
     parts they hold."""
-    states: dict[int, Any] = {}
-    offset = start
-    body = _answer(get_range, start, end, size)["Body"]
-    try:
-        for data in body.iter_chunks(chunk):
-            if failed.is_set():
-                raise _Abandoned()
-            check()
-            if offset + len(data) > end:  # a server that ignored the Range: never write over another range
-                raise StorageTemporaryError(f"bytes {start}-{end - 1}: the answer is longer than the range")
-            write_all(fd, data, offset)
-            view = memoryview(data)
-            while view:
-                index, within = divmod(offset, DIGEST_PART)
-                n = min(len(view), DIGEST_PART - within)
-                state = states.get(index)
-                if state is None:
-                    state = states[index] = xxhash.xxh3_128()
-                state.update(view[:n])
-                view, offset = view[n:], offset + n
-    finally:
-        body.close()
-    if offset != end:
+    written = _Range(fh, start, end)
+    stream_into(_answer(get_range, start, end, size)["Body"], written, go_on, chunk)
+    if written.tell() != end:
         from botocore.exceptions import IncompleteReadError  # one of s3transfer's retryable download errors
 
-        raise IncompleteReadError(actual_bytes=offset - start, expected_bytes=end - start)
-    return {index: state.digest() for index, state in states.items()}
+        raise IncompleteReadError(actual_bytes=written.tell() - start, expected_bytes=end - start)
+    return written.part_digests()
 
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
