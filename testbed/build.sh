@@ -7,6 +7,8 @@
 #   testbed/build.sh --print    print the bin folder only (nothing is built)
 #   testbed/build.sh --real-node [--print]   the real node's binaries (own cache folder)
 #   testbed/build.sh --kueue [--print]       Kueue and its CRDs (own cache folder)
+#   testbed/build.sh --crd-check [--print]   crdcheck-<version>: a CRD validator per Kubernetes version
+#                                            in CRD_CHECK_K8S_VERSIONS (own cache folder)
 #
 # A plain run (no TESTBED_COMPONENTS) also warms Kueue's folder afterwards, unless
 # TESTBED_WARM_KUEUE=0 (what `up` passes: a testbed without Kueue never compiles it).
@@ -35,6 +37,12 @@ elif [[ "${1:-}" == "--kueue" ]]; then
   shift
   key="kueue-${KUEUE_VERSION}"
   default_components="kueue"
+elif [[ "${1:-}" == "--crd-check" ]]; then
+  # testbed/crdcheck (the API server's CRD validation, no server) once per version: keyed by
+  # its source too, so an edit of main.go builds new binaries.
+  shift
+  key="crdcheck-$(sha256sum "$here/crdcheck/main.go" | cut -c1-12)"
+  default_components="crdcheck"
 fi
 cache="${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}/testbed/$key"
 bin="$cache/bin"
@@ -164,8 +172,21 @@ for c in $want; do
       build kwok sigs.k8s.io/kwok/cmd/kwok "$(wrapper kwok x)" "sigs.k8s.io/kwok@$KWOK_VERSION" \
         "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" ;;
     helm)
+      # As helm's Makefile does: the Kubernetes version `helm template` and `helm lint` assume without a
+      # cluster is the minor of the k8s.io modules helm builds against (v1.34 for v3.19); without these
+      # flags it is v1.20, which the chart's kubeVersion refuses. A helm built before them is rebuilt.
+      helm_mod=$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+      helm_k8s_minor=$(sed -n 's#^\s*k8s\.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$helm_mod")
+      [[ -n "$helm_k8s_minor" ]] || { log "FAILED: no k8s.io/client-go version in $helm_mod"; exit 1; }
+      helm_k8s_flags=""
+      for p in chartutil lint/rules; do
+        helm_k8s_flags+=" -X helm.sh/helm/v3/pkg/$p.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/$p.k8sVersionMinor=$helm_k8s_minor"
+      done
+      if [[ -x "$bin/helm" ]] && ! go version -m "$bin/helm" | grep -q "chartutil.k8sVersionMinor=$helm_k8s_minor"; then
+        rm -f "$bin/helm"
+      fi
       build helm helm.sh/helm/v3/cmd/helm "$(wrapper helm x)" "helm.sh/helm/v3@$HELM_VERSION" \
-        "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" ;;
+        "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION$helm_k8s_flags" ;;
     minio)
       build minio github.com/minio/minio "$(wrapper minio x)" "github.com/minio/minio@$MINIO_VERSION" ;;
     containerd)
@@ -198,6 +219,25 @@ for c in $want; do
         mv "$cache/rbac.tmp" "$cache/rbac"
         log "copied Kueue's CRDs to $cache/crds and its manager's roles to $cache/rbac"
       fi ;;
+    crdcheck)
+      for v in $CRD_CHECK_K8S_VERSIONS; do
+        name="crdcheck-$v"
+        [[ -x "$bin/$name" ]] && continue
+        dir=$(wrapper "$name" x)
+        cp "$here/crdcheck/main.go" "$dir/main.go"
+        log "building $name (k8s.io/apiextensions-apiserver@v0.${v#v1.}) — logs: $cache/logs/$name.log"
+        start=$SECONDS
+        (
+          cd "$dir"
+          go get "k8s.io/apiextensions-apiserver@v0.${v#v1.}" && go mod tidy &&
+            go build -ldflags "-s -w" -o "$bin/$name.tmp" . && mv "$bin/$name.tmp" "$bin/$name"
+        ) >"$cache/logs/$name.log" 2>&1 || {
+          log "FAILED to build $name; last lines of its log:"
+          tail -n 30 "$cache/logs/$name.log" >&2
+          exit 1
+        }
+        log "built $name in $((SECONDS - start)) s"
+      done ;;
     registry)
       build registry github.com/distribution/distribution/v3/cmd/registry "$(wrapper registry x)" \
         "github.com/distribution/distribution/v3@$REGISTRY_VERSION" ;;

@@ -320,22 +320,26 @@ def test_the_liveness_endpoint_binds_the_address_the_clusters_ip_family_needs(ad
     assert f"--liveness=http://{address}:8080/healthz" in command
 
 
-# A cluster's discovery lists kinds; `helm template` without one lists group/versions only.
-CLUSTER_1_29 = ("apps/v1/Deployment", "admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration")
-CLUSTER_1_30 = (*CLUSTER_1_29, "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy")
+@needs_helm
+def test_kueue_admission_policy_is_shipped_unless_turned_off():
+    kinds = {d["kind"] for d in render()}
+    assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "Deployment"} <= kinds
+    assert not {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} & {
+        d["kind"] for d in render("kueue={\"admissionPolicy\":false}")}
 
 
 @needs_helm
-@pytest.mark.parametrize("api_versions, shipped", [((), True), (CLUSTER_1_29, False), (CLUSTER_1_30, True)],
-                         ids=["helm template without a cluster", "Kubernetes 1.29", "Kubernetes 1.30"])
-def test_kueue_admission_policy_only_where_the_cluster_serves_it(api_versions, shipped):
-    """ValidatingAdmissionPolicy is GA (admissionregistration.k8s.io/v1) from 1.30; the chart supports 1.28."""
-    docs = render(api_versions=api_versions)
-    kinds = {d["kind"] for d in docs}
-    assert ({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= kinds) is shipped
-    assert "Deployment" in kinds
-    assert not {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} & {
-        d["kind"] for d in render("kueue={\"admissionPolicy\":false}", api_versions=api_versions)}
+@pytest.mark.parametrize("kube_version, installs", [("1.33.9", False), ("1.34.0", True), ("1.37.2", True)])
+def test_the_chart_refuses_a_cluster_older_than_its_crd_needs(kube_version, installs):
+    """The API server of 1.33 and older refuses the CRD (tests/integration/api/test_crd_kubernetes_versions.py):
+    helm says so, naming the version needed, before it installs anything."""
+    proc = helm("template", "kt", str(CHART), "--kube-version", kube_version, check=False)
+    if installs:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode != 0
+        assert f"chart requires kubeVersion: >=1.34.0-0 which is incompatible with Kubernetes v{kube_version}" \
+            in proc.stderr, proc.stderr
 
 
 @needs_helm
