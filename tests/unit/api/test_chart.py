@@ -329,16 +329,16 @@ def test_kueue_admission_policy_is_shipped_unless_turned_off():
 
 
 @needs_helm
-@pytest.mark.parametrize("kube_version, installs", [("1.33.9", False), ("1.34.0", True), ("1.37.2", True)])
+@pytest.mark.parametrize("kube_version, installs", [("1.29.15", False), ("1.30.0", True), ("1.37.2", True)])
 def test_the_chart_refuses_a_cluster_older_than_its_crd_needs(kube_version, installs):
-    """The API server of 1.33 and older refuses the CRD (tests/integration/api/test_crd_kubernetes_versions.py):
+    """The API server of 1.29 and older refuses the CRD (tests/integration/api/test_crd_kubernetes_versions.py):
     helm says so, naming the version needed, before it installs anything."""
     proc = helm("template", "kt", str(CHART), "--kube-version", kube_version, check=False)
     if installs:
         assert proc.returncode == 0, proc.stderr
     else:
         assert proc.returncode != 0
-        assert f"chart requires kubeVersion: >=1.34.0-0 which is incompatible with Kubernetes v{kube_version}" \
+        assert f"chart requires kubeVersion: >=1.30.0-0 which is incompatible with Kubernetes v{kube_version}" \
             in proc.stderr, proc.stderr
 
 
