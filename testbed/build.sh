@@ -151,6 +151,20 @@ verify() {
   fi
 }
 
+# helm_assumes BINARY: the Kubernetes version (v1.N.0) a helm binary renders a chart for without a
+# cluster, as `helm template` does; empty when it says none.
+helm_assumes() {
+  local probe said
+  probe=$(mktemp -d) || return 1
+  mkdir -p "$probe/chart/templates" "$probe/home"
+  printf 'apiVersion: v2\nname: probe\nversion: 0.1.0\n' >"$probe/chart/Chart.yaml"
+  printf 'kube: {{ .Capabilities.KubeVersion.Version }}\n' >"$probe/chart/templates/kube.yaml"
+  said=$(HELM_CACHE_HOME="$probe/home" HELM_CONFIG_HOME="$probe/home" HELM_DATA_HOME="$probe/home" \
+    "$1" template probe "$probe/chart" 2>/dev/null) || true
+  rm -rf "$probe"
+  sed -n 's/^kube: //p' <<<"$said"
+}
+
 k8s_ldflags() {
   local p=k8s.io/component-base/version
   echo "-X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean" \
@@ -174,19 +188,34 @@ for c in $want; do
     helm)
       # As helm's Makefile does: the Kubernetes version `helm template` and `helm lint` assume without a
       # cluster is the minor of the k8s.io modules helm builds against (v1.34 for v3.19); without these
-      # flags it is v1.20, which the chart's kubeVersion refuses. A helm built before them is rebuilt.
+      # flags it is v1.20, which the chart's kubeVersion refuses. Checked by asking the binary (its build
+      # info records no -ldflags under -trimpath): a helm that assumes another version is rebuilt once.
       helm_mod=$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
       helm_k8s_minor=$(sed -n 's#^\s*k8s\.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$helm_mod")
       [[ -n "$helm_k8s_minor" ]] || { log "FAILED: no k8s.io/client-go version in $helm_mod"; exit 1; }
+      helm_kube="v1.$helm_k8s_minor.0"
       helm_k8s_flags=""
       for p in chartutil lint/rules; do
         helm_k8s_flags+=" -X helm.sh/helm/v3/pkg/$p.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/$p.k8sVersionMinor=$helm_k8s_minor"
       done
-      if [[ -x "$bin/helm" ]] && ! go version -m "$bin/helm" | grep -q "chartutil.k8sVersionMinor=$helm_k8s_minor"; then
-        rm -f "$bin/helm"
+      if [[ -x "$bin/helm" ]]; then
+        said=$(helm_assumes "$bin/helm")
+        if [[ "$said" != "$helm_kube" ]]; then
+          log "rebuilding helm: without a cluster it assumes Kubernetes ${said:-(nothing said)}, not $helm_kube"
+          rm -f "$bin/helm"
+        fi
       fi
-      build helm helm.sh/helm/v3/cmd/helm "$(wrapper helm x)" "helm.sh/helm/v3@$HELM_VERSION" \
-        "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION$helm_k8s_flags" ;;
+      if [[ ! -x "$bin/helm" ]]; then
+        build helm helm.sh/helm/v3/cmd/helm "$(wrapper helm x)" "helm.sh/helm/v3@$HELM_VERSION" \
+          "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION$helm_k8s_flags"
+        said=$(helm_assumes "$bin/helm")
+        if [[ "$said" != "$helm_kube" ]]; then
+          log "FAILED: the helm built assumes Kubernetes ${said:-(nothing said)} without a cluster, not $helm_kube" \
+            "(no variable of its -X flags in helm $HELM_VERSION?); removing it"
+          rm -f "$bin/helm"
+          exit 1
+        fi
+      fi ;;
     minio)
       build minio github.com/minio/minio "$(wrapper minio x)" "github.com/minio/minio@$MINIO_VERSION" ;;
     containerd)
