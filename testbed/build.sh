@@ -93,20 +93,31 @@ wrapper() {
   echo "$dir"
 }
 
+# mod_path FIELD MODULE@VERSION: the path `go mod download -json` gives as FIELD (GoMod, Dir). Its errors
+# come as JSON on stdout, never on stderr: logged here, not swallowed by a pipe into sed (under set -e
+# such a pipe ended the build with no word at all).
+mod_path() {
+  local field=$1 req=$2 json path
+  if ! json=$(go mod download -json "$req"); then
+    log "FAILED: go mod download $req: $(sed -n 's/^[[:space:]]*"Error": "\(.*\)",\{0,1\}$/\1/p' <<<"$json" | head -n 1)"
+    return 1
+  fi
+  path=$(sed -n "s/^[[:space:]]*\"$field\": \"\\(.*\\)\",\\{0,1\\}\$/\\1/p" <<<"$json")
+  [[ -e "$path" ]] || { log "FAILED: go mod download $req named no $field"; return 1; }
+  echo "$path"
+}
+
 # k8s_module: the k8s wrapper module, whose go.mod replaces every staging module
 # upstream replaces with ./staging/... by its published twin: derived, never
 # hand-copied. It runs inside $(...), where set -e does not hold, so each step is
 # checked, and the go.mod is rewritten through a temporary file: a failed download
 # once left an empty replace block there that every later build trusted.
 k8s_module() {
-  local dir json upstream entry='^[[:space:]]*k8s\.io/[a-z0-9-]* => k8s\.io/'
+  local dir upstream entry='^[[:space:]]*k8s\.io/[a-z0-9-]* => k8s\.io/'
   dir=$(wrapper k8s "k8s.io/kubernetes@$K8S_VERSION") || return 1
   # Guarded on an entry, not on the word: an empty block left by an older run is rebuilt.
   if grep -q "$entry" "$dir/go.mod"; then echo "$dir"; return 0; fi
-  json=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION") ||
-    { log "FAILED: go mod download k8s.io/kubernetes@$K8S_VERSION (see above)"; return 1; }
-  upstream=$(sed -n 's/.*"GoMod": "\(.*\)",/\1/p' <<<"$json")
-  [[ -f "$upstream" ]] || { log "FAILED: go mod download k8s.io/kubernetes@$K8S_VERSION named no go.mod"; return 1; }
+  upstream=$(mod_path GoMod "k8s.io/kubernetes@$K8S_VERSION") || return 1
   {
     sed '/^replace (/,/^)/d' "$dir/go.mod"
     echo "replace ("
@@ -190,7 +201,7 @@ for c in $want; do
       # cluster is the minor of the k8s.io modules helm builds against (v1.34 for v3.19); without these
       # flags it is v1.20, which the chart's kubeVersion refuses. Checked by asking the binary (its build
       # info records no -ldflags under -trimpath): a helm that assumes another version is rebuilt once.
-      helm_mod=$(go mod download -json "helm.sh/helm/v3@$HELM_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+      helm_mod=$(mod_path GoMod "helm.sh/helm/v3@$HELM_VERSION") || exit 1
       helm_k8s_minor=$(sed -n 's#^\s*k8s\.io/client-go v0\.\([0-9]*\)\..*#\1#p' "$helm_mod")
       [[ -n "$helm_k8s_minor" ]] || { log "FAILED: no k8s.io/client-go version in $helm_mod"; exit 1; }
       helm_kube="v1.$helm_k8s_minor.0"
@@ -235,7 +246,7 @@ for c in $want; do
       # The module's own CRDs (v1beta1 served, v1beta2 stored) and its manager's ClusterRole and
       # secrets Role, copied beside bin/ as <cache>/crds/*.yaml and <cache>/rbac/*.yaml.
       if [[ ! -f "$cache/crds/kueue.x-k8s.io_workloads.yaml" || ! -f "$cache/rbac/manager_secrets_role.yaml" ]]; then
-        src=$(go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+        src=$(mod_path Dir "sigs.k8s.io/kueue@$KUEUE_VERSION") || exit 1
         # One step a line: set -e ignores a failure before the last `&&` of a list, and a
         # failed copy once went into place as empty folders with "copied" logged.
         rm -rf "$cache/crds.tmp" "$cache/rbac.tmp"

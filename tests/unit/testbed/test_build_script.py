@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 UPSTREAM = """module k8s.io/kubernetes
 replace (
@@ -16,7 +18,7 @@ replace (
 \tk8s.io/apimachinery => ./staging/src/k8s.io/apimachinery
 )
 """
-# `mod download` fails while $FAKE/offline exists; `get k8s.io/kubernetes` fails without the staging replaces,
+# `mod download` fails while $FAKE/offline exists (its error as JSON on stdout, as the real one's); `get k8s.io/kubernetes` fails without the staging replaces,
 # as the real one does; `build -o OUT` writes a program that answers `template` as a helm built with those
 # -ldflags does (v1.20.0 without them), and logs the build to $FAKE/builds; `version -m` prints build info as
 # the real one does under -trimpath: no -ldflags.
@@ -24,7 +26,9 @@ FAKE_GO = """#!/usr/bin/env bash
 case "$1 $2" in
   "mod init") echo "module $3" > go.mod ;;
   "mod download")
-    if [[ -e $FAKE/offline ]]; then echo "dial tcp: i/o timeout" >&2; exit 1; fi
+    if [[ -e $FAKE/offline ]]; then
+      printf '{\\n\\t"Path": "%s",\\n\\t"Error": "%s: dial tcp: i/o timeout"\\n}\\n' "${4%@*}" "$4"; exit 1
+    fi
     case $4 in
       k8s.io/kubernetes@*) printf '{\\n\\t"GoMod": "%s",\\n}\\n' "$FAKE/upstream.mod" ;;
       sigs.k8s.io/kueue@*) printf '{\\n\\t"Dir": "%s",\\n}\\n' "$FAKE/kueue" ;;
@@ -69,6 +73,7 @@ def test_a_failed_download_fails_the_build_and_leaves_nothing_the_next_run_trust
     (fake / "offline").touch()
     failed = _build(tmp_path, "kube-apiserver")
     assert failed.returncode != 0 and "go mod download k8s.io/kubernetes" in failed.stderr
+    assert "i/o timeout" in failed.stderr  # the reason, which `go mod download -json` prints on stdout
     go_mod = _folder(tmp_path) / "src" / "k8s" / "go.mod"
     assert "replace" not in go_mod.read_text()
     (fake / "offline").unlink()
@@ -139,3 +144,20 @@ def test_a_helm_whose_ldflags_set_nothing_fails_the_build(tmp_path: Path) -> Non
     assert built.returncode != 0
     assert "the helm built assumes Kubernetes v1.20.0 without a cluster, not v1.34.0" in built.stderr
     assert not (_folder(tmp_path) / "bin" / "helm").exists()
+
+
+@pytest.mark.parametrize(("components", "args", "module"), [("helm", (), "helm.sh/helm/v3"),
+                                                             ("kueue", ("--kueue",), "sigs.k8s.io/kueue")])
+def test_a_failed_download_says_so_and_why(tmp_path: Path, components: str, args: tuple[str, ...],
+                                           module: str) -> None:
+    """`go mod download -json` prints its error on stdout: piped into sed, it once ended the build in silence."""
+    fake = _fake(tmp_path)
+    (fake / "offline").touch()
+    if components == "kueue":  # its download comes after the binary's build
+        bin_dir = _folder(tmp_path, "--kueue") / "bin"
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "kueue").write_text("#!/bin/sh\n")
+        (bin_dir / "kueue").chmod(0o755)
+    failed = _build(tmp_path, components, *args)
+    assert failed.returncode != 0
+    assert f"FAILED: go mod download {module}@" in failed.stderr and "dial tcp: i/o timeout" in failed.stderr
