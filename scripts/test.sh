@@ -40,6 +40,9 @@ case "$tier" in
     # no-op when warm; about an hour cold on 2 cores, see testbed/README.md),
     # so no test's timeout ever covers a compile.
     testbed/build.sh >/dev/null
+    # The CRD validators of each Kubernetes version (tests/integration/api/test_crd_kubernetes_versions.py):
+    # cold, three versions of the API server's libraries to compile, which a test's 600 s must not cover.
+    testbed/build.sh --crd-check >/dev/null
     # The real node (kubelet + containerd) and both images from their Dockerfiles, for the
     # realnode e2e tests: built (cached) here too. It needs root; elsewhere those tests skip.
     if [[ $(id -u) == 0 ]]; then

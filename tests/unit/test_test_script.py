@@ -55,6 +55,8 @@ def test_the_tier_and_the_pytest_arguments(tmp_path: Path, args: tuple[str, ...]
     assert calls[-1] == f"python {pytest_args}"
     built = [c for c in calls if c.startswith("build.sh")]
     assert bool(built) == (args[:1] != ("fast",)), calls
+    if built:  # before pytest, whose timeout (600 s a test) would otherwise cover a cold compile
+        assert "build.sh --crd-check" in built, calls
 
 
 def test_an_unknown_tier_is_refused_before_the_setup_runs(tmp_path: Path) -> None:
