@@ -7,6 +7,7 @@ into its `SpecError`.
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from typing import Any
@@ -85,6 +86,8 @@ def parse_resources(raw: Any) -> dict[str, Any]:
                 raise ResourceError(path, f"must be a size in bytes such as 512Mi or 16Gi, got {value!r}"
                                       + (": m is a thousandth, not mega (use M or Mi)" if str(value).endswith("m")
                                          else ": less than one byte"))
+            if name.startswith("hugepages-"):
+                _check_huge_pages(name, number, value, path)
     requests, limits = parsed["requests"], parsed["limits"]
     for name, number in requests.items():
         if (_is_extended(name) or name.startswith("hugepages-")) and limits.get(name) != number:
@@ -92,7 +95,27 @@ def parse_resources(raw: Any) -> dict[str, Any]:
                                                          "(extended resources and hugepages cannot be overcommitted)")
         if name in limits and number > limits[name]:
             raise ResourceError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
+    huge = [f"resources.{which}.{name}" for which in ("requests", "limits") for name in parsed[which]
+            if name.startswith("hugepages-")]
+    if huge and not {"cpu", "memory"} & (requests.keys() | limits.keys()):
+        raise ResourceError(huge[0], "needs cpu or memory in resources.requests or resources.limits too "
+                                     "(the pod API takes no hugepages without them)")
     return raw
+
+
+def _check_huge_pages(name: str, number: Fraction, value: Any, path: str) -> None:
+    """hugepages-<page size> (a positive whole number of bytes: 2Mi, 1Gi, 2048Ki) and a whole number of pages,
+    as the pod API checks them (it rounds the value up to a byte first)."""
+    size = name.removeprefix("hugepages-")
+    try:
+        page = quantity(size, path)
+    except ResourceError:
+        page = Fraction(0)
+    if page <= 0 or page.denominator != 1:
+        raise ResourceError(path, "is not a container resource: use hugepages-<page size> such as hugepages-2Mi "
+                                  "or hugepages-1Gi")
+    if math.ceil(number) % page:
+        raise ResourceError(path, f"must be a whole number of {size} pages (a multiple of {page} bytes), got {value!r}")
 
 
 POD_SECURITY_IDS = ("runAsUser", "runAsGroup", "fsGroup")
