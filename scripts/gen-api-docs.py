@@ -31,11 +31,18 @@ field: types, enums, ranges and patterns below, plus the cross-field rules at
 the end. Unknown fields (e.g. inline S3 keys under `spec.checkpoint`) are
 rejected under strict field validation, the default of `kubectl apply`.
 What the pod API (or the kubelet) would refuse when the pods are created is
-refused here already: negative quantities, fractional extended resources
-(`nvidia.com/gpu: 0.5`), requests above limits, invalid label and annotation
-keys, tolerations the pod API rejects, mount paths with `.`, `..` or empty
-segments, subPaths or volume item paths that leave the volume, volumes with
-two sources, invalid names and keys.
+refused here already: negative quantities, extended resources and hugepages
+requested but not in limits, invalid label and annotation keys, tolerations
+the pod API rejects, mount paths with `.`, `..` or empty segments, subPaths or
+volume item paths that leave the volume, volumes with two sources, invalid
+names and keys. Of the resource quantities, the API server checks those of
+named keys only (on Kubernetes 1.30-1.33 a rule over every key is over its
+CEL cost budget): requests above limits for `cpu`, `memory` and
+`ephemeral-storage`, sizes in milli-bytes for `memory` and
+`ephemeral-storage`, and fractional or overcommitted `nvidia.com/gpu`,
+`amd.com/gpu` and `google.com/tpu` (`nvidia.com/gpu: 0.5`). The operator
+checks every key (other extended resources, hugepages) and fails a job the
+pods would be refused for as `InvalidSpec`, naming the field.
 
 Names kubetrain keeps for itself (all enforced by the API server):
 
