@@ -38,11 +38,13 @@ volume item paths that leave the volume, volumes with two sources, invalid
 names and keys. Of the resource quantities, the API server checks those of
 named keys only (on Kubernetes 1.30-1.33 a rule over every key is over its
 CEL cost budget): requests above limits for `cpu`, `memory` and
-`ephemeral-storage`, sizes in milli-bytes for `memory` and
-`ephemeral-storage`, and fractional or overcommitted `nvidia.com/gpu`,
-`amd.com/gpu` and `google.com/tpu` (`nvidia.com/gpu: 0.5`). The operator
-checks every key (other extended resources, hugepages) and fails a job the
-pods would be refused for as `InvalidSpec`, naming the field.
+`ephemeral-storage`; sizes in milli-bytes for `memory`, `ephemeral-storage`,
+`hugepages-2Mi` and `hugepages-1Gi`, and hugepages that are not a whole
+number of pages or not equal in requests and limits; fractional or
+overcommitted `nvidia.com/gpu`, `amd.com/gpu` and `google.com/tpu`
+(`nvidia.com/gpu: 0.5`). The operator checks every key (other extended
+resources and hugepage sizes) and fails a job the pods would be refused for
+as `InvalidSpec`, naming the field.
 
 Names kubetrain keeps for itself (all enforced by the API server):
 

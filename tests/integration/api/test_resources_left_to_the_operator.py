@@ -3,7 +3,8 @@
 The CRD installs on Kubernetes 1.30 (tests/integration/api/test_crd_kubernetes_versions.py). On 1.30-1.33
 a rule that runs a quantity function over every key of spec.resources.requests or .limits is over the API
 server's CEL cost budget, so the CRD's rules read the quantities of named keys only (cpu, memory,
-ephemeral-storage, nvidia.com/gpu, amd.com/gpu, google.com/tpu). A job with another name's bad quantity is
+ephemeral-storage, hugepages-2Mi, hugepages-1Gi, nvidia.com/gpu, amd.com/gpu, google.com/tpu), and none
+looks at two keys at once. A job with another name's bad quantity (or hugepages with no cpu or memory) is
 stored; the operator's second look (kubetrain.spec.Spec.from_storage, which checks every key) must then fail
 it as InvalidSpec naming the field, instead of creating pods the pod API refuses on every attempt.
 Each case goes through the real API server: stored as the CRD lets it, then read by the operator's parser.
@@ -26,10 +27,16 @@ LEFT = [
      {"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": 2}},
      "resources.requests.example.com/fpga", "equal to the limit"),
     ("hugepages-request-not-its-limit",
-     {"requests": {"hugepages-2Mi": "64Mi"}, "limits": {"hugepages-2Mi": "128Mi"}},
-     "resources.requests.hugepages-2Mi", "equal to the limit"),
-    ("hugepages-in-milli-bytes", {"limits": {"hugepages-2Mi": "64m"}}, "resources.limits.hugepages-2Mi",
-     "size in bytes"),
+     {"requests": {"hugepages-32Mi": "64Mi"}, "limits": {"hugepages-32Mi": "128Mi", "memory": "1Gi"}},
+     "resources.requests.hugepages-32Mi", "equal to the limit"),
+    ("hugepages-in-milli-bytes", {"limits": {"hugepages-32Mi": "64m", "memory": "1Gi"}},
+     "resources.limits.hugepages-32Mi", "size in bytes"),
+    ("hugepages-part-of-a-page", {"limits": {"hugepages-64Ki": "100Ki", "memory": "1Gi"}},
+     "resources.limits.hugepages-64Ki", "whole number of 64Ki pages"),
+    ("hugepages-size-not-a-size", {"limits": {"hugepages-huge": "2Mi", "memory": "1Gi"}},
+     "resources.limits.hugepages-huge", "hugepages-<page size>"),
+    ("hugepages-without-cpu-or-memory", {"limits": {"hugepages-2Mi": "64Mi"}}, "resources.limits.hugepages-2Mi",
+     "cpu or memory"),
 ]
 
 

@@ -298,3 +298,39 @@ def test_label_value_patterns_agree(schema, value, ok):
     for node in (pt["labels"]["additionalProperties"], pt["nodeSelector"]["additionalProperties"],
                  pt["tolerations"]["items"]["properties"]["value"]):
         assert bool(re.match(node["pattern"], value)) is ok
+
+
+def _quantity_rules(schema) -> list[tuple[str, dict]]:
+    """The rules under spec.resources that read a quantity (not only the names of the keys)."""
+    resources = schema["properties"]["spec"]["properties"]["resources"]
+    return [(path, rule) for path, node in walk(resources, "spec.resources")
+            for rule in node.get("x-kubernetes-validations", []) if "quantity(" in rule["rule"]]
+
+
+def test_resource_quantity_rules_read_one_named_key_each_with_a_fixed_message(schema):
+    """Kubernetes 1.30-1.33 estimate every resource quantity (an int-or-string) as long as a whole request, so
+    each read of one costs ~0.3M of the CRD's 100M: a rule over every key is over budget, and a messageExpression
+    that finds the offending one of several keys costs what its rule costs (they put the CRD at 97%). One key per
+    rule, its message naming it, leaves room for the hugepages; tests/integration/api/test_crd_kubernetes_versions.py
+    runs the API server's own check."""
+    keys = []
+    for path, rule in _quantity_rules(schema):
+        named = re.findall(r"\['([^']+)'\]\.all\(k,", rule["rule"])
+        assert len(named) == 1, (path, rule["rule"])
+        assert "messageExpression" not in rule, (path, rule["rule"])
+        assert f".{named[0]} " in rule["message"] or f" {named[0]} " in rule["message"], (path, rule["message"])
+        keys.append(named[0])
+    assert set(keys) == {"cpu", "memory", "ephemeral-storage", "hugepages-2Mi", "hugepages-1Gi",
+                         "nvidia.com/gpu", "amd.com/gpu", "google.com/tpu"}
+
+
+def test_hugepages_rules_count_pages_of_the_size_their_name_says(schema):
+    from kubetrain.resources import quantity
+
+    pages = {}
+    for _, rule in _quantity_rules(schema):
+        m = re.search(r"\['hugepages-([^']+)'\]\.all\(k,.* / ([0-9]+)\.0\)?$", rule["rule"], re.S)
+        if m:
+            pages[m[1]] = int(m[2])
+            assert quantity(m[1], "") == int(m[2]), rule["rule"]
+    assert set(pages) == {"2Mi", "1Gi"}
