@@ -95,11 +95,8 @@ def parse_resources(raw: Any) -> dict[str, Any]:
                                                          "(extended resources and hugepages cannot be overcommitted)")
         if name in limits and number > limits[name]:
             raise ResourceError(f"resources.requests.{name}", f"must not exceed resources.limits.{name}")
-    huge = [f"resources.{which}.{name}" for which in ("requests", "limits") for name in parsed[which]
-            if name.startswith("hugepages-")]
-    if huge and not {"cpu", "memory"} & (requests.keys() | limits.keys()):
-        raise ResourceError(huge[0], "needs cpu or memory in resources.requests or resources.limits too "
-                                     "(the pod API takes no hugepages without them)")
+    # Not checked: the pod API's "HugePages require cpu or memory". It judges the pod after admission, where a
+    # namespace's LimitRange may have given the container a default cpu or memory, so such a job can run.
     return raw
 
 

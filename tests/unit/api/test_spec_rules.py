@@ -51,8 +51,8 @@ REFUSED = [
     ({"resources": {"requests": {"hugepages-2Mi": "64Mi"}, "limits": {"hugepages-2Mi": "128Mi"}}},
      "resources.requests.hugepages-2Mi", "equal to the limit"),
     ({"resources": {"limits": {"gpu": 1}}}, "resources.limits.gpu", "not a container resource"),
-    # Hugepages as the pod API takes them: a page size in the name, a whole number of pages, and cpu or memory
-    # beside them (the CRD checks none of these: its rules read the quantities of named keys only).
+    # Hugepages as the pod API takes them: a page size in the name and a whole number of pages (the CRD checks
+    # these for hugepages-2Mi and hugepages-1Gi only: its rules read the quantities of named keys).
     ({"resources": {"limits": {"hugepages-2Mi": "3Mi", "memory": "1Gi"}}}, "resources.limits.hugepages-2Mi",
      "whole number of 2Mi pages"),
     ({"resources": {"requests": {"hugepages-1Gi": "1.5Gi", "memory": "1Gi"}, "limits": {"hugepages-1Gi": "1.5Gi"}}},
@@ -65,10 +65,6 @@ REFUSED = [
      "hugepages-<page size>"),
     ({"resources": {"limits": {"hugepages-500m": "1", "memory": "1Gi"}}}, "resources.limits.hugepages-500m",
      "hugepages-<page size>"),
-    ({"resources": {"limits": {"hugepages-2Mi": "64Mi"}}}, "resources.limits.hugepages-2Mi", "cpu or memory"),
-    ({"resources": {"requests": {"hugepages-2Mi": "64Mi", "ephemeral-storage": "1Gi"},
-                    "limits": {"hugepages-2Mi": "64Mi", "nvidia.com/gpu": 1}}},
-     "resources.requests.hugepages-2Mi", "cpu or memory"),
     ({"resources": {"limits": {"Example.com/gpu": 1}}}, "resources.limits.Example.com/gpu", "not a container resource"),
     (mount("/data/../etc"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
     (mount("/data/./x"), "podTemplate.volumeMounts[0].mountPath", "clean absolute path"),
@@ -144,6 +140,11 @@ ACCEPTED = [
                    "limits": {"nvidia.com/gpu": "2", "cpu": 1, "memory": "2Gi", "hugepages-2Mi": "64Mi",
                               "example.com/fpga": "1000m", "ephemeral-storage": "1e3"}}},
     {"resources": {"requests": {"cpu": ".5", "memory": "+128Mi"}, "limits": {"cpu": "0.5", "memory": "134217728"}}},
+    # Hugepages with no cpu or memory: the pod API refuses them ("HugePages require cpu or memory") only after
+    # admission, where a namespace's LimitRange may have given the container a default cpu or memory.
+    {"resources": {"limits": {"hugepages-2Mi": "64Mi"}}},
+    {"resources": {"requests": {"hugepages-2Mi": "64Mi", "ephemeral-storage": "1Gi"},
+                   "limits": {"hugepages-2Mi": "64Mi", "nvidia.com/gpu": 1}}},
     {"resources": {"requests": {"cpu": 1, "hugepages-1Gi": "2Gi"},
                    "limits": {"hugepages-1Gi": "2048Mi", "hugepages-2048Ki": 4194304, "hugepages-1.5Mi": "3Mi",
                               "hugepages-2M": "0"}}},
