@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime as dt
 import http.server
 import json
 import os
 import re
 import secrets
+import select
 import subprocess
 import sys
 import threading
@@ -156,13 +158,10 @@ def run_baseline(core: client.CoreV1Api, custom: client.CustomObjectsApi, namesp
     creator = JobsCreator(namespace, prefix, jobs, nodes, pool, threads) if with_jobs else None
     kwargs = {"_preload_content": False} if raw else {}  # raw: skip the response models, as the operator does
     start = time.monotonic()
-    if creator is not None:
-        creator.go()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pod_pool:
+    # The creator's exit waits for its jobs (all the work, as before 3b8a444), or stops it if the pods failed.
+    with creator or contextlib.nullcontext(), concurrent.futures.ThreadPoolExecutor(threads) as pod_pool:
         list(pod_pool.map(lambda p: core.create_namespaced_pod(namespace, p, **kwargs), pods_to_make))
     created = time.monotonic() - start
-    if creator is not None:
-        creator.wait()
     names = {p["metadata"]["name"] for p in pods_to_make}
     ok = pods.wait(names, timeout=600)
     running = max(pods.running[n] for n in names) - start if ok else float("nan")
@@ -182,7 +181,8 @@ def job_body(name: str, nodes: int, pool: str) -> dict:
 
 class JobsCreator:
     """This script in `--create-jobs` mode: a process that creates the ceiling round's TrainingJobs when told.
-    It is started (imports, client, connections) before the round's clock starts."""
+    It is started (imports, client) before the round's clock starts. `with creator:` tells it to go, and on
+    leaving waits until it says its jobs are created, or kills it if the block raised."""
 
     def __init__(self, namespace: str, prefix: str, jobs: int, nodes: int, pool: str, threads: int) -> None:
         order = {"namespace": namespace, "prefix": prefix, "jobs": jobs, "nodes": nodes, "pool": pool,
@@ -193,18 +193,29 @@ class JobsCreator:
             self.proc.kill()
             raise RuntimeError(f"the TrainingJob creator did not start (exit {self.proc.wait()})")
 
-    def go(self) -> None:
+    def __enter__(self) -> JobsCreator:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+        return self
 
-    def wait(self) -> None:
-        out, _ = self.proc.communicate(timeout=600)
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"the TrainingJob creator failed (exit {self.proc.returncode}): {out}")
+    def __exit__(self, exc_type, exc, tb) -> None:
+        done = (exc_type is None and bool(select.select([self.proc.stdout], [], [], 600)[0])
+                and self.proc.stdout.readline().strip() == "done")  # at once when the jobs were done first
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=60 if done else 0)
+        if self.proc.returncode is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        if exc_type is None and not (done and self.proc.returncode == 0):
+            raise RuntimeError(f"the TrainingJob creator failed or took over 600 s (exit {self.proc.returncode}; "
+                               "see its stderr)")
 
 
 def create_jobs(order: dict) -> int:
-    """`--create-jobs ORDER`: connect, say "ready", wait for "go" on stdin, create the jobs with ORDER's threads."""
+    """`--create-jobs ORDER`: load the client, say "ready", wait for "go" on stdin, create the jobs with ORDER's
+    threads, say "done"."""
     env = load_env(TestbedConfig.from_environ())
     api = config.new_client_from_config(config_file=env.kubeconfig)
     api.configuration.connection_pool_maxsize = order["threads"]
@@ -216,6 +227,7 @@ def create_jobs(order: dict) -> int:
     with concurrent.futures.ThreadPoolExecutor(order["threads"]) as pool_:
         list(pool_.map(lambda b: custom.create_namespaced_custom_object(
             GROUP, VERSION, order["namespace"], PLURAL, b, _preload_content=False), bodies))
+    print("done", flush=True)
     return 0
 
 
