@@ -31,8 +31,12 @@ if (( print_only )); then echo "$version"; exit 0; fi
 (( $# )) || set -- tests/integration/api
 [[ -x "$root/.venv/bin/python" ]] || { echo "compat: no .venv (run scripts/setup.sh)" >&2; exit 2; }
 
+# The scratch clone's own testbed folder (.testbed), never one named by the environment: `up` would reuse the
+# testbed running there, on its own Kubernetes, and the cleanup's `down` would stop it.
+unset KUBETRAIN_TESTBED_DIR
 work=$(mktemp -d /tmp/kubetrain-compat.XXXXXX)
 repo="$work/repo"
+log="$work.build.log"  # beside the scratch folder: it stays when the build fails
 cleanup() {
   if [[ -d "$repo" ]]; then
     (cd "$repo" && PYTHONPATH="$repo/testbed" "$root/.venv/bin/python" -m kubetrain_testbed down >/dev/null 2>&1) || true
@@ -43,9 +47,10 @@ trap cleanup EXIT
 git clone -q "$root" "$repo"
 ln -s "$root/.venv" "$repo/.venv"
 sed -i "s/^K8S_VERSION=.*/K8S_VERSION=$version/" "$repo/testbed/versions.env"
-echo "compat: Kubernetes $version, commit $(git -C "$repo" rev-parse --short HEAD); building (log: $work/build.log)" >&2
-TESTBED_WARM_KUEUE=0 bash "$repo/testbed/build.sh" >"$work/build.log" 2>&1 ||
-  { tail -n 30 "$work/build.log" >&2; exit 1; }
+echo "compat: Kubernetes $version, commit $(git -C "$repo" rev-parse --short HEAD); building (log: $log)" >&2
+TESTBED_WARM_KUEUE=0 bash "$repo/testbed/build.sh" >"$log" 2>&1 ||
+  { tail -n 30 "$log" >&2; echo "compat: the build failed; its log: $log" >&2; exit 1; }
+rm -f "$log"
 cd "$repo"
 export PYTHONPATH="$repo/operator:$repo/trainer_image:$repo/testbed:$repo/tests" OMP_NUM_THREADS=1
 scripts/testbed.sh up >&2
