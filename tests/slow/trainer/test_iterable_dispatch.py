@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
+from kubetrain_recorder import env_with_tests
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import json, sys, torch
-from torch import nn
 from torch.utils.data import IterableDataset
 from kubetrain_trainer import Trainer, TrainingArguments
+from kubetrain_recorder import Recorder
 
 class Stream(IterableDataset):
     def __init__(self):
@@ -28,15 +30,6 @@ class Stream(IterableDataset):
     def __iter__(self):
         self.reads += 1
         return iter([{"x": torch.tensor(float(1000 * self.epoch + i))} for i in range(10)])
-
-class Recorder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w, self.seen = nn.Parameter(torch.zeros(())), []
-
-    def forward(self, x):
-        self.seen += [int(v) for v in x.tolist()]
-        return {"loss": (self.w * x).mean()}
 
 model, stream = Recorder(), Stream()
 args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to="none", disable_tqdm=True, max_steps=5,
@@ -58,7 +51,7 @@ def _free_port() -> str:
 def test_rank_0_reads_the_stream_and_each_rank_trains_its_batches(tmp_path, workers):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port(), "WORLD_SIZE": "2"}
+    env = env_with_tests({**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _free_port(), "WORLD_SIZE": "2"})
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(workers)],
                               stdout=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]

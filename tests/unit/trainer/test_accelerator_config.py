@@ -20,7 +20,7 @@ from kubetrain_trainer import ConfigError, Trainer, TrainingArguments
 from kubetrain_trainer import distributed as dist_util
 from kubetrain_trainer.args_accelerator import AcceleratorConfig
 from kubetrain_trainer.data import DispatchedLoader
-from torch import nn
+from kubetrain_recorder import Recorder, env_with_tests
 from torch.utils.data import IterableDataset
 
 
@@ -33,15 +33,6 @@ class Counted(IterableDataset):
     def __iter__(self):
         self.reads += 1
         return iter([{"x": torch.tensor(float(i))} for i in range(self.n)])
-
-
-class Recorder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x):
-        return {"loss": (self.w * x).mean()}
 
 
 def test_a_dict_a_json_string_a_file_and_hf_s_object_are_taken(tmp_path):
@@ -158,18 +149,9 @@ def test_dispatch_batches_true_for_a_map_style_set_on_several_ranks_is_refused(m
 
 SCRIPT = """
 import json, sys, torch
-from torch import nn
 from torch.utils.data import IterableDataset
 from kubetrain_trainer import Trainer, TrainingArguments
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w, self.seen = nn.Parameter(torch.zeros(())), []
-
-    def forward(self, x):
-        self.seen += [int(v) for v in x.tolist()]
-        return {"loss": (self.w * x).mean()}
+from kubetrain_recorder import Recorder
 
 class Stream(IterableDataset):
     reads = 0
@@ -181,7 +163,7 @@ class Stream(IterableDataset):
 args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to="none", disable_tqdm=True,
                          save_strategy="no", per_device_train_batch_size=2, max_steps=3, ddp_timeout=30,
                          accelerator_config='{"dispatch_batches": false}')
-model = Model()
+model = Recorder()
 trainer = Trainer(model=model, args=args, train_dataset=Stream())
 trainer.train()
 alone = []
@@ -197,7 +179,7 @@ def test_two_ranks_each_read_the_stream_and_rank_0_may_iterate_it_alone(tmp_path
     then iterates the training loader alone and gets its part (with the dealing loader it waited for rank 1)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": "2"}
+    env = env_with_tests({**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "WORLD_SIZE": "2"})
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in (0, 1)]

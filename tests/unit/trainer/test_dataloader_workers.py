@@ -13,6 +13,7 @@ import torch
 
 from kubetrain_trainer import ConfigError, Trainer, TrainingArguments
 from kubetrain_trainer.models import SyntheticRegression, TinyMLP
+from kubetrain_recorder import Recorder
 
 
 def _trainer(make_args, **kw):
@@ -86,21 +87,11 @@ class _EpochStream(torch.utils.data.IterableDataset):
         return iter([{"x": torch.tensor(float(1000 * self.epoch + i))} for i in range(self.n)])
 
 
-class _Recorder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w, self.seen = torch.nn.Parameter(torch.zeros(())), []
-
-    def forward(self, x):
-        self.seen += [int(v) for v in x.tolist()]
-        return {"loss": (self.w * x).mean()}
-
-
 @pytest.mark.parametrize("persistent", [False, True])
 def test_kept_workers_read_each_epoch_of_a_stream_as_it_was_told(make_args, persistent):
     """Before, with dataloader_persistent_workers the workers' copies of a stream were made at the first epoch and
     `set_epoch` reached only the main process's: every epoch replayed the first's order (0..3 three times)."""
-    model = _Recorder()
+    model = Recorder()
     args = make_args(per_device_train_batch_size=2, max_steps=6, save_strategy="no", dataloader_num_workers=1,
                      dataloader_persistent_workers=persistent)
     Trainer(model=model, args=args, train_dataset=_EpochStream(4)).train()

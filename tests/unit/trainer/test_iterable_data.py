@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import IterableDataset
 
 from kubetrain_trainer import Trainer
 from kubetrain_trainer import distributed as dist_util
 from kubetrain_trainer.data import IterableShard
+from kubetrain_recorder import Recorder
 
 
 class Stream(IterableDataset):
@@ -33,20 +33,6 @@ class Stream(IterableDataset):
     def __iter__(self):
         offset = 1000 * self.epochs[-1] if self.epochs else 0
         return iter([{"x": torch.tensor(float(offset + i))} for i in range(self.n)])
-
-
-class Recorder(nn.Module):
-    """Records the `x` of every training row it sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(()))
-        self.seen = []
-
-    def forward(self, x):
-        if self.training:
-            self.seen += [int(v) for v in x.tolist()]
-        return {"loss": (self.w * x).mean()}
 
 
 def _rank_rows(trainer, monkeypatch, world):
